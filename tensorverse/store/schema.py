@@ -1,0 +1,100 @@
+"""The store's layout: named databases, key encodings, the format version and its migrations.
+
+Everything that knows how bytes are arranged in LMDB lives here, so a format change is one
+edit plus one migration. Keys are built so LMDB's byte order is the order readers want:
+big-endian integers, ids separated by a NUL that no id contains.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import Callable
+
+import lmdb
+
+FORMAT_VERSION = 1
+
+# Record databases (values: orjson metadata, or codec blobs for rows).
+BACKENDS = b"backends"  # name -> backend info
+SESSIONS = b"sessions"  # session id -> session
+TURNS = b"turns"  # turn id -> turn
+RUNS = b"runs"  # run id (= capture id) -> run (one per turn x backend x mode)
+ROWS = b"rows"  # run id NUL position(u32) -> logits row blob
+COMPARISONS = b"comparisons"  # run id NUL reference run id -> metrics summary
+META = b"meta"  # format_version, migration history
+# Indexes, written in the same transaction as the record they point to.
+SESSIONS_BY_TIME = b"idx_sessions_by_time"  # created_ns(u64) session id -> b""
+TURNS_BY_SESSION = b"idx_turns_by_session"  # session id NUL index(u32) -> turn id
+RUNS_BY_TURN = b"idx_runs_by_turn"  # turn id NUL run id -> b""
+
+ALL_DBS = (
+    BACKENDS,
+    SESSIONS,
+    TURNS,
+    RUNS,
+    ROWS,
+    COMPARISONS,
+    META,
+    SESSIONS_BY_TIME,
+    TURNS_BY_SESSION,
+    RUNS_BY_TURN,
+)
+
+SEP = b"\x00"
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+
+def new_id() -> str:
+    """A time-ordered unique id (16 hex digits of ns time + 8 random hex digits)."""
+    return f"{time.time_ns():016x}{os.urandom(4).hex()}"
+
+
+def check_id(value: str, what: str) -> bytes:
+    """Encode an id, refusing those that would break key ordering or be ambiguous."""
+    if not isinstance(value, str) or not value or "\x00" in value or len(value) > 256:
+        raise ValueError(f"invalid {what} id: {value!r}")
+    return value.encode()
+
+
+def row_key(run_id: str, position: int) -> bytes:
+    return check_id(run_id, "run") + SEP + _U32.pack(position)
+
+
+def row_prefix(run_id: str) -> bytes:
+    return check_id(run_id, "run") + SEP
+
+
+def row_position(key: bytes) -> int:
+    return _U32.unpack(key[-4:])[0]
+
+
+def session_time_key(created_ns: int, session_id: str) -> bytes:
+    return _U64.pack(created_ns) + check_id(session_id, "session")
+
+
+def session_time_bound(ns: int) -> bytes:
+    return _U64.pack(max(0, ns))
+
+
+def split_session_time_key(key: bytes) -> tuple[int, str]:
+    return _U64.unpack(key[:8])[0], key[8:].decode()
+
+
+def turn_index_key(session_id: str, index: int) -> bytes:
+    return check_id(session_id, "session") + SEP + _U32.pack(index)
+
+
+def child_prefix(parent_id: str, what: str) -> bytes:
+    return check_id(parent_id, what) + SEP
+
+
+def comparison_key(run_id: str, ref_run_id: str) -> bytes:
+    return check_id(run_id, "run") + SEP + check_id(ref_run_id, "run")
+
+
+# A migration takes the store from version N to N+1 inside one write transaction.
+Migration = Callable[[lmdb.Transaction, dict[bytes, "lmdb._Database"]], None]
+MIGRATIONS: dict[int, Migration] = {}

@@ -1,0 +1,424 @@
+"""The capture store: one LMDB environment, one writer thread, many lock-free readers.
+
+Records (backends, sessions, turns, runs, logits rows, comparisons) are JSON-like dicts stored
+with orjson, except rows, which are codec blobs. Every `put_*`/`write_rows` returns a
+`concurrent.futures.Future` that resolves once the record is committed; each call is one
+atomic record (with its index entries), so a crash never exposes half of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import lmdb
+import orjson
+
+from tensorverse.store import schema as S
+from tensorverse.store.writer import ResizeLock, StoreFullError, Writer
+
+log = logging.getLogger("tensorverse.store")
+
+DEFAULT_MAP_SIZE = 64 << 20
+_PAGE = 256  # keys read per read transaction while iterating, so resizes are never starved
+
+
+class StoreVersionError(RuntimeError):
+    """The store was written by a newer Tensorverse, or a migration is missing."""
+
+
+class RecordNotFound(KeyError):
+    """No record with that id."""
+
+
+def _dumps(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class Store:
+    """See the module docstring. Open with `Store.open(path)`; close with `close()`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_size: int | None = None,
+        readonly: bool = False,
+        durable: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.max_size = max_size
+        if max_size is not None:
+            map_size = min(map_size, max_size)
+        if not readonly:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not (self.path / "data.mdb").exists():
+            raise FileNotFoundError(f"no Tensorverse store at {self.path}")
+        self._env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=len(S.ALL_DBS) + 2,
+            readonly=readonly,
+            mode=0o600,
+            sync=durable,
+            metasync=durable,
+            lock=True,
+        )
+        if not readonly:
+            # The map may have been grown by an earlier run: never shrink below the file.
+            used = (self.path / "data.mdb").stat().st_size
+            if used > self._env.info()["map_size"]:
+                self._env.set_mapsize(used)
+        self._dbs = {name: self._env.open_db(name, create=not readonly) for name in self._named()}
+        self._resize_lock = ResizeLock()
+        self._writer: Writer | None = None
+        if not readonly:
+            self._migrate()
+            self._writer = Writer(self._env, self._resize_lock, max_size=max_size)
+        else:
+            self._check_version()
+
+    def _named(self) -> Sequence[bytes]:
+        if not self.readonly:
+            return S.ALL_DBS
+        with self._env.begin() as txn:
+            present = {k for k, _ in txn.cursor()}
+        return [name for name in S.ALL_DBS if name in present]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, **kwargs: Any) -> "Store":
+        return cls(path, **kwargs)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._env.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- format version and migrations --------------------------------------------------
+
+    def _version(self, txn: lmdb.Transaction) -> int | None:
+        raw = txn.get(b"format_version", db=self._dbs[S.META])
+        return None if raw is None else int(raw)
+
+    def _migrate(self) -> None:
+        with self._env.begin(write=True) as txn:
+            version = self._version(txn)
+            if version is None:
+                txn.put(b"format_version", str(S.FORMAT_VERSION).encode(), db=self._dbs[S.META])
+                return
+        if version > S.FORMAT_VERSION:
+            raise StoreVersionError(
+                f"store {self.path} has format {version}, newer than this Tensorverse "
+                f"({S.FORMAT_VERSION}); upgrade Tensorverse to read it"
+            )
+        while version < S.FORMAT_VERSION:
+            step = S.MIGRATIONS.get(version)
+            if step is None:
+                raise StoreVersionError(f"no migration from store format {version}")
+            with self._env.begin(write=True) as txn:  # one migration, one transaction
+                step(txn, self._dbs)
+                version += 1
+                txn.put(b"format_version", str(version).encode(), db=self._dbs[S.META])
+                txn.put(
+                    f"migrated:{version}".encode(),
+                    _dumps({"at_ns": time.time_ns()}),
+                    db=self._dbs[S.META],
+                )
+            log.info("tensorverse store %s migrated to format %d", self.path, version)
+
+    def _check_version(self) -> None:
+        with self._read() as txn:
+            version = self._version(txn) if S.META in self._dbs else None
+        if version != S.FORMAT_VERSION:
+            raise StoreVersionError(
+                f"store {self.path} has format {version}; this Tensorverse reads "
+                f"{S.FORMAT_VERSION} (open it writable once to migrate)"
+            )
+
+    @property
+    def format_version(self) -> int | None:
+        with self._read() as txn:
+            return self._version(txn)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def submit(self, op: S.Migration | Any) -> Future:
+        """Run `op(txn)` on the writer thread; low level, prefer the `put_*` methods."""
+        if self._writer is None:
+            raise PermissionError(f"store {self.path} is open read-only")
+        return self._writer.submit(op)
+
+    def _put_json(self, db: bytes, key: bytes, value: dict, *extra: tuple[bytes, bytes, bytes]) -> Future:
+        blob = _dumps(value)  # serialise on the caller's thread, not the writer's
+
+        def op(txn: lmdb.Transaction) -> None:
+            txn.put(key, blob, db=self._dbs[db])
+            for xdb, xkey, xval in extra:
+                txn.put(xkey, xval, db=self._dbs[xdb])
+
+        return self.submit(op)
+
+    def put_backend(self, name: str, info: dict) -> Future:
+        return self._put_json(S.BACKENDS, S.check_id(name, "backend"), {**info, "name": name})
+
+    def put_session(self, session: dict) -> Future:
+        """Create or replace a session; `id` and `created_ns` are filled in if missing."""
+        session = {"created_ns": time.time_ns(), "tags": {}, **session}
+        session.setdefault("id", S.new_id())
+        sid = session["id"]
+        return self._put_json(
+            S.SESSIONS,
+            S.check_id(sid, "session"),
+            session,
+            (S.SESSIONS_BY_TIME, S.session_time_key(session["created_ns"], sid), b""),
+        )
+
+    def put_turn(self, turn: dict) -> Future:
+        """Store a turn of a session (`session_id`, `index`) and bump the session's counters.
+
+        The session must exist (created by `put_session`) — checked in the same transaction.
+        """
+        turn = {"created_ns": time.time_ns(), **turn}
+        turn.setdefault("id", S.new_id())
+        tid, sid, index = turn["id"], turn["session_id"], int(turn["index"])
+        tkey = S.check_id(tid, "turn")
+        skey = S.check_id(sid, "session")
+        blob = _dumps(turn)
+
+        def op(txn: lmdb.Transaction) -> str:
+            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            if raw is None:
+                raise RecordNotFound(f"turn {tid}: session {sid} does not exist")
+            session = orjson.loads(raw)
+            session["turns"] = max(int(session.get("turns", 0)), index + 1)
+            session["updated_ns"] = turn["created_ns"]
+            txn.put(skey, _dumps(session), db=self._dbs[S.SESSIONS])
+            txn.put(tkey, blob, db=self._dbs[S.TURNS])
+            txn.put(S.turn_index_key(sid, index), tkey, db=self._dbs[S.TURNS_BY_SESSION])
+            return tid
+
+        return self.submit(op)
+
+    def put_run(self, run: dict) -> Future:
+        """Store or update a run (turn x backend x mode). Its id is the capture id."""
+        run = {"created_ns": time.time_ns(), **run}
+        run.setdefault("id", S.new_id())
+        return self._put_json(
+            S.RUNS,
+            S.check_id(run["id"], "run"),
+            run,
+            (S.RUNS_BY_TURN, S.child_prefix(run["turn_id"], "turn") + S.check_id(run["id"], "run"), b""),
+        )
+
+    def write_rows(self, run_id: str, rows: Sequence[tuple[int, bytes]]) -> Future:
+        """Store encoded logits rows `(position, blob)` of a run, all in one transaction."""
+        keyed = [(S.row_key(run_id, int(pos)), bytes(blob)) for pos, blob in rows]
+
+        def op(txn: lmdb.Transaction) -> int:
+            db = self._dbs[S.ROWS]
+            for key, blob in keyed:
+                txn.put(key, blob, db=db)
+            return len(keyed)
+
+        return self.submit(op)
+
+    def put_comparison(self, run_id: str, ref_run_id: str, result: dict) -> Future:
+        return self._put_json(
+            S.COMPARISONS,
+            S.comparison_key(run_id, ref_run_id),
+            {**result, "run_id": run_id, "ref_run_id": ref_run_id},
+        )
+
+    # -- retention -----------------------------------------------------------------------
+
+    def delete_session(self, session_id: str) -> Future:
+        """Delete a session with its turns, runs, rows and comparisons, atomically."""
+        skey = S.check_id(session_id, "session")
+
+        def op(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            if raw is None:
+                return False
+            session = orjson.loads(raw)
+            for _, tkey in list(self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(session_id, "session"))):
+                tid = tkey.decode()
+                for rkey, _ in list(self._scan(txn, S.RUNS_BY_TURN, S.child_prefix(tid, "turn"))):
+                    rid = rkey[len(tkey) + 1 :]
+                    self._delete_prefix(txn, S.ROWS, rid + S.SEP)
+                    self._delete_prefix(txn, S.COMPARISONS, rid + S.SEP)
+                    txn.delete(rid, db=self._dbs[S.RUNS])
+                self._delete_prefix(txn, S.RUNS_BY_TURN, tkey + S.SEP)
+                txn.delete(tkey, db=self._dbs[S.TURNS])
+            self._delete_prefix(txn, S.TURNS_BY_SESSION, skey + S.SEP)
+            txn.delete(S.session_time_key(session["created_ns"], session_id), db=self._dbs[S.SESSIONS_BY_TIME])
+            txn.delete(skey, db=self._dbs[S.SESSIONS])
+            return True
+
+        return self.submit(op)
+
+    def delete_older_than(self, cutoff_ns: int) -> int:
+        """Retention: delete every session created before `cutoff_ns`. Returns how many.
+
+        One transaction per session, so a long purge never holds the writer for long.
+        """
+        old = [s["id"] for s in self.iter_sessions(until_ns=cutoff_ns)]
+        deleted = sum(bool(self.delete_session(sid).result()) for sid in old)
+        if deleted and self._writer is not None:
+            self._writer.note_space_freed()
+        return deleted
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        self._resize_lock.acquire_read()
+        try:
+            with self._env.begin(buffers=False) as txn:
+                yield txn
+        finally:
+            self._resize_lock.release_read()
+
+    def _scan(self, txn: lmdb.Transaction, db: bytes, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        cur = txn.cursor(db=self._dbs[db])
+        if not cur.set_range(start or prefix):
+            return
+        for key, value in cur:
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+    def _delete_prefix(self, txn: lmdb.Transaction, db: bytes, prefix: bytes) -> None:
+        for key in [k for k, _ in self._scan(txn, db, prefix)]:
+            txn.delete(key, db=self._dbs[db])
+
+    def _paged(self, db: bytes, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """Scan a prefix in short read transactions, so no reader outlives a page."""
+        start: bytes | None = None
+        while True:
+            with self._read() as txn:
+                page = []
+                for key, value in self._scan(txn, db, prefix, start):
+                    if start is not None and key == start:
+                        continue
+                    page.append((key, value))
+                    if len(page) >= _PAGE:
+                        break
+            yield from page
+            if len(page) < _PAGE:
+                return
+            start = page[-1][0]
+
+    def _get_json(self, db: bytes, key: bytes, what: str) -> dict:
+        with self._read() as txn:
+            raw = txn.get(key, db=self._dbs[db])
+        if raw is None:
+            raise RecordNotFound(f"no {what} {key.decode(errors='replace')!r} in {self.path}")
+        return orjson.loads(raw)
+
+    def get_backend(self, name: str) -> dict:
+        return self._get_json(S.BACKENDS, S.check_id(name, "backend"), "backend")
+
+    def get_session(self, session_id: str) -> dict:
+        return self._get_json(S.SESSIONS, S.check_id(session_id, "session"), "session")
+
+    def get_turn(self, turn_id: str) -> dict:
+        return self._get_json(S.TURNS, S.check_id(turn_id, "turn"), "turn")
+
+    def get_run(self, run_id: str) -> dict:
+        return self._get_json(S.RUNS, S.check_id(run_id, "run"), "run")
+
+    def get_comparison(self, run_id: str, ref_run_id: str) -> dict:
+        return self._get_json(S.COMPARISONS, S.comparison_key(run_id, ref_run_id), "comparison")
+
+    def iter_backends(self) -> Iterator[dict]:
+        for _, value in self._paged(S.BACKENDS, b""):
+            yield orjson.loads(value)
+
+    def iter_sessions(self, *, since_ns: int = 0, until_ns: int | None = None) -> Iterator[dict]:
+        """Sessions in creation order, created in [since_ns, until_ns)."""
+        start = S.session_time_bound(since_ns)
+        stop = None if until_ns is None else S.session_time_bound(until_ns)
+        last: bytes | None = None
+        while True:
+            with self._read() as txn:
+                cur = txn.cursor(db=self._dbs[S.SESSIONS_BY_TIME])
+                page: list[dict] = []
+                if cur.set_range(last or start):
+                    for key, _ in cur:
+                        if key == last:
+                            continue
+                        if stop is not None and key >= stop:
+                            break
+                        raw = txn.get(key[8:], db=self._dbs[S.SESSIONS])
+                        last = key
+                        if raw is not None:
+                            page.append(orjson.loads(raw))
+                        if len(page) >= _PAGE:
+                            break
+            yield from page
+            if len(page) < _PAGE:
+                return
+
+    def iter_turns(self, session_id: str) -> Iterator[dict]:
+        """The turns of a session in index order."""
+        for _, tkey in self._paged(S.TURNS_BY_SESSION, S.child_prefix(session_id, "session")):
+            yield self._get_json(S.TURNS, tkey, "turn")
+
+    def iter_runs(self, turn_id: str) -> Iterator[dict]:
+        prefix = S.child_prefix(turn_id, "turn")
+        for key, _ in self._paged(S.RUNS_BY_TURN, prefix):
+            yield self._get_json(S.RUNS, key[len(prefix) :], "run")
+
+    def iter_comparisons(self, run_id: str) -> Iterator[dict]:
+        for _, value in self._paged(S.COMPARISONS, S.child_prefix(run_id, "run")):
+            yield orjson.loads(value)
+
+    def read_rows(self, run_id: str) -> list[tuple[int, bytes]]:
+        """All stored rows of a run as `(position, blob)`, in position order."""
+        return [(S.row_position(k), v) for k, v in self._paged(S.ROWS, S.row_prefix(run_id))]
+
+    def read_row(self, run_id: str, position: int) -> bytes:
+        with self._read() as txn:
+            raw = txn.get(S.row_key(run_id, position), db=self._dbs[S.ROWS])
+        if raw is None:
+            raise RecordNotFound(f"no row {position} of run {run_id!r} in {self.path}")
+        return raw
+
+    # -- health ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Size, cap, and counts: for metrics and `doctor`."""
+        info = self._env.info()
+        stat = self._env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        with self._read() as txn:
+            entries = {name.decode(): txn.stat(self._dbs[name])["entries"] for name in self._dbs}
+        w = self._writer
+        return {
+            "path": str(self.path),
+            "format_version": self.format_version,
+            "used_bytes": used,
+            "map_size": info["map_size"],
+            "max_size": self.max_size,
+            "full": bool(w and w.full),
+            "writes_refused": w.refused if w else 0,
+            "map_grows": w.grows if w else 0,
+            "entries": entries,
+        }
+
+
+__all__ = ["Store", "StoreFullError", "StoreVersionError", "RecordNotFound"]

@@ -1,0 +1,285 @@
+"""The LMDB store: records, indexes, retention, map growth, size cap, migrations, crash safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreVersionError
+from tensorverse.store import schema as S
+
+
+def _session_with_turn(store: Store, sid: str, created_ns: int, turns: int = 1) -> list[str]:
+    store.put_session({"id": sid, "created_ns": created_ns, "tags": {"agent": "turnstone"}}).result()
+    tids = []
+    for i in range(turns):
+        tid = f"{sid}-t{i}"
+        store.put_turn({"id": tid, "session_id": sid, "index": i, "prompt_token_ids": [1, 2, 3]}).result()
+        for backend in ("primary", "fp32"):
+            rid = f"{tid}-{backend}"
+            store.put_run({"id": rid, "turn_id": tid, "backend": backend, "mode": "forced"}).result()
+            store.write_rows(rid, [(p, os.urandom(64)) for p in range(3)]).result()
+        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"kl_mean": 0.1}).result()
+        tids.append(tid)
+    return tids
+
+
+def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        store.put_backend("fp32", {"url": "http://127.0.0.1:1/v1", "role": "shadow"}).result()
+        tids = _session_with_turn(store, "sess-a", 2_000, turns=3)
+        _session_with_turn(store, "sess-b", 1_000)
+
+        assert store.get_backend("fp32")["role"] == "shadow"
+        assert [b["name"] for b in store.iter_backends()] == ["fp32"]
+        assert [s["id"] for s in store.iter_sessions()] == ["sess-b", "sess-a"]  # time order
+        assert [s["id"] for s in store.iter_sessions(since_ns=1_500)] == ["sess-a"]
+        assert [s["id"] for s in store.iter_sessions(until_ns=1_500)] == ["sess-b"]
+        assert store.get_session("sess-a")["turns"] == 3
+        assert [t["id"] for t in store.iter_turns("sess-a")] == tids
+        assert sorted(r["backend"] for r in store.iter_runs(tids[0])) == ["fp32", "primary"]
+        rows = store.read_rows(f"{tids[0]}-fp32")
+        assert [p for p, _ in rows] == [0, 1, 2] and all(len(b) == 64 for _, b in rows)
+        assert store.read_row(f"{tids[0]}-fp32", 1) == rows[1][1]
+        assert store.get_comparison(f"{tids[0]}-fp32", f"{tids[0]}-primary")["kl_mean"] == 0.1
+        with pytest.raises(RecordNotFound):
+            store.get_turn("nope")
+        with pytest.raises(RecordNotFound):
+            store.read_row("nope", 0)
+
+
+def test_turn_needs_its_session(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        with pytest.raises(RecordNotFound, match="session missing does not exist"):
+            store.put_turn({"session_id": "missing", "index": 0}).result()
+        with pytest.raises(ValueError, match="invalid run id"):
+            store.write_rows("bad\x00id", [(0, b"x")])
+
+
+def test_bad_operation_does_not_sink_its_batch(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "ok", "created_ns": 1}).result()
+        # Submitted back to back, these are committed as one group; the bad one must not
+        # take the good ones down with it.
+        futs = [store.put_turn({"id": f"t{i}", "session_id": "ok", "index": i}) for i in range(20)]
+        bad = store.put_turn({"session_id": "missing", "index": 0})
+        futs += [store.put_turn({"id": f"u{i}", "session_id": "ok", "index": 20 + i}) for i in range(20)]
+        assert all(f.result() for f in futs)
+        with pytest.raises(RecordNotFound):
+            bad.result()
+        assert len(list(store.iter_turns("ok"))) == 40
+
+
+def test_asyncio_callers_await_commits(tmp_path: Path) -> None:
+    async def main(store: Store) -> list[str]:
+        await asyncio.wrap_future(store.put_session({"id": "s", "created_ns": 5}))
+        futs = [asyncio.wrap_future(store.put_turn({"id": f"t{i}", "session_id": "s", "index": i})) for i in range(50)]
+        return await asyncio.gather(*futs)
+
+    with Store.open(tmp_path / "s") as store:
+        assert asyncio.run(main(store)) == [f"t{i}" for i in range(50)]
+        assert store.get_session("s")["turns"] == 50
+
+
+def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        for i in range(700):
+            store.put_session({"id": f"s{i:04d}", "created_ns": 10 + i})
+        store.write_rows("r", [(p, b"%d" % p) for p in range(600)]).result()
+        assert [s["id"] for s in store.iter_sessions()] == [f"s{i:04d}" for i in range(700)]
+        assert [p for p, _ in store.read_rows("r")] == list(range(600))
+
+
+def test_retention_deletes_old_sessions_with_everything_below(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        old = _session_with_turn(store, "old", 1_000, turns=2)
+        new = _session_with_turn(store, "new", 5_000)
+        assert store.delete_older_than(2_000) == 1
+        assert [s["id"] for s in store.iter_sessions()] == ["new"]
+        with pytest.raises(RecordNotFound):
+            store.get_turn(old[0])
+        with pytest.raises(RecordNotFound):
+            store.get_run(f"{old[0]}-fp32")
+        assert store.read_rows(f"{old[1]}-primary") == []
+        assert list(store.iter_comparisons(f"{old[0]}-fp32")) == []
+        assert len(store.read_rows(f"{new[0]}-primary")) == 3
+        entries = store.stats()["entries"]
+        assert entries["turns"] == 1 and entries["runs"] == 2 and entries["rows"] == 6
+
+
+def test_map_grows_without_losing_writes_under_concurrent_readers(tmp_path: Path) -> None:
+    blob = os.urandom(200_000)  # about one encoded 151,936-wide row
+    with Store.open(tmp_path / "s", map_size=1 << 20) as store:
+        store.write_rows("seed", [(0, blob)]).result()
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    assert store.read_rows("seed")[0][1] == blob
+                    list(store.read_rows("grow"))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        futs = [store.write_rows("grow", [(i, blob)]) for i in range(60)]
+        assert all(f.result(timeout=60) == 1 for f in futs)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        st = store.stats()
+        assert st["map_grows"] >= 3 and st["map_size"] > 12 << 20
+        assert [p for p, _ in store.read_rows("grow")] == list(range(60))
+        assert all(b == blob for _, b in store.read_rows("grow"))
+    with Store.open(tmp_path / "s", map_size=1 << 20) as again:  # reopen after growth
+        assert len(again.read_rows("grow")) == 60
+
+
+def test_size_cap_stops_writes_and_keeps_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blob = os.urandom(100_000)
+    cap = 2 << 20
+    with Store.open(tmp_path / "s", map_size=1 << 20, max_size=cap) as store:
+        store.put_session({"id": "s", "created_ns": 1}).result()
+        written = 0
+        with caplog.at_level("ERROR", logger="tensorverse.store"):
+            for i in range(100):
+                try:
+                    store.write_rows("r", [(i, blob)]).result()
+                    written += 1
+                except StoreFullError:
+                    break
+        assert 5 <= written < 30
+        st = store.stats()
+        assert st["full"] and st["writes_refused"] == 1 and st["map_size"] <= cap
+        assert "size cap" in caplog.text
+        with pytest.raises(StoreFullError):
+            store.write_rows("r", [(999, blob)]).result()
+        assert store.stats()["writes_refused"] == 2
+        # Reads keep working and nothing committed was lost.
+        assert len(store.read_rows("r")) == written
+        assert store.get_session("s")["id"] == "s"
+
+
+def test_file_modes_are_private(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s"}).result()
+    assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o700
+    for name in ("data.mdb", "lock.mdb"):
+        assert stat.S_IMODE((tmp_path / "s" / name).stat().st_mode) == 0o600
+
+
+def test_readonly_open_and_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FileNotFoundError):
+        Store.open(tmp_path / "none", readonly=True)
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 3}).result()
+        assert store.format_version == S.FORMAT_VERSION
+    with Store.open(tmp_path / "s", readonly=True) as ro:
+        assert ro.get_session("s")["id"] == "s"
+        with pytest.raises(PermissionError):
+            ro.put_session({"id": "x"})
+
+    # A store written by a newer Tensorverse is refused with a clear message.
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"99", db=env.open_db(S.META, txn=txn))
+    env.close()
+    with pytest.raises(StoreVersionError, match="newer than this Tensorverse"):
+        Store.open(tmp_path / "s")
+
+
+def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 3, "tags": {"env": "prod"}}).result()
+
+    calls: list[int] = []
+
+    def to_v2(txn: lmdb.Transaction, dbs: dict) -> None:  # e.g. a renamed tag
+        import orjson
+
+        calls.append(2)
+        raw = orjson.loads(txn.get(b"s", db=dbs[S.SESSIONS]))
+        raw["tags"]["environment"] = raw["tags"].pop("env")
+        txn.put(b"s", orjson.dumps(raw), db=dbs[S.SESSIONS])
+
+    monkeypatch.setattr(S, "FORMAT_VERSION", 2)
+    monkeypatch.setitem(S.MIGRATIONS, 1, to_v2)
+    with Store.open(tmp_path / "s") as store:
+        assert store.format_version == 2
+        assert store.get_session("s")["tags"] == {"environment": "prod"}
+    with Store.open(tmp_path / "s") as store:  # already migrated: not run again
+        assert store.format_version == 2
+    assert calls == [2]
+
+    monkeypatch.setattr(S, "FORMAT_VERSION", 3)
+    with pytest.raises(StoreVersionError, match="no migration from store format 2"):
+        Store.open(tmp_path / "s")
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from tensorverse.store import Store
+    store = Store.open(sys.argv[1], map_size=1 << 20)
+    store.put_session({"id": "s", "created_ns": 1}).result()
+    i = 0
+    while True:
+        # a record = a turn with its rows, each row carrying its record number
+        rid = "run-%06d" % i
+        store.write_rows(rid, [(p, (b"%06d:" % i) * 5000) for p in range(4)]).result()
+        store.put_run({"id": rid, "turn_id": "t", "n_rows": 4}).result()
+        print(i, flush=True)
+        i += 1
+    """
+)
+
+
+def test_sigkill_mid_stream_leaves_only_whole_records(tmp_path: Path) -> None:
+    path = tmp_path / "crash"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    acked = -1
+    deadline = time.monotonic() + 60
+    while acked < 40 and time.monotonic() < deadline:  # let it commit, then kill mid-write
+        acked = int(child.stdout.readline())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert acked >= 40
+
+    with Store.open(path) as store:
+        runs = {r["id"]: r for r in store.iter_runs("t")}
+        # Every acknowledged record is intact...
+        for i in range(acked + 1):
+            rid = "run-%06d" % i
+            assert runs[rid]["n_rows"] == 4
+        # ...and no partial one is visible: each row set is complete and self-consistent.
+        for rid in runs:
+            rows = store.read_rows(rid)
+            assert [p for p, _ in rows] == [0, 1, 2, 3]
+            i = int(rid.split("-")[1])
+            assert all(b == (b"%06d:" % i) * 5000 for _, b in rows)
+        rows_only = {k.split(b"\x00")[0] for k in _row_keys(store)}
+        for rid in rows_only:  # rows written, run record not yet: still 4 whole rows
+            assert len(store.read_rows(rid.decode())) == 4
+        store.put_session({"id": "after", "created_ns": 2}).result()  # writable again
+
+
+def _row_keys(store: Store) -> list[bytes]:
+    return [k for k, _ in store._paged(S.ROWS, b"")]
