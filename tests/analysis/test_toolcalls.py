@@ -1,0 +1,364 @@
+"""Tool-call extraction and the BFCL-style verdict, on network-automation calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorverse.analysis.toolcalls import (
+    SEVERITY,
+    Extraction,
+    ToolCall,
+    compare_tool_calls,
+    extract_tool_calls,
+)
+
+
+def qwen3(name: str, arguments: dict, *, args_as_string: bool = False) -> str:
+    args = json.dumps(json.dumps(arguments)) if args_as_string else json.dumps(arguments)
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def xml(name: str, arguments: dict) -> str:
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in arguments.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+REF_ARGS = {"interface": "GigabitEthernet0/0/1.201", "description": "uplink to core"}
+REF = qwen3("configure_interface_description", REF_ARGS)
+
+
+# ------------------------------------------------------------------------------ extraction
+
+
+def test_extract_qwen3_json_after_thinking():
+    text = (
+        "<think>\nThe user wants the subinterface description. I could call "
+        '<tool_call>{"name": "not_a_call"}</tool_call> but no.\n</think>\n\n' + REF
+    )
+    ex = extract_tool_calls(text)
+    assert ex.format == "qwen3_json"
+    assert ex.malformed == []
+    assert [c.name for c in ex.calls] == ["configure_interface_description"]
+    assert ex.calls[0].arguments == REF_ARGS
+    assert ex.calls[0].raw.startswith("<tool_call>") and ex.calls[0].raw.endswith("</tool_call>")
+    assert "not_a_call" in ex.reasoning
+    assert ex.content == ""
+
+
+def test_extract_prefilled_think_only_close_tag():
+    ex = extract_tool_calls("checking vlans first\n</think>\n\n" + qwen3("show_vlan", {"vlan_id": 201}))
+    assert [c.name for c in ex.calls] == ["show_vlan"]
+    assert ex.reasoning.strip() == "checking vlans first"
+
+
+def test_extract_several_calls_and_content():
+    text = "I'll look at both.\n" + qwen3("show_vlan", {"vlan_id": 201}) + "\n" + qwen3("show_mac_address_table", {})
+    ex = extract_tool_calls(text)
+    assert [c.name for c in ex.calls] == ["show_vlan", "show_mac_address_table"]
+    assert ex.content == "I'll look at both."
+
+
+def test_extract_arguments_as_json_string():
+    ex = extract_tool_calls(qwen3("show_vlan", {"vlan_id": 201}, args_as_string=True))
+    assert ex.calls[0].arguments == {"vlan_id": 201}
+    assert ex.malformed == []
+
+
+def test_extract_truncated_is_malformed():
+    ex = extract_tool_calls('<tool_call>{"name": "show_vlan", "argu')
+    assert ex.calls == []
+    assert len(ex.malformed) == 1
+    assert ex.malformed[0].reason == "unclosed_tag"
+    assert ex.malformed[0].raw == '<tool_call>{"name": "show_vlan", "argu'
+
+
+def test_extract_complete_call_missing_close_tag_is_accepted():
+    # the model stopped right before </tool_call>: vLLM's hermes parser accepts it, so do we
+    ex = extract_tool_calls('<tool_call>\n{"name": "show_vlan", "arguments": {"vlan_id": 201}}\n')
+    assert ex.malformed == [] and ex.calls[0].arguments == {"vlan_id": 201}
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ('<tool_call>{"name": "show_vlan", "arguments": {"vlan_id": 20,}}</tool_call>', "invalid_json"),
+        ('<tool_call>{"arguments": {"vlan_id": 201}}</tool_call>', "missing_name"),
+        ('<tool_call>{"name": "show_vlan", "arguments": [201]}</tool_call>', "invalid_arguments"),
+        ('<tool_call>{"name": "show_vlan", "arguments": "{vlan 201"}</tool_call>', "invalid_arguments"),
+        ('<tool_call>{"name": "show_vlan", "arguments": {}}}</tool_call>', "trailing_data"),
+        ("<tool_call>[1, 2]</tool_call>", "not_an_object"),
+        ("<tool_call>{\"name\": \"a\"}\n<tool_call>{\"name\": \"b\"}</tool_call>", "unclosed_tag"),
+        ("done.</tool_call>", "stray_close_tag"),
+    ],
+)
+def test_extract_malformed_reasons(text, reason):
+    ex = extract_tool_calls(text)
+    assert reason in [m.reason for m in ex.malformed]
+
+
+def test_extract_unclosed_then_valid_keeps_the_valid_one():
+    ex = extract_tool_calls('<tool_call>{"name": "a"}\n<tool_call>{"name": "b"}</tool_call>')
+    assert [c.name for c in ex.calls] == ["b"]
+    assert [m.reason for m in ex.malformed] == ["unclosed_tag"]
+
+
+def test_extract_qwen3_coder_xml():
+    text = (
+        "<tool_call>\n<function=configure_vlan>\n"
+        "<parameter=vlan_id>\n201\n</parameter>\n"
+        "<parameter=name>\nusers-floor2\n</parameter>\n"
+        "<parameter=ports>\n[\"Gi0/0/1\", \"Gi0/0/2\"]\n</parameter>\n"
+        "<parameter=shutdown>\nfalse\n</parameter>\n"
+        "<parameter=note>\nline one\nline two\n\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    ex = extract_tool_calls(text)
+    assert ex.format == "qwen3_coder_xml"
+    assert ex.malformed == []
+    (call,) = ex.calls
+    assert call.name == "configure_vlan"
+    assert call.arguments == {
+        "vlan_id": 201,
+        "name": "users-floor2",
+        "ports": ["Gi0/0/1", "Gi0/0/2"],
+        "shutdown": False,
+        "note": "line one\nline two\n",  # only one trailing newline stripped
+    }
+
+
+def test_extract_xml_two_functions_and_bare_function():
+    ex = extract_tool_calls(xml("show_vlan", {"vlan_id": 201}) + "\n" + xml("show_interfaces", {"name": "Gi0/0/1"}))
+    assert [c.name for c in ex.calls] == ["show_vlan", "show_interfaces"]
+    bare = extract_tool_calls("<function=show_version>\n</function>")
+    assert [c.name for c in bare.calls] == ["show_version"] and bare.calls[0].arguments == {}
+
+
+def test_extract_xml_truncated_is_malformed():
+    ex = extract_tool_calls("<tool_call>\n<function=configure_vlan>\n<parameter=vlan_id>\n20")
+    assert ex.calls == [] and ex.malformed[0].reason == "unclosed_tag"
+    assert ex.format == "qwen3_coder_xml"
+
+
+def test_extract_xml_unclosed_parameter_accepted_like_vllm():
+    ex = extract_tool_calls("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx\n</function>\n</tool_call>")
+    assert ex.calls[0].arguments == {"a": 1, "b": "x"}
+
+
+def test_extract_openai_tool_calls_string_and_dict_arguments():
+    tcs = [
+        {
+            "id": "chatcmpl-tool-1",
+            "type": "function",
+            "function": {"name": "configure_interface_description", "arguments": json.dumps(REF_ARGS)},
+        },
+        {"id": "chatcmpl-tool-2", "type": "function", "function": {"name": "show_vlan", "arguments": {"vlan_id": 201}}},
+        {"id": "chatcmpl-tool-3", "type": "function", "function": {"name": "bad", "arguments": "{\"vlan"}},
+        {"id": "chatcmpl-tool-4", "type": "function", "function": {"arguments": "{}"}},
+        "not a dict",
+    ]
+    ex = extract_tool_calls(openai_tool_calls=tcs)
+    assert ex.format == "openai"
+    assert [c.name for c in ex.calls] == ["configure_interface_description", "show_vlan"]
+    assert ex.calls[0].arguments == REF_ARGS
+    assert [m.reason for m in ex.malformed] == ["invalid_arguments", "missing_name", "invalid_entry"]
+
+
+def test_extract_openai_sdk_like_object():
+    class Fn:
+        def model_dump(self):
+            return {"id": "x", "type": "function", "function": {"name": "show_vlan", "arguments": "{}"}}
+
+    ex = extract_tool_calls(openai_tool_calls=[Fn()])
+    assert ex.calls[0].name == "show_vlan"
+
+
+def test_extract_nothing():
+    for ex in (extract_tool_calls(None), extract_tool_calls(""), extract_tool_calls("VLAN 201 is up."),
+               extract_tool_calls(openai_tool_calls=[])):
+        assert ex.calls == [] and ex.malformed == []
+    assert extract_tool_calls("VLAN 201 is up.").format == "none"
+
+
+def test_extraction_to_dict_is_json():
+    ex = extract_tool_calls("<think>x</think>" + REF + '<tool_call>{"name": "show_vlan", "argu')
+    json.dumps(ex.to_dict())
+    assert ex.to_dict()["malformed"][0]["reason"] == "unclosed_tag"
+
+
+FRAGMENTS = list('<>/{}[]":,= \n\\abtnoolcfu_kpmegrhi0123') + [
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "<function=", "</function>", "<parameter=",
+    "</parameter>", '"name"', '"arguments"', '{"name": "', '", "arguments": {', "show_vlan", "201",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=40).map("".join))
+def test_extract_never_raises(text):
+    ex = extract_tool_calls(text)
+    json.dumps(ex.to_dict())
+    v = compare_tool_calls(ex, text)
+    assert v.verdict in SEVERITY
+    json.dumps(v.to_dict())
+
+
+# ------------------------------------------------------------------------------ verdict
+
+
+def verdict(ref: str, cand: str):
+    return compare_tool_calls(extract_tool_calls(ref), extract_tool_calls(cand))
+
+
+def test_match_identical_and_formats_agree():
+    assert verdict(REF, REF).verdict == "match"
+    # same call in three formats
+    as_xml = extract_tool_calls(xml("configure_interface_description", REF_ARGS))
+    as_openai = extract_tool_calls(openai_tool_calls=[
+        {"id": "1", "type": "function",
+         "function": {"name": "configure_interface_description", "arguments": json.dumps(REF_ARGS)}}])
+    assert compare_tool_calls(extract_tool_calls(REF), as_xml).verdict == "match"
+    assert compare_tool_calls(as_openai, as_xml).verdict == "match"
+
+
+def test_value_mismatch_interface():
+    cand = qwen3("configure_interface_description", {**REF_ARGS, "interface": "GigabitEthernet0/1/4"})
+    v = verdict(REF, cand)
+    assert v.verdict == "value_mismatch"
+    (d,) = v.differences
+    assert d.kind == "value_mismatch"
+    assert d.path == "$.arguments.interface"
+    assert d.reference == "GigabitEthernet0/0/1.201"
+    assert d.candidate == "GigabitEthernet0/1/4"
+    assert d.call_index == 0
+    out = v.to_dict()
+    json.dumps(out)
+    assert out["differences"][0]["reference"] == "GigabitEthernet0/0/1.201"
+
+
+def test_strings_are_case_sensitive():
+    cand = qwen3("configure_interface_description", {**REF_ARGS, "description": "Uplink to core"})
+    assert verdict(REF, cand).verdict == "value_mismatch"
+
+
+def test_wrong_func_name():
+    v = verdict(qwen3("show_mac_address_table", {"vlan": 201}), qwen3("show_mac_address-table", {"vlan": 201}))
+    assert v.verdict == "wrong_func_name"
+    (d,) = v.differences
+    assert (d.path, d.reference, d.candidate) == ("$.name", "show_mac_address_table", "show_mac_address-table")
+
+
+def test_missing_and_unexpected_param():
+    v = verdict(REF, qwen3("configure_interface_description", {"interface": REF_ARGS["interface"]}))
+    assert v.verdict == "missing_param"
+    assert v.differences[0].path == "$.arguments.description"
+    assert "candidate" not in v.differences[0].to_dict()
+
+    v = verdict(REF, qwen3("configure_interface_description", {**REF_ARGS, "shutdown": False}))
+    assert v.verdict == "unexpected_param"
+    d = v.differences[0].to_dict()
+    assert d["path"] == "$.arguments.shutdown" and d["candidate"] is False and "reference" not in d
+
+    # missing outranks unexpected outranks value
+    v = verdict(REF, qwen3("configure_interface_description", {"interface": "Gi0/1/4", "mtu": 9000}))
+    assert v.verdict == "missing_param"
+    assert sorted(v.kinds()) == ["missing_param", "unexpected_param", "value_mismatch"]
+
+
+def test_parallel_calls_in_swapped_order_match():
+    a = qwen3("show_vlan", {"vlan_id": 201})
+    b = qwen3("show_interfaces", {"interface": "GigabitEthernet0/0/1.201"})
+    v = verdict(a + b, b + a)
+    assert v.verdict == "match"
+    assert v.pairs == [(0, 1), (1, 0)]
+
+
+def test_parallel_same_name_best_assignment_and_indexed_paths():
+    ref = [ToolCall("configure_vlan", {"vlan_id": 10, "name": "mgmt"}),
+           ToolCall("configure_vlan", {"vlan_id": 20, "name": "users", "vlans": [1, 2, 3]})]
+    cand = [ToolCall("configure_vlan", {"vlan_id": 20, "name": "users", "vlans": [1, 2, 4]}),
+            ToolCall("configure_vlan", {"vlan_id": 10, "name": "mgmt"})]
+    v = compare_tool_calls(ref, cand)
+    assert v.verdict == "value_mismatch"
+    assert v.pairs == [(0, 1), (1, 0)]
+    (d,) = v.differences
+    assert d.path == "$[1].arguments.vlans[2]" and (d.reference, d.candidate) == (3, 4)
+    assert (d.call_index, d.candidate_index) == (1, 0)
+
+
+def test_count_mismatch():
+    a = qwen3("show_vlan", {"vlan_id": 201})
+    b = qwen3("show_interfaces", {"interface": "GigabitEthernet0/0/1.201"})
+    v = verdict(a + b, b)
+    assert v.verdict == "count_mismatch"
+    assert v.differences[0].path == "$" and (v.differences[0].reference, v.differences[0].candidate) == (2, 1)
+    unmatched = [d for d in v.differences if d.path == "$[0]"]
+    assert unmatched and unmatched[0].to_dict()["reference"]["name"] == "show_vlan"
+    json.dumps(v.to_dict())
+    assert verdict("", a).verdict == "count_mismatch"
+
+
+def test_malformed_beats_everything():
+    v = verdict(REF, '<tool_call>{"name": "configure_interface_description", "argu')
+    assert v.verdict == "malformed"
+    assert v.differences[0].kind == "malformed"
+    d = v.differences[0].to_dict()
+    assert "candidate" in d and "reference" not in d
+    assert verdict('<tool_call>{"name": "x"', REF).verdict == "malformed"
+
+
+def test_no_calls_both_sides_match():
+    v = verdict("VLAN 201 is up.", "VLAN 201 is down.")
+    assert v.verdict == "match" and v.differences == []
+    assert compare_tool_calls(None, []).verdict == "match"
+
+
+@pytest.mark.parametrize(
+    "ref, cand, equal",
+    [
+        (1, 1.0, True),
+        (1.5, 1.5, True),
+        (1, True, False),
+        (0, False, False),
+        ("1", 1, False),
+        (None, "null", False),
+        ([1, 2], [2, 1], False),
+        ({"a": {"b": [1, {"c": "x"}]}}, {"a": {"b": [1, {"c": "x"}]}}, True),
+        (float("nan"), float("nan"), True),
+    ],
+)
+def test_type_aware_values(ref, cand, equal):
+    v = compare_tool_calls([ToolCall("f", {"v": ref})], [ToolCall("f", {"v": cand})])
+    assert (v.verdict == "match") is equal
+
+
+def test_nested_paths_and_odd_keys():
+    ref = [ToolCall("apply_acl", {"acl": {"rules": [{"permit": "10.0.0.0/8"}], "seq no": 10}})]
+    cand = [ToolCall("apply_acl", {"acl": {"rules": [{"permit": "10.0.0.0/16"}], "seq no": 10, "log": True}})]
+    v = compare_tool_calls(ref, cand)
+    paths = {d.path for d in v.differences}
+    assert paths == {"$.arguments.acl.rules[0].permit", "$.arguments.acl.log"}
+    v = compare_tool_calls([ToolCall("f", {"seq no": 1})], [ToolCall("f", {"seq no": 2})])
+    assert v.differences[0].path == '$.arguments["seq no"]'
+
+
+def test_list_length_mismatch_is_one_difference():
+    v = compare_tool_calls([ToolCall("f", {"vlans": [1, 2]})], [ToolCall("f", {"vlans": [1, 2, 3]})])
+    (d,) = v.differences
+    assert d.path == "$.arguments.vlans" and d.reference == [1, 2] and d.candidate == [1, 2, 3]
+
+
+def test_accepts_dicts_and_text():
+    v = compare_tool_calls([{"name": "show_vlan", "arguments": "{\"vlan_id\": 201}"}], qwen3("show_vlan", {"vlan_id": 201}))
+    assert v.verdict == "match"
+    assert isinstance(extract_tool_calls(REF), Extraction)
+
+
+def test_many_parallel_calls_greedy_path():
+    ref = [ToolCall(f"f{i}", {"i": i}) for i in range(10)]
+    cand = list(reversed(ref))
+    assert compare_tool_calls(ref, cand).verdict == "match"
