@@ -1,0 +1,103 @@
+"""Forced-mode flips and the free-mode divergence point on hand-built cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorverse.analysis.flips import (
+    FreeDivergence,
+    first_forced_flip,
+    forced_flips,
+    free_divergence,
+)
+from tensorverse.analysis.metrics import AnalysisInputError, position_metrics, summarize
+
+
+def _rows_with_argmax(tops, vocab=10, value=5.0):
+    a = np.zeros((len(tops), vocab), np.float32)
+    a[np.arange(len(tops)), tops] = value
+    return a
+
+
+def test_forced_flips_exact_indices():
+    ref_tops = [1, 2, 3, 4, 5, 6, 7]
+    cand_tops = [1, 9, 3, 4, 0, 6, 8]
+    m = position_metrics(_rows_with_argmax(ref_tops), _rows_with_argmax(cand_tops), ref_tops)
+    assert forced_flips(m) == [1, 4, 6]
+    assert first_forced_flip(m) == 1
+    s = summarize(m)
+    assert s["flips"] == 3 and s["first_flip"] == 1
+
+
+def test_no_flips():
+    tops = [3, 3, 0]
+    m = position_metrics(_rows_with_argmax(tops), _rows_with_argmax(tops) * 2, tops)
+    assert forced_flips(m) == []
+    assert first_forced_flip(m) is None
+
+
+def test_flip_from_a_tie_broken_differently():
+    # reference ties 2 and 5 (top1 = 2); candidate nudges 5 above 2 -> flip at 0 only
+    ref = np.zeros((2, 8))
+    ref[0, [2, 5]] = 3.0
+    ref[1, 1] = 1.0
+    cand = ref.copy()
+    cand[0, 5] = 3.0001
+    m = position_metrics(ref, cand, [2, 1])
+    assert forced_flips(m) == [0]
+    assert m.margin[0] == 0.0
+
+
+def test_flip_without_changing_the_reference_token_rank():
+    # the forced token is not the reference's argmax: flips are about argmaxes only
+    ref = np.array([[0.0, 2.0, 1.0]])
+    cand = np.array([[0.0, 2.0, 1.5]])
+    m = position_metrics(ref, cand, [2])
+    assert forced_flips(m) == []
+    assert m.rank[0] == 1
+
+
+def test_free_divergence_token():
+    d = free_divergence([10, 11, 12, 13, 14], [10, 11, 12, 99, 14])
+    assert d == FreeDivergence(position=3, common_prefix=3, ref_len=5, cand_len=5,
+                               kind="token", ref_token=13, cand_token=99)
+    assert d.diverged
+
+
+def test_free_divergence_at_first_token():
+    d = free_divergence([1, 2], [2, 2])
+    assert d.position == 0 and d.common_prefix == 0
+
+
+def test_free_divergence_identical():
+    d = free_divergence([4, 5, 6], np.array([4, 5, 6]))
+    assert d.position is None and d.common_prefix == 3 and d.kind is None
+    assert not d.diverged
+
+
+def test_free_divergence_one_branch_stops_early():
+    d = free_divergence([1, 2, 3, 4], [1, 2])
+    assert (d.position, d.common_prefix, d.kind) == (2, 2, "length")
+    assert d.ref_token == 3 and d.cand_token is None
+    d = free_divergence([1, 2], [1, 2, 7])
+    assert (d.position, d.common_prefix, d.kind) == (2, 2, "length")
+    assert d.ref_token is None and d.cand_token == 7
+
+
+def test_free_divergence_empty():
+    assert free_divergence([], []).position is None
+    d = free_divergence([], [5])
+    assert d.position == 0 and d.kind == "length"
+
+
+def test_free_divergence_as_dict():
+    d = free_divergence([1, 2, 3], [1, 5, 3]).as_dict()
+    assert d["position"] == 1 and d["common_prefix"] == 1 and d["kind"] == "token"
+
+
+def test_free_divergence_bad_input():
+    with pytest.raises(AnalysisInputError):
+        free_divergence([1.5, 2.0], [1, 2])
+    with pytest.raises(AnalysisInputError):
+        free_divergence([[1, 2]], [1, 2])
