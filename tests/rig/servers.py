@@ -1,0 +1,475 @@
+"""Real vLLM (CPU) servers for integration tests and the demo.
+
+    from rig.servers import VLLMServer, standard_rig, start_many
+
+    with VLLMServer("primary", model_dir, "bfloat16") as s:
+        s.wait_ready(600)
+        ... s.url ...   # http://127.0.0.1:PORT/v1
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` in its own process group (so
+``stop()`` reaches the engine-core and worker processes too), on a free loopback port, with its
+output in ``log_path``. The environment keeps several servers on a 2-core machine from fighting:
+
+* ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=1``: vLLM's default ("auto") pins
+  every server's worker to the same core (core 0; it reserves the last core for the engine
+  process), so several servers would queue on one core while the other idles. Unpinned
+  single-threaded workers let the kernel spread them. One thread also makes a model's numerics
+  independent of the machine's core count.
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the CPU platform then keeps the "uni" executor, so the
+  model runs inside the engine-core process instead of a third process (API server + engine core
+  only). Measured: ready in ~40 s instead of ~54 s, ~0.6 GB less RSS. (A GPU vLLM with TP=1 also
+  runs the uni executor; logits processors load the same way.)
+* ``--enforce-eager``: no torch.compile warm-up (ready in ~40 s instead of ~85 s, even with a warm
+  compile cache); the tokens were the same on the probe prompts.
+* ``--kv-cache-memory-bytes 64MiB`` (and ``VLLM_CPU_KVCACHE_SPACE`` removed from the environment,
+  since it would override the flag): a small, explicit KV cache. ``VLLM_CPU_KVCACHE_SPACE=1``
+  (its minimum) made each server ~1 GB bigger (3.15 GB RSS instead of 2.15 GB).
+* ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1``: nothing is fetched from a hub.
+
+Start servers from the main thread: each child gets ``PR_SET_PDEATHSIG`` (SIGTERM) so it goes away
+if the test process dies without cleaning up, and Linux delivers that when the *thread* that
+started it ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_SEQS = 8
+# 64 MiB of KV cache: 131k tokens of tiny-a in bf16 (43k for 3-layer tiny-b in float32), far more
+# than max_num_seqs x max_model_len. VLLM_CPU_KVCACHE_SPACE counts whole GiB (1 GiB minimum, and
+# it is resident): the explicit flag saves ~1 GB RSS per server.
+DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
+DEFAULT_READY_TIMEOUT = float(os.environ.get("TENSORVERSE_RIG_READY_TIMEOUT", "900"))
+
+BASE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class RigError(RuntimeError):
+    pass
+
+
+_reserved_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A loopback port that is free now and not handed out before by this process."""
+    with _ports_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _reserved_ports:
+                _reserved_ports.add(port)
+                return port
+    raise RigError("no free port")
+
+
+def _log_dir() -> Path:
+    d = os.environ.get("TENSORVERSE_RIG_LOGS")
+    p = Path(d) if d else Path(tempfile.gettempdir()) / f"tensorverse-rig-{os.getpid()}"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _pgroup_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def _mem_kib(pid: int, key: str) -> int:
+    src = "smaps_rollup" if key == "Pss" else "status"
+    field_name = "Pss:" if key == "Pss" else "VmRSS:"
+    try:
+        for line in Path(f"/proc/{pid}/{src}").read_text().splitlines():
+            if line.startswith(field_name):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+_live: "weakref.WeakSet[VLLMServer]" = weakref.WeakSet()
+
+
+def stop_many(servers, grace: float = 8.0) -> None:
+    """Stop several servers at once: SIGTERM all groups, then reap (SIGKILL after ``grace``)."""
+    servers = list(servers)
+    for s in servers:
+        try:
+            s._terminate()
+        except Exception:
+            pass
+    deadline = time.monotonic() + grace
+    for s in servers:
+        try:
+            s._reap(deadline)
+        except Exception:
+            pass
+
+
+def stop_all() -> None:
+    """Stop every server this process started that may still run (atexit guard)."""
+    stop_many(list(_live))
+
+
+atexit.register(stop_all)
+
+
+class VLLMServer:
+    """One ``vllm.entrypoints.openai.api_server`` process group."""
+
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | os.PathLike,
+        dtype: str,
+        extra_args: tuple[str, ...] | list[str] = (),
+        env: dict[str, str | None] | None = None,
+        *,
+        served_model_name: str | None = None,
+        port: int | None = None,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        enforce_eager: bool = True,
+        kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        log_dir: str | os.PathLike | None = None,
+        python: str | None = None,
+    ) -> None:
+        self.name = name
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.extra_args = tuple(extra_args)
+        self.extra_env = dict(env or {})
+        self.model = served_model_name or self.model_dir.name
+        self.port = port or free_port()
+        self.host = "127.0.0.1"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.kv_cache_bytes = kv_cache_bytes
+        self.python = python or sys.executable
+        self.log_path = Path(log_dir or _log_dir()) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    # -- addresses -------------------------------------------------------------------------
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """OpenAI base URL (``.../v1``)."""
+        return self.base + "/v1"
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.model,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--max-logprobs", "-1",
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--seed", "0",
+            "--host", self.host,
+            "--port", str(self.port),
+        ]  # fmt: skip
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.kv_cache_bytes is not None:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        env.update(BASE_ENV)
+        for k, v in self.extra_env.items():  # a value of None removes the variable
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        return env
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "VLLMServer":
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(self.command())}\n".encode())
+        log.flush()
+        in_main = threading.current_thread() is threading.main_thread()
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,  # own process group: stop() reaches engine + workers
+            preexec_fn=_set_pdeathsig if in_main else None,
+        )
+        log.close()
+        self.started_at = time.monotonic()
+        _live.add(self)
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
+    def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT) -> "VLLMServer":
+        """Poll ``/health`` then ``/v1/models``; raise with the log tail if the process exits."""
+        if self.proc is None:
+            raise RigError(f"{self.name}: not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RigError(
+                    f"vLLM server {self.name!r} exited with {rc} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            status, _ = self._get("/health")
+            if status == 200:
+                status, body = self._get("/v1/models")
+                if status == 200:
+                    try:
+                        ids = [m["id"] for m in json.loads(body)["data"]]
+                    except (ValueError, KeyError, TypeError):
+                        ids = []
+                    if self.model in ids:
+                        self.ready_after_s = time.monotonic() - (self.started_at or 0)
+                        return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RigError(
+                    f"vLLM server {self.name!r} not ready after {timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, grace: float = 8.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after ``grace`` seconds."""
+        self._terminate()
+        self._reap(time.monotonic() + grace)
+
+    def _terminate(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _reap(self, deadline: float) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        pgid = proc.pid
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _pgroup_pids(pgid):
+                break
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _live.discard(self)
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- diagnostics -----------------------------------------------------------------------
+    _NOISE = ("GET /health", "GET /v1/models", "[launcher.py:195] Route:")
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the log, without health polls and the route listing."""
+        try:
+            data = self.log_path.read_bytes()[-256 * 1024 :]
+        except OSError:
+            return "(no log)"
+        text = data.decode("utf-8", "replace").splitlines()
+        return "\n".join([ln for ln in text if not any(n in ln for n in self._NOISE)][-lines:])
+
+    def pids(self) -> list[int]:
+        return _pgroup_pids(self.proc.pid) if self.proc is not None else []
+
+    def memory(self) -> dict[str, int]:
+        """RSS and PSS (bytes) summed over the server's processes (PSS splits shared pages)."""
+        pids = self.pids()
+        return {
+            "processes": len(pids),
+            "rss": 1024 * sum(_mem_kib(p, "VmRSS") for p in pids),
+            "pss": 1024 * sum(_mem_kib(p, "Pss") for p in pids),
+        }
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.name!r}, model={self.model!r}, dtype={self.dtype!r}, url={self.url!r})"
+
+
+def start_many(servers: list[VLLMServer], timeout: float = DEFAULT_READY_TIMEOUT) -> list[VLLMServer]:
+    """Start all servers (from this thread), wait for all concurrently; on any failure stop all."""
+    try:
+        for s in servers:
+            s.start()
+        # No `with`: on Ctrl-C the pool must not wait for the pollers; stopping the servers below
+        # makes their processes exit, and the pollers then return at once.
+        pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="vllm-ready")
+        try:
+            futures = [pool.submit(s.wait_ready, timeout) for s in servers]
+            errors = []
+            for f in futures:
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 - collect every server's failure
+                    errors.append(e)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if errors:
+            raise RigError("\n\n".join(str(e) for e in errors))
+    except BaseException:
+        stop_many(servers)
+        raise
+    return servers
+
+
+# -- the standard rig ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    model: str  # a key of rig.models.SPECS
+    dtype: str
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def standard_rig() -> list[ServerSpec]:
+    """The servers every integration test shares: one model in three dtypes, plus another model."""
+    return [
+        ServerSpec("primary", "tiny-a", "bfloat16"),
+        ServerSpec("fp32", "tiny-a", "float32"),
+        ServerSpec("fp16", "tiny-a", "float16"),
+        ServerSpec("model_b", "tiny-b", "bfloat16"),
+    ]
+
+
+def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
+    """Build the models (cached) and create (not start) a server per spec.
+
+    The served model name is the model spec's name (``tiny-a``, ``tiny-b``): backends that serve
+    the same weights answer to the same name, as a production primary and its shadows do.
+    """
+    try:
+        from rig.models import build_model
+    except ImportError:  # run as a script from tests/rig
+        from models import build_model  # type: ignore[no-redef]
+
+    out = []
+    for sp in specs:
+        out.append(
+            VLLMServer(
+                sp.name,
+                build_model(sp.model),
+                sp.dtype,
+                sp.extra_args,
+                sp.env,
+                served_model_name=sp.model,
+                **kwargs,
+            )
+        )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/rig/servers.py [name ...]``: start servers of the standard rig, print their
+    URLs, and keep them until Ctrl-C."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    specs = [s for s in standard_rig() if not argv or s.name in argv]
+    servers = make_servers(specs)
+    t0 = time.monotonic()
+    start_many(servers)
+    for s in servers:
+        print(f"{s.name}\t{s.model}\t{s.dtype}\t{s.url}\tready {s.ready_after_s:.0f} s\t{s.log_path}")
+    print(f"all ready in {time.monotonic() - t0:.0f} s; Ctrl-C stops them", flush=True)
+    try:
+        while all(s.running() for s in servers):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_many(servers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
