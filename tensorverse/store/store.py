@@ -20,7 +20,7 @@ import lmdb
 import orjson
 
 from tensorverse.store import schema as S
-from tensorverse.store.writer import ResizeLock, StoreFullError, Writer
+from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
 
 log = logging.getLogger("tensorverse.store")
 
@@ -285,12 +285,22 @@ class Store:
 
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:
-        self._resize_lock.acquire_read()
+        lock = self._resize_lock
+        lock.acquire_read()
         try:
-            with self._env.begin(buffers=False) as txn:
+            try:
+                txn = self._env.begin(buffers=False)
+            except lmdb.MapResizedError:  # grown by another process sharing the store
+                lock.release_read()
+                try:
+                    adopt_map_size(self._env, lock)
+                finally:
+                    lock.acquire_read()
+                txn = self._env.begin(buffers=False)
+            with txn:
                 yield txn
         finally:
-            self._resize_lock.release_read()
+            lock.release_read()
 
     def _scan(self, txn: lmdb.Transaction, db: bytes, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         cur = txn.cursor(db=self._dbs[db])

@@ -71,6 +71,15 @@ class ResizeLock:
             self._cond.notify_all()
 
 
+def adopt_map_size(env: lmdb.Environment, resize_lock: ResizeLock) -> None:
+    """Pick up a map another process sharing the store has grown (`MDB_MAP_RESIZED`)."""
+    resize_lock.acquire_write()
+    try:
+        env.set_mapsize(0)
+    finally:
+        resize_lock.release_write()
+
+
 class Writer:
     """Owns the environment's write transactions; see the module docstring."""
 
@@ -177,7 +186,12 @@ class Writer:
             return
 
     def _apply(self, items: list[tuple[Op, Future]]) -> list[Any]:
-        with self._env.begin(write=True) as txn:  # aborts on exception, commits on exit
+        try:
+            txn = self._env.begin(write=True)
+        except lmdb.MapResizedError:  # another process grew the map: adopt its size, retry
+            adopt_map_size(self._env, self._resize_lock)
+            txn = self._env.begin(write=True)
+        with txn:  # aborts on exception, commits on exit
             return [op(txn) for op, _ in items]
 
     def _refuse(self, fut: Future) -> None:

@@ -283,3 +283,25 @@ def test_sigkill_mid_stream_leaves_only_whole_records(tmp_path: Path) -> None:
 
 def _row_keys(store: Store) -> list[bytes]:
     return [k for k, _ in store._paged(S.ROWS, b"")]
+
+
+_GROWER = textwrap.dedent(
+    """
+    import os, sys
+    from tensorverse.store import Store
+    store = Store.open(sys.argv[1], map_size=1 << 20)
+    store.write_rows("other", [(i, os.urandom(100_000)) for i in range(100)]).result()
+    assert store.stats()["map_grows"] >= 3
+    store.close()
+    """
+)
+
+
+def test_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
+    """Two processes on one store (e.g. the proxy and a capture plugin's `dir:` sink)."""
+    with Store.open(tmp_path / "s", map_size=1 << 20) as store:
+        store.write_rows("mine", [(0, b"x")]).result()
+        subprocess.run([sys.executable, "-c", _GROWER, str(tmp_path / "s")], check=True, timeout=120)
+        assert len(store.read_rows("other")) == 100  # reader adopts the grown map
+        store.write_rows("mine", [(1, os.urandom(100_000))]).result()  # so does the writer
+        assert [p for p, _ in store.read_rows("mine")] == [0, 1]

@@ -1,0 +1,256 @@
+"""What the recording proxy costs the agent: added TTFT/latency, throughput, CPU per request.
+
+    python benchmarks/proxy_overhead.py [--requests 2000] [--events 32] [--quick]
+
+A fast fake OpenAI-protocol streaming upstream (`tensorverse.proxy.fake`, its own process)
+is called, in the same run:
+  direct              the upstream itself
+  proxy               through the Tensorverse proxy (its own process; recording on, store on
+                      disk, 3 shadows attached whose runner sleeps 50 ms per turn)
+  proxy-no-shadows    the same proxy without shadows (for shadow_slowdown_ratio)
+  nginx               through nginx (Debian nginx-light; proxy_buffering off, upstream
+                      keepalive), when installed; skipped otherwise
+at concurrency 1 (TTFT and total latency p50/p99) and 200 (throughput). The load generator is
+aiohttp in this process. On a small machine the generator, the upstream and the proxy share the
+CPU: compare ratios, not absolute numbers. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+UPSTREAM = """
+import asyncio, sys
+from tensorverse.proxy.fake import FakeUpstream
+async def main():
+    f = await FakeUpstream().start(int(sys.argv[1]))
+    f.requests = type("Drop", (), {"append": lambda self, x: None, "__len__": lambda self: 0})()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+PROXY = """
+import asyncio, json, sys
+from tensorverse.config import parse_config
+from tensorverse.proxy.server import Proxy
+from tensorverse.proxy.tee import TeeBackend
+cfg = parse_config(json.loads(sys.argv[1]))
+shadows = int(sys.argv[2])
+class SlowShadow:
+    async def __call__(self, turn, backends, store, *, modes):
+        await asyncio.sleep(0.05)
+async def main():
+    backends = [TeeBackend(f"shadow{i}", f"shadow{i}", concurrency=8, timeout_s=5) for i in range(shadows)]
+    p = Proxy(cfg, runner=SlowShadow() if shadows else None, tee_backends=backends)
+    await p.start()
+    print("ready", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await p.close()
+asyncio.run(main())
+"""
+
+NGINX = """
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  upstream up {{ server 127.0.0.1:{up}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
+                         start_new_session=True)
+    line = p.stdout.readline().decode() if p.stdout else ""
+    if "ready" not in line:
+        err = p.stderr.read().decode() if p.stderr else ""
+        p.kill()
+        raise RuntimeError(f"{args[:3]} did not start: {line} {err[-2000:]}")
+    return p
+
+
+def wait_port(port: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def cpu_ms(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+async def load(url: str, n: int, concurrency: int, events: int) -> dict:
+    body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    headers = {"Content-Type": "application/json", "X-Fake-Events": str(events), "Authorization": "Bearer bench"}
+    ttft: list[float] = []
+    total: list[float] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
+        todo = iter(range(n))
+
+        async def worker() -> None:
+            nonlocal errors
+            for _ in todo:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                        first = None
+                        async for _chunk in r.content.iter_any():
+                            if first is None:
+                                first = time.perf_counter()
+                        if r.status != 200:
+                            errors += 1
+                            continue
+                    t1 = time.perf_counter()
+                    ttft.append(((first or t1) - t0) * 1000)
+                    total.append((t1 - t0) * 1000)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    errors += 1
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t
+    return {"n": len(total), "errors": errors, "rps": len(total) / wall, "ttft_p50": pct(ttft, 0.5),
+            "ttft_p99": pct(ttft, 0.99), "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=2000, help="requests per concurrency-200 run")
+    ap.add_argument("--latency-requests", type=int, default=400, help="requests per concurrency-1 run")
+    ap.add_argument("--events", type=int, default=32, help="SSE events per stream")
+    ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.latency_requests = 300, 100
+    tmp = Path(tempfile.mkdtemp(prefix="tv-bench-"))
+    procs: list[subprocess.Popen] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        up_port = free_port()
+        procs.append(spawn([sys.executable, "-c", UPSTREAM, str(up_port)], env))
+        upstream = f"http://127.0.0.1:{up_port}"
+        targets: dict[str, tuple[str, int | None]] = {"direct": (upstream, None)}
+        for name, shadows in (("proxy", 3), ("proxy-no-shadows", 0)):
+            port, admin = free_port(), free_port()
+            cfg = {"proxy": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": f"127.0.0.1:{admin}"},
+                   "primary": {"url": upstream}, "store": {"path": str(tmp / name), "durable": False},
+                   "shadow": {"queue_size": 4096, "workers": 16}}
+            p = spawn([sys.executable, "-c", PROXY, json.dumps(cfg), str(shadows)], env)
+            procs.append(p)
+            targets[name] = (f"http://127.0.0.1:{port}", p.pid)
+        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+        if nginx:
+            port = free_port()
+            (tmp / "nginx.conf").write_text(textwrap.dedent(NGINX.format(dir=tmp, up=up_port, port=port)))
+            p = subprocess.Popen([nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+            procs.append(p)
+            wait_port(port)
+            targets["nginx"] = (f"http://127.0.0.1:{port}", None)  # CPU: its worker is a child
+
+        load_avg = os.getloadavg()[0]
+        if load_avg > (os.cpu_count() or 1):
+            print(f"warning: load average {load_avg:.1f} on {os.cpu_count()} CPUs: figures will be noisy", flush=True)
+        results: dict[str, dict] = {}
+        for name, (url, pid) in targets.items():
+            asyncio.run(load(url, 50, 8, args.events))  # warm up
+            c1 = asyncio.run(load(url, args.latency_requests, 1, args.events))
+            cpu0 = cpu_ms(pid) if pid else 0.0
+            c200 = asyncio.run(load(url, args.requests, 200, args.events))
+            cpu = (cpu_ms(pid) - cpu0) / max(1, c200["n"]) if pid else None
+            results[name] = {"c1": c1, "c200": c200, "cpu_ms_per_request": cpu}
+            print(f"{name:17s} c=1 ttft p50 {c1['ttft_p50']:.3f} ms p99 {c1['ttft_p99']:.3f} ms, total p50 "
+                  f"{c1['total_p50']:.3f} ms | c=200 {c200['rps']:.0f} req/s (errors {c200['errors']})"
+                  + (f" | cpu {cpu:.2f} ms/req" if cpu is not None else ""), flush=True)
+
+        d, p, ps = results["direct"], results["proxy"], results["proxy-no-shadows"]
+        out = {
+            "events_per_stream": args.events,
+            "added_ttft_p50_ms": round(p["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3),
+            "added_ttft_p99_ms": round(p["c1"]["ttft_p99"] - d["c1"]["ttft_p99"], 3),
+            "added_total_p50_ms": round(p["c1"]["total_p50"] - d["c1"]["total_p50"], 3),
+            "added_total_p99_ms": round(p["c1"]["total_p99"] - d["c1"]["total_p99"], 3),
+            "throughput_ratio_c200": round(p["c200"]["rps"] / d["c200"]["rps"], 3),
+            "nginx_throughput_ratio_c200": round(results["nginx"]["c200"]["rps"] / d["c200"]["rps"], 3)
+            if "nginx" in results else None,
+            "nginx_added_ttft_p50_ms": round(results["nginx"]["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3)
+            if "nginx" in results else None,
+            "cpu_ms_per_request": round(p["cpu_ms_per_request"], 3),
+            "shadow_slowdown_ratio": round(p["c1"]["total_p50"] / ps["c1"]["total_p50"], 3),
+            "direct_rps_c200": round(d["c200"]["rps"], 1),
+            "load_average": round(load_avg, 2),
+            "errors": sum(r["c200"]["errors"] + r["c1"]["errors"] for r in results.values()),
+        }
+        print(json.dumps(out))
+        return 0
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

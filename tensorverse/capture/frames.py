@@ -1,0 +1,136 @@
+"""Binary frames that carry captured logits rows from a vLLM server to the recorder.
+
+One frame is one row: which capture (run) it belongs to, which output position, and the codec
+blob (:mod:`tensorverse.store.codec`). An HTTP body is a plain concatenation of frames.
+
+Frame layout (version 1, little-endian)::
+
+    offset  size  field
+    0       4     magic b"TVFR"
+    4       1     frame format version (1)
+    5       1     flags (0; reserved, must be 0)
+    6       2     capture id length L (uint16, 1..MAX_ID_BYTES)
+    8       8     origin (uint64): random id of the capturing process (one per tap)
+    16      8     seq (uint64): per-origin sequence number, increasing from 1
+    24      4     position (uint32): output position (0 = first generated token)
+    28      4     blob length B (uint32, 0..MAX_BLOB_BYTES)
+    32      L     capture id, UTF-8
+    32+L    B     codec blob
+    32+L+B  4     crc32 of every byte of the frame before it
+
+Deduplication: ``(origin, seq)`` names one frame exactly; a receiver that sees it twice (an HTTP
+batch retried after a lost response) keeps the first. ``(capture_id, position)`` names a row;
+rows are written idempotently under that key.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["Frame", "FrameError", "encode_frame", "iter_frames", "parse_frames",
+           "MAGIC", "FRAME_VERSION", "HEADER_SIZE", "MAX_ID_BYTES", "MAX_BLOB_BYTES",
+           "CONTENT_TYPE"]
+
+MAGIC = b"TVFR"
+FRAME_VERSION = 1
+CONTENT_TYPE = "application/vnd.tensorverse.frames"
+MAX_ID_BYTES = 1024
+MAX_BLOB_BYTES = 256 << 20  # far above any row (a 256k-entry float32 row is 1 MiB)
+
+_HEAD = struct.Struct("<4sBBHQQII")
+HEADER_SIZE = _HEAD.size  # 32
+_CRC = struct.Struct("<I")
+_U64 = 1 << 64
+_U32 = 1 << 32
+
+
+class FrameError(ValueError):
+    """A frame buffer is truncated, garbled, or from an unknown format version."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    capture_id: str
+    position: int
+    seq: int
+    origin: int
+    blob: bytes
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + len(self.capture_id.encode("utf-8")) + len(self.blob) + _CRC.size
+
+
+def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origin: int = 0) -> bytes:
+    """One frame as bytes (see the module docstring for the layout)."""
+    if not isinstance(capture_id, str) or not capture_id:
+        raise ValueError(f"capture id must be a non-empty string, got {capture_id!r}")
+    cid = capture_id.encode("utf-8")
+    if len(cid) > MAX_ID_BYTES:
+        raise ValueError(f"capture id is {len(cid)} bytes in UTF-8, at most {MAX_ID_BYTES}")
+    if not 0 <= position < _U32:
+        raise ValueError(f"position {position} out of range 0..2**32-1")
+    if not 0 <= seq < _U64 or not 0 <= origin < _U64:
+        raise ValueError("seq and origin must fit in 64 bits")
+    blob = bytes(blob)
+    if len(blob) > MAX_BLOB_BYTES:
+        raise ValueError(f"blob of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
+    body = b"".join((_HEAD.pack(MAGIC, FRAME_VERSION, 0, len(cid), origin, seq, position, len(blob)),
+                     cid, blob))
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
+    """Yield the frames of ``buf`` in order.
+
+    Raises :class:`FrameError` (naming the frame's index and byte offset) at the first frame
+    that is truncated, has a wrong magic, version, flags or length, a capture id that is not
+    UTF-8, or a crc mismatch. Frames before it have already been yielded: use
+    :func:`parse_frames` to accept a body all or nothing.
+    """
+    view = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+    n = len(view)
+    off = 0
+    index = 0
+    while off < n:
+        where = f"frame {index} at byte {off} of {n}"
+        if n - off < HEADER_SIZE:
+            raise FrameError(f"{where}: truncated header ({n - off} of {HEADER_SIZE} bytes)")
+        magic, version, flags, id_len, origin, seq, position, blob_len = _HEAD.unpack_from(view, off)
+        if magic != MAGIC:
+            raise FrameError(f"{where}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): "
+                             "not a Tensorverse frame, or the stream lost sync")
+        if version != FRAME_VERSION:
+            raise FrameError(f"{where}: unsupported frame version {version} "
+                             f"(this reader knows {FRAME_VERSION})")
+        if flags != 0:
+            raise FrameError(f"{where}: unknown flags 0x{flags:02x}")
+        if not 1 <= id_len <= MAX_ID_BYTES:
+            raise FrameError(f"{where}: capture id length {id_len} outside 1..{MAX_ID_BYTES}")
+        if blob_len > MAX_BLOB_BYTES:
+            raise FrameError(f"{where}: blob length {blob_len} exceeds {MAX_BLOB_BYTES}")
+        total = HEADER_SIZE + id_len + blob_len + _CRC.size
+        if n - off < total:
+            raise FrameError(f"{where}: truncated ({n - off} of {total} bytes; capture id "
+                             f"{id_len} bytes, blob {blob_len} bytes)")
+        end = off + total - _CRC.size
+        (crc,) = _CRC.unpack_from(view, end)
+        if zlib.crc32(view[off:end]) != crc:
+            raise FrameError(f"{where}: crc32 mismatch (frame garbled in transit)")
+        id_start = off + HEADER_SIZE
+        try:
+            capture_id = str(view[id_start:id_start + id_len], "utf-8")
+        except UnicodeDecodeError as e:
+            raise FrameError(f"{where}: capture id is not UTF-8 ({e})") from None
+        blob = bytes(view[id_start + id_len:end])
+        yield Frame(capture_id, position, seq, origin, blob)
+        off += total
+        index += 1
+
+
+def parse_frames(buf: bytes | bytearray | memoryview) -> list[Frame]:
+    """All frames of ``buf``, or :class:`FrameError` if any of them is bad (nothing partial)."""
+    return list(iter_frames(buf))

@@ -1,0 +1,436 @@
+"""The tap: copy logits rows off the engine thread's hot path, encode and ship them elsewhere.
+
+Independent of vLLM (the adapters in :mod:`~tensorverse.capture.v1` / :mod:`~.v2` call it), so
+it is tested on plain tensors.
+
+Engine thread (inside a logits processor's ``apply``)::
+
+    slot = tap.copy_row(logits, row)        # copy before anything modifies the row
+    tap.mark_copied([slot])                 # CUDA: one event after this step's copies
+    force_tokens(logits, [row], [token])    # now the row may be masked in place
+    tap.submit(slot, capture_id, position)  # hand to the encoder thread (never blocks)
+    # or tap.release(slot): the row turned out not to be sampled (chunked prefill)
+
+* CPU tensors: a plain copy into a reusable host buffer.
+* CUDA tensors: ``non_blocking`` copy into a pinned host buffer, one CUDA event recorded on the
+  current stream after the step's copies. Nothing on the engine thread waits for the GPU; the
+  encoder thread waits on the event before reading the buffer. Masking after the copy is safe:
+  both are queued on the same stream, so the copy reads the row before the mask writes it.
+
+Host buffers come from a bounded pool (``max_rows``, allocated on demand and reused). When none
+is free the row is dropped and counted: the engine thread never blocks and never sees an
+exception from the tap (everything is caught, counted, and logged once per kind).
+
+Encoder thread: waits for the copy (CUDA), encodes with :func:`tensorverse.store.codec.encode_row`,
+returns the buffer to the pool, wraps the blob in a :class:`~tensorverse.capture.frames.Frame`
+and gives it to the sink, which ships batches (when 50 ms old, 1024 rows or 8 MiB, or when the
+encoder goes idle).
+
+The encoder thread logs a one-line summary of the counters at most once a minute while rows
+flow. Counters (:meth:`Tap.stats`): ``rows_captured`` (handed to the encoder), ``rows_encoded``,
+``rows_shipped``, ``rows_dropped`` (= ``dropped_no_buffer`` + ``dropped_sink`` +
+``dropped_encode``), ``rows_discarded`` (copied but never sampled: chunked-prefill steps),
+``rows_forced``, ``bytes_encoded``, ``bytes_shipped``, ``sink_errors`` (failed flushes),
+``errors`` (internal exceptions), ``queue_depth``, ``buffers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from tensorverse.capture.frames import Frame
+from tensorverse.capture.sink import Sink, SinkError
+
+__all__ = ["Tap", "RowSlot", "force_tokens", "LogOnce"]
+
+log = logging.getLogger("tensorverse.capture")
+
+Encoder = Callable[[np.ndarray, "str | None"], bytes]
+
+
+class LogOnce:
+    """Log each kind of problem once (with the first exception), count every occurrence."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, msg: str, *args: Any, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if kind in self._seen:
+                return
+            self._seen.add(kind)
+        log.warning("tensorverse capture: " + msg + " (logged once)", *args,
+                    exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
+
+
+log_once = LogOnce()
+
+
+def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> None:
+    """Mask ``logits`` in place so row ``rows[i]`` samples ``tokens[i]`` whatever the sampler.
+
+    Every other entry becomes ``-inf`` and the forced token becomes 0.0 (probability 1 after
+    softmax, at any temperature, top-k/top-p, min-p or penalty). No host-device sync: on CUDA
+    the index tensors travel with a non-blocking copy from pinned memory.
+    """
+    if not rows:
+        return
+    if len(rows) <= 4:
+        for r, t in zip(rows, tokens):
+            row = logits[r]
+            row.fill_(float("-inf"))
+            row[t] = 0.0
+        return
+    rt = torch.tensor([list(rows), list(tokens)], dtype=torch.long,
+                      pin_memory=logits.device.type == "cuda")
+    if logits.device.type != "cpu":
+        rt = rt.to(logits.device, non_blocking=True)
+    logits[rt[0]] = float("-inf")
+    logits[rt[0], rt[1]] = 0.0
+
+
+class RowSlot:
+    """One reusable host buffer holding one row."""
+
+    __slots__ = ("tensor", "array", "codec_dtype", "vocab", "dtype", "pinned", "event")
+
+    def __init__(self, vocab: int, dtype: torch.dtype, pinned: bool) -> None:
+        store_dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        self.tensor = torch.empty(vocab, dtype=store_dtype, pin_memory=pinned)
+        if store_dtype is torch.bfloat16:
+            self.array = self.tensor.view(torch.int16).numpy().view(np.uint16)
+            self.codec_dtype: str | None = "bfloat16"
+        else:
+            self.array = self.tensor.numpy()
+            self.codec_dtype = None
+        self.vocab = vocab
+        self.dtype = dtype
+        self.pinned = pinned
+        self.event: Any = None
+
+    def fits(self, vocab: int, dtype: torch.dtype, pinned: bool) -> bool:
+        return self.vocab == vocab and self.dtype == dtype and self.pinned == pinned
+
+
+class _Stop:
+    pass
+
+
+_STOP = _Stop()
+
+
+class Tap:
+    """See the module docstring.
+
+    ``sink``: where frames go (may be None: rows are then encoded and dropped, counted as
+    ``dropped_sink``). ``max_rows``: host buffers in flight (pending + queued). ``level``: zstd
+    level. ``encoder``: ``(array, codec_dtype) -> bytes`` (default: the store codec).
+    """
+
+    def __init__(self, sink: Sink | None, *, max_rows: int = 256, level: int = 1,
+                 encoder: Encoder | None = None, origin: int | None = None,
+                 idle_s: float = 0.05, name: str = "tensorverse-capture") -> None:
+        self.sink = sink
+        self.max_rows = max(1, int(max_rows))
+        self.level = level
+        self._encoder = encoder
+        self.origin = origin if origin is not None else secrets.randbits(64)
+        self.idle_s = idle_s
+        self.name = name
+        self._free: deque[RowSlot] = deque()
+        self._allocated = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+        self._seq = 0
+        # engine-thread counters
+        self.rows_captured = 0
+        self.dropped_no_buffer = 0
+        self.rows_discarded = 0
+        self.rows_forced = 0
+        self.errors_engine = 0
+        # encoder-thread counters
+        self.rows_processed = 0
+        self.rows_encoded = 0
+        self.rows_shipped = 0
+        self.dropped_sink = 0
+        self.dropped_encode = 0
+        self.bytes_encoded = 0
+        self.bytes_shipped = 0
+        self.sink_errors = 0
+        self.errors_encoder = 0
+        self.last_sink_error: str | None = None
+        self.log_every_s = 60.0
+        self._logged_at = time.monotonic()
+        self._logged_captured = 0
+        if sink is not None:
+            sink.stats_provider = self.wire_stats
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _acquire(self, vocab: int, dtype: torch.dtype, pinned: bool) -> RowSlot | None:
+        free = self._free
+        while free:
+            try:
+                slot = free.pop()
+            except IndexError:
+                break
+            if slot.fits(vocab, dtype, pinned):
+                return slot
+            self._allocated -= 1  # shape changed (another model?): let it go
+        if self._allocated >= self.max_rows:
+            return None
+        self._allocated += 1
+        try:
+            return RowSlot(vocab, dtype, pinned)
+        except Exception:
+            self._allocated -= 1
+            raise
+
+    def copy_row(self, logits: torch.Tensor, row: int, slot: RowSlot | None = None) -> RowSlot | None:
+        """Copy ``logits[row]`` into a host buffer (``slot`` if given and it fits, else a free
+        one). Returns the slot, or None when no buffer is free (counted) or the copy failed."""
+        try:
+            if self._closed:
+                return None
+            dev = logits.device.type
+            pinned = dev == "cuda"
+            vocab = logits.shape[-1]
+            if slot is None or not slot.fits(vocab, logits.dtype, pinned):
+                if slot is not None:
+                    self.release(slot)
+                slot = self._acquire(vocab, logits.dtype, pinned)
+                if slot is None:
+                    self.dropped_no_buffer += 1
+                    return None
+            slot.event = None
+            if dev == "cpu":
+                slot.tensor.copy_(logits[row])
+            elif pinned:
+                slot.tensor.copy_(logits[row], non_blocking=True)
+            else:  # other accelerators: a blocking copy is correct, if slower
+                log_once("sync-copy", "device %s: using a blocking copy", dev)
+                slot.tensor.copy_(logits[row])
+            return slot
+        except Exception as e:  # noqa: BLE001 - never raise into vLLM
+            self.errors_engine += 1
+            log_once("copy", "copying a logits row failed", exc=e)
+            if slot is not None:
+                self.release(slot)
+            return None
+
+    def mark_copied(self, slots: Iterable[RowSlot | None]) -> None:
+        """After this step's copies: on CUDA, record one event the encoder will wait on."""
+        try:
+            ev = None
+            for s in slots:
+                if s is None or not s.pinned:
+                    continue
+                if ev is None:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                s.event = ev
+        except Exception as e:  # noqa: BLE001
+            self.errors_engine += 1
+            log_once("event", "recording a CUDA event failed", exc=e)
+
+    def submit(self, slot: RowSlot, capture_id: str, position: int) -> None:
+        """Hand a copied row to the encoder thread. Never blocks."""
+        try:
+            if self._closed:
+                self.release(slot)
+                return
+            self._ensure_thread()
+            self._seq += 1
+            self.rows_captured += 1
+            self._q.put((slot, capture_id, position, self._seq))
+        except Exception as e:  # noqa: BLE001
+            self.errors_engine += 1
+            log_once("submit", "handing a row to the encoder failed", exc=e)
+
+    def release(self, slot: RowSlot | None, *, discarded: bool = False) -> None:
+        """Give a buffer back without shipping it."""
+        if slot is None:
+            return
+        if discarded:
+            self.rows_discarded += 1
+        slot.event = None
+        self._free.append(slot)
+
+    def capture(self, logits: torch.Tensor, items: Iterable[tuple[int, str, int]]) -> int:
+        """Copy and submit ``(row, capture_id, position)`` items at once; return rows taken."""
+        taken = []
+        for row, cid, pos in items:
+            slot = self.copy_row(logits, row)
+            if slot is not None:
+                taken.append((slot, cid, pos))
+        self.mark_copied(s for s, _, _ in taken)
+        for slot, cid, pos in taken:
+            self.submit(slot, cid, pos)
+        return len(taken)
+
+    # -- encoder thread --------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is not None:
+            return
+        with self._start_lock:
+            if self._thread is None:
+                t = threading.Thread(target=self._run, name=self.name, daemon=True)
+                t.start()
+                self._thread = t
+
+    def _encode(self, arr: np.ndarray, codec_dtype: str | None) -> bytes:
+        if self._encoder is None:
+            from tensorverse.store.codec import encode_row
+
+            level = self.level
+            self._encoder = lambda a, d: encode_row(a, level=level, dtype=d)
+        return self._encoder(arr, codec_dtype)
+
+    def _flush_sink(self) -> None:
+        sink = self.sink
+        if sink is None or not sink.pending():
+            return
+        nbytes = sink.pending_bytes()
+        try:
+            shipped = sink.flush()
+            self.rows_shipped += shipped
+            self.bytes_shipped += nbytes
+        except SinkError as e:
+            self.sink_errors += 1
+            self.dropped_sink += e.dropped
+            self.last_sink_error = str(e)
+            log_once("sink:" + type(e.__cause__).__name__, "sink failed, %d rows dropped: %s",
+                     e.dropped, e)
+        except Exception as e:  # noqa: BLE001
+            self.sink_errors += 1
+            self.errors_encoder += 1
+            self.last_sink_error = f"{type(e).__name__}: {e}"
+            log_once("sink-bug", "sink raised unexpectedly", exc=e)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < self.log_every_s or self.rows_captured == self._logged_captured:
+            return
+        self._logged_at = now
+        self._logged_captured = self.rows_captured
+        s = self.stats()
+        log.info("tensorverse capture: captured %d, shipped %d (%.1f MB), dropped %d "
+                 "(no buffer %d, sink %d, encode %d), sink errors %d, errors %d",
+                 s["rows_captured"], s["rows_shipped"], s["bytes_shipped"] / 1e6, s["rows_dropped"],
+                 s["dropped_no_buffer"], s["dropped_sink"], s["dropped_encode"], s["sink_errors"],
+                 s["errors"])
+
+    def _run(self) -> None:
+        q = self._q
+        while True:
+            try:
+                item = q.get(timeout=self.idle_s)
+            except queue.Empty:
+                self._flush_sink()
+                self._maybe_log()
+                continue
+            if item is _STOP:
+                self._flush_sink()
+                return
+            if isinstance(item, threading.Event):
+                self._flush_sink()
+                item.set()
+                continue
+            slot, cid, pos, seq = item
+            blob = None
+            try:
+                if slot.event is not None:
+                    slot.event.synchronize()
+                blob = self._encode(slot.array, slot.codec_dtype)
+            except Exception as e:  # noqa: BLE001
+                self.errors_encoder += 1
+                self.dropped_encode += 1
+                log_once("encode", "encoding a row failed", exc=e)
+            finally:
+                self.release(slot)
+                self.rows_processed += 1
+            if blob is not None:
+                self.rows_encoded += 1
+                self.bytes_encoded += len(blob)
+                if self.sink is None:
+                    self.dropped_sink += 1
+                    log_once("no-sink", "no sink configured (TENSORVERSE_CAPTURE_SINK): rows dropped")
+                else:
+                    try:
+                        self.sink.put(Frame(cid, pos, seq, self.origin, blob))
+                    except Exception as e:  # noqa: BLE001
+                        self.errors_encoder += 1
+                        self.dropped_sink += 1
+                        log_once("sink-put", "sink refused a frame", exc=e)
+            if self.sink is not None and self.sink.should_flush():
+                self._flush_sink()
+            self._maybe_log()
+
+    # -- control ---------------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every row submitted so far is encoded and its batch shipped (or dropped)."""
+        if self._thread is None:
+            return True
+        ev = threading.Event()
+        self._q.put(ev)
+        return ev.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ship what is queued (up to ``timeout``), stop the thread, close the sink."""
+        if self._closed:
+            return
+        self._closed = True
+        t = self._thread
+        if t is not None:
+            self._q.put(_STOP)
+            t.join(timeout)
+        if self.sink is not None and (t is None or not t.is_alive()):
+            try:
+                self.sink.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def wire_stats(self) -> dict[str, Any]:
+        """The counters sent to the recorder with each HTTP batch."""
+        s = self.stats()
+        keep = ("rows_captured", "rows_shipped", "rows_dropped", "dropped_no_buffer",
+                "dropped_sink", "dropped_encode", "rows_discarded", "rows_forced",
+                "sink_errors", "errors", "queue_depth")
+        out = {k: s[k] for k in keep}
+        out["origin"] = self.origin
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        dropped = self.dropped_no_buffer + self.dropped_sink + self.dropped_encode
+        return {
+            "rows_captured": self.rows_captured,
+            "rows_encoded": self.rows_encoded,
+            "rows_shipped": self.rows_shipped,
+            "rows_dropped": dropped,
+            "dropped_no_buffer": self.dropped_no_buffer,
+            "dropped_sink": self.dropped_sink,
+            "dropped_encode": self.dropped_encode,
+            "rows_discarded": self.rows_discarded,
+            "rows_forced": self.rows_forced,
+            "bytes_encoded": self.bytes_encoded,
+            "bytes_shipped": self.bytes_shipped,
+            "sink_errors": self.sink_errors,
+            "last_sink_error": self.last_sink_error,
+            "errors": self.errors_engine + self.errors_encoder,
+            "queue_depth": max(0, self.rows_captured - self.rows_processed),
+            "buffers": self._allocated,
+            "max_rows": self.max_rows,
+            "sink": getattr(self.sink, "name", None),
+            "time": time.time(),
+        }

@@ -1,0 +1,375 @@
+"""The Tensorverse configuration file (TOML, or YAML when PyYAML is installed).
+
+One file configures the proxy, its admin listener, the store, recording, sessions, the capture
+policy and the shadow backends. It is validated in full at start-up; every error names the key
+it is about (``shadows[1].timeout_s: ...``), and unknown keys are errors (a typo never silently
+turns a feature off). See ``docs/proxy.md`` for every option and ``examples/tensorverse.toml``.
+
+    from tensorverse.config import load_config
+    cfg = load_config("tensorverse.toml")
+    cfg.primary.url, cfg.shadows[0].name, ...
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ProxySection",
+    "PrimarySection",
+    "AdminSection",
+    "StoreSection",
+    "RecordingSection",
+    "SessionsSection",
+    "CaptureSection",
+    "ShadowSection",
+    "ShadowBackend",
+    "load_config",
+    "parse_config",
+    "parse_listen",
+]
+
+
+# Headers that never reach the store, whatever the configuration says.
+ALWAYS_REDACTED_HEADERS = (
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "x-api-key",
+    "api-key",
+)
+
+
+class ConfigError(ValueError):
+    """The configuration file is missing, unreadable or invalid; the message names each bad key."""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:8080"`` for IPv6, ``":8080"`` for all interfaces) -> (host, port)."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host, _, port_s = value.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"port of {value!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} out of range 0..65535")
+    return host, port
+
+
+def _check_url(value: str, *, strip_v1: bool) -> str:
+    u = urlsplit(value)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"expected an http(s)://host[:port] URL, got {value!r}")
+    if u.query or u.fragment:
+        raise ValueError(f"URL must not have a query or fragment: {value!r}")
+    path = u.path.rstrip("/")
+    if strip_v1 and path.endswith("/v1"):
+        path = path[: -len("/v1")]  # accept an OpenAI base URL; requests carry /v1 themselves
+    return f"{u.scheme}://{u.netloc}{path}"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class _Listener(_Section):
+    listen: str
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_listen(v)
+        return v
+
+    @property
+    def host(self) -> str:
+        return parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_listen(self.listen)[1]
+
+
+class ProxySection(_Listener):
+    """The listener agents talk to, and how requests are relayed."""
+
+    listen: str = "127.0.0.1:8080"
+    max_body_bytes: int = Field(32 << 20, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0)
+    # Longest silence between two chunks of an upstream response; 0 = no limit (long generations
+    # and slow streams are never cut by the proxy).
+    read_timeout_s: float = Field(0.0, ge=0)
+    # Also relay ``/upstream/<path>`` to ``<path>`` (reach an upstream path explicitly).
+    upstream_prefix: str = "/upstream"
+    max_connections: int = Field(0, ge=0)  # to the primary; 0 = unlimited
+    strip_tensorverse_headers: bool = True  # drop X-Tensorverse-* before forwarding
+
+    @field_validator("upstream_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if v and (not v.startswith("/") or v.endswith("/") or v.startswith("/v1")):
+            raise ValueError("must start with '/', not end with '/', and not shadow /v1 (or be empty)")
+        return v
+
+
+class PrimarySection(_Section):
+    """The production vLLM server the agent really talks to."""
+
+    url: str
+    name: str = "primary"
+    # The proxy's own credential for its probes of the primary (tokenizer fingerprint); agents'
+    # requests carry their own Authorization, which is relayed and never stored.
+    api_key: str | None = None
+    api_key_env: str | None = None
+    # Free-form settings stored with the backend record (dtype, attention backend, GPU...).
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_url(v, strip_v1=True)
+
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or (os.environ.get(self.api_key_env) if self.api_key_env else None) or None
+
+
+class AdminSection(_Listener):
+    """Metrics, stats and the capture ingest endpoint: their own address, loopback by default."""
+
+    listen: str = "127.0.0.1:9464"
+    enabled: bool = True
+    # Bearer token for POST /ingest. Prefer token_env (the name of an environment variable).
+    token: str | None = None
+    token_env: str | None = None
+    max_ingest_bytes: int = Field(256 << 20, gt=0)
+
+    def resolved_token(self) -> str | None:
+        if self.token:
+            return self.token
+        if self.token_env:
+            return os.environ.get(self.token_env) or None
+        return None
+
+
+class StoreSection(_Section):
+    path: str = "./tensorverse-data"
+    max_size_bytes: int | None = Field(None, gt=0)
+    durable: bool = True
+
+
+class RecordingSection(_Section):
+    """What is recorded for each turn, and what the proxy adds to the primary request for it."""
+
+    enabled: bool = True
+    # Add ``return_token_ids: true`` to chat/completions requests (removed from the response
+    # unless the client asked for it). Needed for exact prompt/output token ids.
+    return_token_ids: bool = True
+    # Top-k logprobs to request from the primary for each output token (0 = none). Must not exceed
+    # the primary's --max-logprobs (vLLM default 20). Removed from the response (or trimmed to
+    # what the client asked for).
+    top_logprobs: int = Field(5, ge=0, le=20)
+    # Headers stored with the request, lowercase names; Authorization/cookies are never stored.
+    redact_headers: list[str] = Field(default_factory=list)
+    # Longest request/response body text kept for an unparsed (non-JSON) body.
+    max_unparsed_bytes: int = Field(64 << 10, ge=0)
+
+    @field_validator("redact_headers")
+    @classmethod
+    def _lower(cls, v: list[str]) -> list[str]:
+        return [h.lower() for h in v]
+
+    def redacted(self) -> frozenset[str]:
+        return frozenset(ALWAYS_REDACTED_HEADERS) | frozenset(self.redact_headers)
+
+
+class SessionsSection(_Section):
+    header: str = "X-Tensorverse-Session"
+    tags_header: str = "X-Tensorverse-Tags"  # "k=v,k=v" merged over the configured tags
+    tags: dict[str, str] = Field(default_factory=dict)
+    idle_timeout_s: float = Field(3600.0, gt=0)  # forget prefix state of idle sessions
+    max_tracked: int = Field(10_000, gt=0)  # prefix entries kept in memory (LRU)
+
+
+class CaptureSection(_Section):
+    """Which turns are shadowed, on which backends, how."""
+
+    enabled: bool = True
+    only_with_tools: bool = False  # only requests that offer `tools`
+    sample: float = Field(1.0, ge=0.0, le=1.0)  # fraction of eligible turns
+    per_minute: int = Field(0, ge=0)  # budget of shadowed turns per minute; 0 = unlimited
+    modes: list[Literal["forced", "free"]] = Field(default_factory=lambda: ["forced", "free"])
+    # full: each backend as configured (full rows where it has the capture plugin);
+    # topk: never ask for full rows (API top-k logprobs only, metrics approximate).
+    logits: Literal["full", "topk"] = "full"
+    # Output positions that get full rows, for very long outputs: "all", "0-511" (ranges,
+    # "64-" open-ended, "0-15,20"), "every:4", "every:4+1".
+    positions: str = "all"
+    backends: list[str] | None = None  # names; None = every shadow
+    endpoints: list[Literal["chat.completions", "completions", "messages"]] = Field(
+        default_factory=lambda: ["chat.completions", "completions"]
+    )
+
+    @field_validator("positions")
+    @classmethod
+    def _positions(cls, v: str) -> str:
+        from tensorverse.capture.optin import OptInError, Positions
+
+        try:
+            Positions.parse(v)
+        except OptInError as e:
+            raise ValueError(str(e).replace("tv_positions: ", "")) from None
+        return v
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one of 'forced', 'free'")
+        return list(dict.fromkeys(v))
+
+
+class ShadowSection(_Section):
+    queue_size: int = Field(256, gt=0)  # turns waiting for shadows; full = dropped and counted
+    workers: int = Field(4, gt=0)  # turns processed at once (each runs on its backends)
+
+
+class ShadowBackend(_Section):
+    """One shadow vLLM server (another kernel, KV dtype, quantization, GPU, model...)."""
+
+    name: str
+    url: str
+    model: str | None = None  # served model name; default: the request's model
+    api_key: str | None = None  # the shadow's own credential (never the client's)
+    api_key_env: str | None = None  # or: the environment variable that holds it
+    headers: dict[str, str] = Field(default_factory=dict)  # extra headers for this backend
+    # shadow: a candidate. secondary: the primary's exact config elsewhere (noise floor; at most
+    # one). reference: the reference for full-logits comparisons when there is no secondary.
+    role: Literal["shadow", "secondary", "reference"] = "shadow"
+    # full: the server runs the capture plugin (full logits rows); topk: API logprobs only
+    # (approximate metrics); auto: probe the server once.
+    capture: Literal["full", "topk", "auto"] = "auto"
+    logprobs: int = Field(20, ge=0)  # top-k logprobs asked of the API on every shadow run
+    concurrency: int = Field(2, gt=0)  # shadow requests in flight to this backend
+    timeout_s: float = Field(120.0, gt=0)  # per turn on this backend (all its modes)
+    modes: list[Literal["forced", "free"]] | None = None  # override capture.modes
+    settings: dict[str, Any] = Field(default_factory=dict)  # free-form, stored with the backend
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v or len(v) > 64 or not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("1-64 characters of letters, digits, '-', '_', '.'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_url(v, strip_v1=True)
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+
+class Config(_Section):
+    proxy: ProxySection = Field(default_factory=ProxySection)
+    primary: PrimarySection
+    admin: AdminSection = Field(default_factory=AdminSection)
+    store: StoreSection = Field(default_factory=StoreSection)
+    recording: RecordingSection = Field(default_factory=RecordingSection)
+    sessions: SessionsSection = Field(default_factory=SessionsSection)
+    capture: CaptureSection = Field(default_factory=CaptureSection)
+    shadow: ShadowSection = Field(default_factory=ShadowSection)
+    shadows: list[ShadowBackend] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Config":
+        names = [b.name for b in self.shadows]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"shadows: duplicate backend name(s) {dup}")
+        if self.primary.name in names:
+            raise ValueError(f"shadows: name {self.primary.name!r} is the primary's name")
+        if self.capture.backends is not None:
+            unknown = [n for n in self.capture.backends if n not in names]
+            if unknown:
+                raise ValueError(f"capture.backends: unknown backend(s) {unknown}; shadows are {names}")
+        if sum(b.role == "secondary" for b in self.shadows) > 1:
+            raise ValueError("shadows: at most one backend may be the secondary")
+        if self.admin.enabled and self.admin.listen == self.proxy.listen and self.proxy.port != 0:
+            raise ValueError("admin.listen: must differ from proxy.listen")
+        return self
+
+    def selected_backends(self) -> list[ShadowBackend]:
+        if self.capture.backends is None:
+            return list(self.shadows)
+        return [b for b in self.shadows if b.name in self.capture.backends]
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ""
+        for part in e["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if e["type"] not in ("extra_forbidden", "missing", "value_error") and "input" in e and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"  {loc or '(top level)'}: {msg}")
+    return f"invalid configuration{' ' + source if source else ''}:\n" + "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "") -> Config:
+    """Validate an already-parsed mapping; raises ConfigError naming every bad key."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read configuration {p}: {e.strerror or e}") from None
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise ConfigError(f"{p}: YAML configuration needs PyYAML (pip install pyyaml), or use TOML") from None
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    else:
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table/mapping")
+    return parse_config(data, f"({p})")

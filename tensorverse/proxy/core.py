@@ -1,0 +1,495 @@
+"""The proxy core: an aiohttp server that relays every request to one upstream.
+
+It knows nothing of recording, sessions or shadows (those are addons, `tensorverse.proxy.flow`).
+What it guarantees:
+
+* every path and method is relayed; status, body and end-to-end headers come back unchanged;
+  hop-by-hop headers (RFC 9110 §7.6.1: ``Connection`` and the fields it names, ``Keep-Alive``,
+  ``Proxy-Connection``, ``TE``, ``Transfer-Encoding``, ``Upgrade``, plus ``Trailer`` and the
+  ``Proxy-Authenticate``/``Proxy-Authorization`` pair) are not forwarded in either direction;
+* Server-Sent Events are relayed event by event as they arrive (never buffered), with
+  ``X-Accel-Buffering: no``; no read timeout cuts a long stream unless configured;
+* a client that goes away cancels the upstream request at once (the upstream connection is
+  closed, which makes vLLM abort the generation) and the flow ends ``aborted``;
+* an unreachable upstream gives an OpenAI-shaped (or Anthropic-shaped) 502 with
+  ``x-should-retry: true``; a body over the limit gives 413;
+* when addons changed the request (parameter injection) and the upstream rejects it with 400,
+  the client's original body is sent instead, so injection can never break a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Iterable
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from tensorverse.proxy import flow as F
+from tensorverse.proxy.flow import Addon, Flow, overrides
+from tensorverse.proxy.protocol import SSEParser, endpoint_kind, error_body
+
+log = logging.getLogger("tensorverse.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+    }
+)
+# Set by aiohttp itself for the next hop.
+_REQUEST_DROP = frozenset({"host", "content-length", "expect"})
+_RESPONSE_DROP = frozenset({"content-length"})
+
+
+def _hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+    names = set(HOP_BY_HOP)
+    for value in headers.getall("connection", ()):
+        for token in value.split(","):
+            token = token.strip().lower()
+            if token:
+                names.add(token)
+    return names
+
+
+def forward_request_headers(
+    headers: CIMultiDictProxy[str], *, drop_prefixes: Iterable[str] = (), identity: bool = False
+) -> CIMultiDict[str]:
+    """The client's headers as they go upstream (end-to-end ones only)."""
+    skip = _hop_by_hop(headers) | _REQUEST_DROP
+    prefixes = tuple(p.lower() for p in drop_prefixes)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        low = name.lower()
+        if low in skip or (prefixes and low.startswith(prefixes)):
+            continue
+        if identity and low == "accept-encoding":
+            continue
+        out.add(name, value)
+    if identity:
+        out["Accept-Encoding"] = "identity"
+    return out
+
+
+def forward_response_headers(headers: CIMultiDictProxy[str], *, keep_length: bool) -> CIMultiDict[str]:
+    skip = _hop_by_hop(headers)
+    if not keep_length:
+        skip |= _RESPONSE_DROP
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in skip:
+            out.add(name, value)
+    return out
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class ProxyCore:
+    """Relays requests to ``upstream`` (``http://host:port[/base]``) through ``addons``."""
+
+    def __init__(
+        self,
+        upstream: str,
+        addons: list[Addon] | None = None,
+        *,
+        max_body_bytes: int = 32 << 20,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 0.0,
+        upstream_prefix: str = "/upstream",
+        max_connections: int = 0,
+        strip_header_prefixes: tuple[str, ...] = ("x-tensorverse-",),
+        retry_without_injection: bool = True,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.addons = list(addons or [])
+        self.max_body_bytes = max_body_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.upstream_prefix = upstream_prefix
+        self.max_connections = max_connections
+        self.strip_header_prefixes = strip_header_prefixes
+        self.retry_without_injection = retry_without_injection
+        self._client: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._hooks = {
+            h: [a for a in self.addons if overrides(a, h)]
+            for h in ("request", "response_start", "event", "response_body", "response_done", "error")
+        }
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "turns": 0,
+            "streams": 0,
+            "aborted": 0,
+            "upstream_unreachable": 0,
+            "upstream_cut": 0,
+            "upstream_status_4xx": 0,
+            "upstream_status_5xx": 0,
+            "body_too_large": 0,
+            "retried_without_injection": 0,
+            "addon_errors": 0,
+        }
+        self.port: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
+        self._client = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=self.connect_timeout_s,
+                sock_read=self.read_timeout_s or None,
+            ),
+        )
+        for a in self.addons:
+            await a.start()
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        await self.drain(5.0)
+        for a in reversed(self.addons):
+            try:
+                await a.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("addon %s failed to stop", a.name)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on host:port (0 = any free port); returns the port."""
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await self._site.start()
+        sockets = self._site._server.sockets if self._site._server else []  # type: ignore[union-attr]
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) for background hook tasks."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"proxy": dict(self.counters), "background_tasks": len(self._tasks)}
+        for a in self.addons:
+            try:
+                s = a.stats()
+            except Exception:  # noqa: BLE001
+                s = {}
+            if s:
+                out[a.name] = s
+        return out
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _hook_failed(self, addon: Addon, hook: str) -> None:
+        self.counters["addon_errors"] += 1
+        log.exception("addon %s failed in %s", addon.name, hook)
+
+    def _background(self, flow: Flow, hook: str) -> None:
+        addons = self._hooks[hook]
+        if not addons:
+            return
+
+        async def run() -> None:
+            for a in addons:
+                try:
+                    await getattr(a, hook)(flow)
+                except Exception:  # noqa: BLE001
+                    self._hook_failed(a, hook)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- request handling ------------------------------------------------------------------------
+    async def _read_body(self, request: web.Request) -> bytes:
+        cl = request.content_length
+        if cl is not None and cl > self.max_body_bytes:
+            raise _BodyTooLarge
+        if not request.body_exists:
+            return b""
+        parts = bytearray()
+        async for chunk in request.content.iter_any():
+            parts += chunk
+            if len(parts) > self.max_body_bytes:
+                raise _BodyTooLarge
+        return bytes(parts)
+
+    def _error(self, kind: str | None, status: int, message: str, err_type: str, retry: bool | None = None) -> web.Response:
+        headers = {"Content-Type": "application/json"}
+        if retry is not None:
+            headers["x-should-retry"] = "true" if retry else "false"
+        return web.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
+
+    def _upstream_url(self, request: web.Request) -> str:
+        raw = request.raw_path
+        p = self.upstream_prefix
+        if p and (raw == p or raw.startswith(p + "/") or raw.startswith(p + "?")):
+            raw = raw[len(p):] or "/"
+            if raw.startswith("?"):
+                raw = "/" + raw
+        return self.upstream + raw
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.counters["requests"] += 1
+        kind = endpoint_kind(request.method, request.path)
+        try:
+            body = await self._read_body(request)
+        except _BodyTooLarge:
+            self.counters["body_too_large"] += 1
+            resp = self._error(
+                kind, 413, f"request body exceeds the proxy's limit of {self.max_body_bytes} bytes",
+                "RequestEntityTooLarge", retry=False,
+            )
+            resp.force_close()  # the rest of the body is never read
+            return resp
+        flow = Flow(request.method, request.path, request.query_string, request.headers, body, kind=kind)
+        if kind is not None:
+            self.counters["turns"] += 1
+        try:
+            return await self._exchange(request, flow)
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels the handler): the upstream request has been
+            # closed by the context managers on the way out.
+            if flow.state == F.PENDING:
+                flow.state = F.ABORTED
+                flow.error = "client disconnected"
+                flow.t_end = time.perf_counter()
+                self.counters["aborted"] += 1
+                if kind is not None:
+                    self._background(flow, "error")
+            raise
+
+    async def _exchange(self, request: web.Request, flow: Flow) -> web.StreamResponse:
+        kind = flow.kind
+        if kind is not None:
+            for a in self._hooks["request"]:
+                try:
+                    await a.request(flow)
+                except Exception:  # noqa: BLE001
+                    self._hook_failed(a, "request")
+        assert self._client is not None
+        url = URL(self._upstream_url(request), encoded=True)
+        headers = forward_request_headers(
+            request.headers, drop_prefixes=self.strip_header_prefixes, identity=kind is not None
+        )
+        send_body = flow.upstream_body
+        for attempt in (0, 1):
+            try:
+                up = await self._client.request(
+                    request.method, url, headers=headers, data=send_body if send_body or request.body_exists else None,
+                    allow_redirects=False,
+                )
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self.counters["upstream_unreachable"] += 1
+                return self._fail(flow, 502 if not isinstance(e, asyncio.TimeoutError) else 504,
+                                  f"upstream {self.upstream} unreachable: {_describe(e)}")
+            if (
+                attempt == 0
+                and self.retry_without_injection
+                and send_body is not flow.body
+                and up.status in (400, 422)
+            ):
+                # The upstream rejected the request as the proxy changed it: send the client's own.
+                detail = await _safe_read(up)
+                up.release()
+                log.warning("upstream rejected the injected request (%s): %s; resending the client's body",
+                            up.status, detail[:300].decode("utf-8", "replace"))
+                self.counters["retried_without_injection"] += 1
+                flow.retried_without_injection = True
+                flow.meta["injection_rejected"] = detail[:2000].decode("utf-8", "replace")
+                flow.injected = {}
+                send_body = flow.body
+                continue
+            break
+        try:
+            return await self._relay(request, flow, up)
+        finally:
+            up.close()  # no-op after a complete read; aborts the upstream request otherwise
+
+    def _fail(self, flow: Flow, status: int, message: str) -> web.Response:
+        flow.state = F.ERROR
+        flow.error = message
+        flow.status = status
+        flow.t_end = time.perf_counter()
+        if flow.kind is not None:
+            self._background(flow, "error")
+        log.warning("%s %s: %s", flow.method, flow.path, message)
+        return self._error(flow.kind, status, message, "BadGateway" if status == 502 else "GatewayTimeout", retry=True)
+
+    async def _relay(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        flow.status = up.status
+        flow.response_headers = up.headers
+        flow.t_headers = time.perf_counter()
+        ctype = up.headers.get("Content-Type", "")
+        flow.stream = ctype.startswith("text/event-stream")
+        if up.status >= 500:
+            self.counters["upstream_status_5xx"] += 1
+        elif up.status >= 400:
+            self.counters["upstream_status_4xx"] += 1
+        hooks = flow.kind is not None
+        if hooks:
+            for a in self._hooks["response_start"]:
+                try:
+                    a.response_start(flow)
+                except Exception:  # noqa: BLE001
+                    self._hook_failed(a, "response_start")
+
+        encoded = "Content-Encoding" in up.headers
+        if hooks and not flow.stream and not encoded:
+            return await self._relay_whole(request, flow, up)
+        if hooks and flow.stream and not encoded:
+            return await self._relay_events(request, flow, up)
+        return await self._relay_bytes(request, flow, up)
+
+    async def _relay_whole(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        try:
+            flow.response_body = await up.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self.counters["upstream_cut"] += 1
+            return self._fail(flow, 502, f"upstream {self.upstream} failed mid-response: {_describe(e)}")
+        for a in self._hooks["response_body"]:
+            try:
+                a.response_body(flow)
+            except Exception:  # noqa: BLE001
+                self._hook_failed(a, "response_body")
+        resp = web.Response(
+            status=up.status, reason=up.reason, body=flow.response_body,
+            headers=forward_response_headers(up.headers, keep_length=False),
+        )
+        await resp.prepare(request)
+        await resp.write_eof()
+        self._finish(flow)
+        return resp
+
+    async def _relay_events(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        self.counters["streams"] += 1
+        headers = forward_response_headers(up.headers, keep_length=False)
+        headers["X-Accel-Buffering"] = "no"
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        await resp.prepare(request)
+        parser = SSEParser()
+        event_hooks = self._hooks["event"]
+        try:
+            async for chunk in up.content.iter_any():
+                events = parser.feed(chunk)
+                if not events:
+                    continue
+                if flow.t_first_event is None:
+                    flow.t_first_event = time.perf_counter()
+                for ev in events:
+                    for a in event_hooks:
+                        try:
+                            a.event(flow, ev)
+                        except Exception:  # noqa: BLE001
+                            self._hook_failed(a, "event")
+                await resp.write(events[0].raw if len(events) == 1 else b"".join(ev.raw for ev in events))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return self._cut(request, flow, resp, e)
+        except ConnectionResetError:
+            return self._client_gone(flow, resp)
+        tail = parser.tail()
+        if tail:
+            flow.sse_tail = tail
+            await resp.write(tail)
+        await resp.write_eof()
+        self._finish(flow)
+        return resp
+
+    async def _relay_bytes(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        keep_length = up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "")
+        headers = forward_response_headers(up.headers, keep_length=keep_length)
+        if flow.stream:
+            headers["X-Accel-Buffering"] = "no"
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        if keep_length:
+            resp.content_length = up.content_length
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return self._cut(request, flow, resp, e)
+        except ConnectionResetError:
+            return self._client_gone(flow, resp)
+        await resp.write_eof()
+        self._finish(flow)
+        return resp
+
+    def _finish(self, flow: Flow) -> None:
+        flow.t_end = time.perf_counter()
+        flow.state = F.OK if (flow.status or 0) < 400 else F.UPSTREAM_ERROR
+        if flow.kind is not None:
+            self._background(flow, "response_done")
+
+    def _cut(self, request: web.Request, flow: Flow, resp: web.StreamResponse, e: BaseException) -> web.StreamResponse:
+        """The upstream failed after the headers went out: end the client's connection abruptly
+        (as the upstream did) so the client sees an incomplete response, not a clean end."""
+        self.counters["upstream_cut"] += 1
+        flow.state = F.ERROR
+        flow.error = f"upstream failed mid-response: {_describe(e)}"
+        flow.t_end = time.perf_counter()
+        log.warning("%s %s: %s", flow.method, flow.path, flow.error)
+        if flow.kind is not None:
+            self._background(flow, "error")
+        resp.force_close()
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+
+    def _client_gone(self, flow: Flow, resp: web.StreamResponse) -> web.StreamResponse:
+        if flow.state == F.PENDING:
+            flow.state = F.ABORTED
+            flow.error = "client disconnected"
+            flow.t_end = time.perf_counter()
+            self.counters["aborted"] += 1
+            if flow.kind is not None:
+                self._background(flow, "error")
+        resp.force_close()
+        return resp
+
+
+async def _safe_read(up: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await up.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return b""
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text

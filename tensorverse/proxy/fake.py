@@ -1,0 +1,304 @@
+"""A tiny fake upstream that speaks vLLM 0.32's OpenAI and Anthropic wire format.
+
+For the proxy's fast tests and its overhead benchmark (it measures the proxy, not a model).
+Output is deterministic: token i is id ``1000 + i`` with text ``"t<i> "``. Field presence follows
+vLLM (fields not asked for are ``null``, ``token_ids``/``prompt_token_ids`` only with
+``return_token_ids``, logprobs only when asked for). Per-request behaviour via headers:
+
+``X-Fake-Events``  output tokens (default 8)        ``X-Fake-Delay``   seconds between events
+``X-Fake-Status``  answer this status with an error body
+``X-Fake-Body``    answer this raw body (status from X-Fake-Status or 200, JSON content type)
+``X-Fake-Tools``   answer with N tool calls (argument fragments in the stream)
+``X-Fake-Hang``    sleep this many seconds before answering
+``X-Fake-Cut``     close the connection after N events (a stream cut mid-way)
+``X-Fake-Reasoning`` emit reasoning deltas before the content
+
+Every request is logged in ``fake.requests`` (method, path, headers, body); the time a streaming
+request noticed that its client went away is in ``fake.disconnects``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+PROMPT_IDS = [151644, 872, 198, 6023, 151645]
+
+
+def _tok(i: int) -> tuple[int, str]:
+    return 1000 + i, f"t{i} "
+
+
+def _chat_logprobs(i: int, top: int | None, as_ids: bool) -> dict:
+    tid, text = _tok(i)
+    name = f"token_id:{tid}" if as_ids else text
+    tops = [{"token": f"token_id:{tid + r}" if as_ids else (text if r == 0 else f"alt{r}"),
+             "logprob": -0.1 * (r + 1), "bytes": [116]} for r in range(top or 0)]
+    return {"token": name, "logprob": -0.1, "bytes": [116], "top_logprobs": tops}
+
+
+class FakeUpstream:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.disconnects: list[float] = []
+        self.last_event_sent: float | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/echo{tail:.*}", self.echo)
+        return app
+
+    async def start(self, port: int = 0) -> "FakeUpstream":
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    async def _common(self, request: web.Request) -> tuple[Any, web.Response | None]:
+        raw = await request.read()
+        self.requests.append({"method": request.method, "path": request.path_qs,
+                              "headers": dict(request.headers), "body": raw})
+        h = request.headers
+        if "X-Fake-Hang" in h:
+            await asyncio.sleep(float(h["X-Fake-Hang"]))
+        if "X-Fake-Body" in h:
+            return None, web.Response(status=int(h.get("X-Fake-Status", "200")), body=h["X-Fake-Body"].encode(),
+                                      content_type="application/json")
+        if "X-Fake-Status" in h:
+            status = int(h["X-Fake-Status"])
+            return None, web.json_response(
+                {"error": {"message": f"fake error {status}", "type": "BadRequestError", "param": None, "code": status}},
+                status=status)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None, web.json_response(
+                {"error": {"message": "JSON decode error", "type": "Bad Request", "param": None, "code": 400}},
+                status=400)
+        return body, None
+
+    async def _stream(self, request: web.Request, events: list[bytes], delay: float, cut: int | None,
+                      headers: dict[str, str] | None = None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", **(headers or {})})
+        await resp.prepare(request)
+        try:
+            for i, ev in enumerate(events):
+                if cut is not None and i == cut:
+                    request.transport.close()  # type: ignore[union-attr]
+                    return resp
+                if delay and i:
+                    await asyncio.sleep(delay)
+                await resp.write(ev)
+                self.last_event_sent = time.monotonic()
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects.append(time.monotonic())
+            raise
+        return resp
+
+    # -- endpoints -------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "vllm"}]})
+
+    async def echo(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.requests.append({"method": request.method, "path": request.path_qs,
+                              "headers": dict(request.headers), "body": raw})
+        return web.json_response(
+            {"method": request.method, "path": request.path_qs, "headers": dict(request.headers),
+             "body": raw.decode("utf-8", "replace")},
+            headers={"X-Upstream": "1", "Connection": "keep-alive, X-Hop", "X-Hop": "secret",
+                     "Keep-Alive": "timeout=5"})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body, early = await self._common(request)
+        if early is not None:
+            return early
+        h = request.headers
+        n = int(h.get("X-Fake-Events", "8"))
+        delay = float(h.get("X-Fake-Delay", "0"))
+        n_tools = int(h.get("X-Fake-Tools", "0"))
+        reasoning = "X-Fake-Reasoning" in h
+        cut = int(h["X-Fake-Cut"]) if "X-Fake-Cut" in h else None
+        tids = bool(body.get("return_token_ids"))
+        lp = bool(body.get("logprobs"))
+        top = body.get("top_logprobs")
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        rid = f"chatcmpl-fake{len(self.requests)}"
+        model = body.get("model", "fake")
+        created = 1796000000
+        finish = "tool_calls" if n_tools else ("length" if body.get("max_tokens") == n else "stop")
+        calls = [{"id": f"chatcmpl-tool-{k}", "type": "function",
+                  "function": {"name": f"get_interface_{k}", "arguments": orjson.dumps({"name": f"Gi0/0/{k}"}).decode()}}
+                 for k in range(n_tools)]
+        if not body.get("stream"):
+            content = "".join(_tok(i)[1] for i in range(n))
+            msg = {"role": "assistant", "content": None if n_tools else content, "refusal": None, "annotations": None,
+                   "audio": None, "function_call": None, "tool_calls": calls,
+                   "reasoning": "thinking..." if reasoning else None}
+            resp = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": msg,
+                                 "logprobs": {"content": [_chat_logprobs(i, top, as_ids) for i in range(n)]} if lp else None,
+                                 "finish_reason": finish, "stop_reason": None,
+                                 "token_ids": [_tok(i)[0] for i in range(n)] if tids else None,
+                                 "routed_experts": None}],
+                    "service_tier": None, "system_fingerprint": "fake",
+                    "usage": {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n,
+                              "prompt_tokens_details": None},
+                    "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if tids else None,
+                    "prompt_text": None, "kv_transfer_params": None}
+            return web.Response(body=orjson.dumps(resp), content_type="application/json")
+
+        def chunk(choice: dict, **extra: Any) -> bytes:
+            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [choice] if choice else [], **extra}
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        events = [chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}, prompt_token_ids=PROMPT_IDS if tids else None, prompt_text=None)]
+        pos = 0
+        if reasoning:
+            events.append(chunk({"index": 0, "delta": {"reasoning": "thinking..."}, "logprobs": None,
+                                 "finish_reason": None, "token_ids": [999] if tids else None}))
+        for k, c in enumerate(calls):
+            args = c["function"]["arguments"]
+            half = len(args) // 2
+            events.append(chunk({"index": 0, "delta": {"tool_calls": [
+                {"id": c["id"], "type": "function", "index": k, "function": {"name": c["function"]["name"], "arguments": ""}}]},
+                "logprobs": None, "finish_reason": None, "token_ids": [] if tids else None}))
+            for frag in (args[:half], args[half:]):
+                events.append(chunk({"index": 0, "delta": {"tool_calls": [{"index": k, "function": {"arguments": frag}}]},
+                                     "logprobs": {"content": [_chat_logprobs(pos, top, as_ids)]} if lp else None,
+                                     "finish_reason": None, "token_ids": [_tok(pos)[0]] if tids else None}))
+                pos += 1
+        if not n_tools:
+            for i in range(n):
+                last = i == n - 1
+                ch = {"index": 0, "delta": {"content": _tok(i)[1]},
+                      "logprobs": {"content": [_chat_logprobs(i, top, as_ids)]} if lp else None,
+                      "finish_reason": finish if last else None}
+                if last:
+                    ch["stop_reason"] = None
+                ch["token_ids"] = [_tok(i)[0]] if tids else None
+                events.append(chunk(ch, **({"system_fingerprint": "fake"} if last else {})))
+        else:
+            events.append(chunk({"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": finish,
+                                 "stop_reason": None, "token_ids": [] if tids else None}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(chunk({}, usage={"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n}))
+        events.append(b"data: [DONE]\n\n")
+        return await self._stream(request, events, delay, cut)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, early = await self._common(request)
+        if early is not None:
+            return early
+        h = request.headers
+        n = int(h.get("X-Fake-Events", "8"))
+        delay = float(h.get("X-Fake-Delay", "0"))
+        tids = bool(body.get("return_token_ids"))
+        k = body.get("logprobs")
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        rid = f"cmpl-fake{len(self.requests)}"
+
+        def lps(i: int) -> dict | None:
+            if k is None:
+                return None
+            tid, text = _tok(i)
+            name = f"token_id:{tid}" if as_ids else text
+            top = {name: -0.1}  # the sampled token is also rank 1 (vLLM merges the two entries)
+            for r in range(k - 1):
+                top.setdefault(f"token_id:{tid + 1 + r}" if as_ids else f"alt{r}", -0.2 - 0.1 * r)
+            return {"text_offset": [3 * i], "token_logprobs": [-0.1], "tokens": [name], "top_logprobs": [top]}
+
+        if not body.get("stream"):
+            resp = {"id": rid, "object": "text_completion", "created": 1796000000, "model": body.get("model"),
+                    "choices": [{"index": 0, "text": "".join(_tok(i)[1] for i in range(n)),
+                                 "logprobs": None if k is None else {
+                                     "text_offset": [3 * i for i in range(n)], "token_logprobs": [-0.1] * n,
+                                     "tokens": [lps(i)["tokens"][0] for i in range(n)],
+                                     "top_logprobs": [lps(i)["top_logprobs"][0] for i in range(n)]},
+                                 "finish_reason": "length", "stop_reason": None,
+                                 "token_ids": [_tok(i)[0] for i in range(n)] if tids else None,
+                                 "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if tids else None,
+                                 "routed_experts": None}],
+                    "service_tier": None, "system_fingerprint": "fake",
+                    "usage": {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n}}
+            return web.Response(body=orjson.dumps(resp), content_type="application/json")
+        events = []
+        for i in range(n):
+            ch = {"index": 0, "text": _tok(i)[1], "logprobs": lps(i), "finish_reason": "length" if i == n - 1 else None,
+                  "stop_reason": None, "prompt_token_ids": PROMPT_IDS if tids and i == 0 else None,
+                  "token_ids": [_tok(i)[0]] if tids else None}
+            events.append(b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": 1796000000,
+                                                     "model": body.get("model"), "choices": [ch]}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return await self._stream(request, events, delay, None)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body, early = await self._common(request)
+        if early is not None:
+            return early
+        h = request.headers
+        n = int(h.get("X-Fake-Events", "4"))
+        n_tools = int(h.get("X-Fake-Tools", "0"))
+        text = "".join(_tok(i)[1] for i in range(n))
+        if not body.get("stream"):
+            content: list[dict] = [{"type": "text", "text": text}]
+            content += [{"type": "tool_use", "id": f"toolu_{k}", "name": f"get_interface_{k}",
+                         "input": {"name": f"Gi0/0/{k}"}} for k in range(n_tools)]
+            return web.json_response({"id": "msg_fake", "type": "message", "role": "assistant", "content": content,
+                                      "model": body.get("model"), "stop_reason": "tool_use" if n_tools else "end_turn",
+                                      "usage": {"input_tokens": 5, "output_tokens": n}})
+
+        def ev(name: str, obj: dict) -> bytes:
+            return f"event: {name}\n".encode() + b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        events = [ev("message_start", {"type": "message_start", "message": {
+            "id": "msg_fake", "type": "message", "role": "assistant", "content": [], "model": body.get("model"),
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 0}}}),
+            ev("content_block_start", {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0})]
+        for i in range(n):
+            events.append(ev("content_block_delta", {"type": "content_block_delta",
+                                                     "delta": {"type": "text_delta", "text": _tok(i)[1]}, "index": 0}))
+        events.append(ev("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        for k in range(n_tools):
+            idx = k + 1
+            events.append(ev("content_block_start", {"type": "content_block_start", "index": idx, "content_block": {
+                "type": "tool_use", "id": f"toolu_{k}", "name": f"get_interface_{k}", "input": {}}}))
+            js = orjson.dumps({"name": f"Gi0/0/{k}"}).decode()
+            for frag in (js[:5], js[5:]):
+                events.append(ev("content_block_delta", {"type": "content_block_delta", "index": idx,
+                                                         "delta": {"type": "input_json_delta", "partial_json": frag}}))
+            events.append(ev("content_block_stop", {"type": "content_block_stop", "index": idx}))
+        events.append(ev("message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": "tool_use" if n_tools else "end_turn", "stop_sequence": None},
+            "usage": {"input_tokens": 5, "output_tokens": n}}))
+        events.append(ev("message_stop", {"type": "message_stop"}))
+        return await self._stream(request, events, float(h.get("X-Fake-Delay", "0")), None)

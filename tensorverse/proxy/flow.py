@@ -1,0 +1,187 @@
+"""A flow is one request through the proxy and its response; addons see flows through hooks.
+
+The proxy core (`tensorverse.proxy.core`) knows nothing of recording, sessions or shadows: those
+are addons, in the manner of mitmproxy. The core calls, in this order:
+
+``request(flow)`` (async, before the request is forwarded; may rewrite ``flow.upstream_body``)
+    ``response_start(flow)`` (status and headers are known)
+    ``event(flow, ev)`` for each SSE event of a stream, in order (sync; may change ``ev``)
+    or ``response_body(flow)`` for a whole JSON body (sync; may replace ``flow.response_body``)
+``response_done(flow)`` or ``error(flow)`` (async, in the background, after the client has the
+    last byte: nothing done there can slow or break the agent)
+
+Only flows of LLM endpoints (``flow.kind`` set) reach the addons; everything else is relayed
+as bytes. Hooks must not raise: the core catches, logs and counts whatever they do raise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from multidict import CIMultiDictProxy
+
+from tensorverse.proxy.protocol import SSEEvent
+
+_ids = itertools.count(1)
+_prefix = os.urandom(3).hex()
+
+# Turn states (stored with the turn).
+PENDING = "pending"
+OK = "ok"  # the upstream answered 2xx and the client received all of it
+UPSTREAM_ERROR = "upstream_error"  # the upstream answered 4xx/5xx (relayed as such)
+ABORTED = "aborted"  # the client went away before the end; the upstream request was cancelled
+ERROR = "error"  # the proxy could not complete the exchange (upstream down, cut, timed out)
+
+
+def _unset() -> Any:
+    return _UNSET
+
+
+_UNSET: Any = object()
+
+
+@dataclass(eq=False)
+class Flow:
+    method: str
+    path: str  # as the client sent it (without the query)
+    query: str
+    headers: CIMultiDictProxy[str]  # the client's request headers
+    body: bytes  # the client's request body, unchanged
+    kind: str | None = None  # endpoint kind (tensorverse.proxy.protocol), None = plain relay
+    id: str = field(default_factory=lambda: f"{_prefix}{next(_ids):08x}")
+    start_ns: int = field(default_factory=time.time_ns)
+    t0: float = field(default_factory=time.perf_counter)
+
+    # What goes to the upstream; addons may replace it in `request` (the core sends it).
+    upstream_body: bytes = b""
+    # Parameters the proxy added to the upstream request (name -> value), for stripping/recording.
+    injected: dict[str, Any] = field(default_factory=dict)
+
+    # Response
+    status: int | None = None
+    response_headers: CIMultiDictProxy[str] | None = None
+    response_body: bytes | None = None  # whole bodies only (non-streaming JSON)
+    stream: bool = False  # the response is text/event-stream
+    sse_tail: bytes = b""  # bytes after the last complete event (a stream cut mid-event)
+
+    # Timings (perf_counter seconds, relative to t0 via the properties below)
+    t_headers: float | None = None
+    t_first_event: float | None = None
+    t_first_token: float | None = None
+    t_end: float | None = None
+
+    state: str = PENDING
+    error: str | None = None
+    retried_without_injection: bool = False
+
+    # Sessions
+    session_id: str | None = None
+    turn_index: int | None = None
+    session_is_new: bool = False
+
+    # Free-form per-addon state (addon name -> anything)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    _json: Any = field(default_factory=_unset, repr=False)
+    _json_error: str | None = field(default=None, repr=False)
+    _response_json: Any = field(default_factory=_unset, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.upstream_body:
+            self.upstream_body = self.body
+
+    # -- request body ------------------------------------------------------------------------
+    @property
+    def request_json(self) -> Any:
+        """The client's body parsed as JSON, or None (see `request_parse_error`)."""
+        if self._json is _UNSET:
+            try:
+                self._json = orjson.loads(self.body) if self.body else None
+                if self._json is None and self.body:
+                    self._json_error = "body is JSON null"
+                elif not self.body:
+                    self._json_error = "empty body"
+            except orjson.JSONDecodeError as e:
+                self._json = None
+                self._json_error = f"invalid JSON: {e}"
+        return self._json
+
+    @property
+    def request_parse_error(self) -> str | None:
+        _ = self.request_json
+        return self._json_error
+
+    @property
+    def client_wants_stream(self) -> bool:
+        j = self.request_json
+        return isinstance(j, dict) and bool(j.get("stream"))
+
+    # -- response body -----------------------------------------------------------------------
+    @property
+    def response_json(self) -> Any:
+        if self._response_json is _UNSET:
+            try:
+                self._response_json = orjson.loads(self.response_body) if self.response_body else None
+            except orjson.JSONDecodeError:
+                self._response_json = None
+        return self._response_json
+
+    def set_response_json(self, value: Any) -> None:
+        self._response_json = value
+        self.response_body = orjson.dumps(value)
+
+    # -- timings (milliseconds from the request's arrival) -------------------------------------
+    def _ms(self, t: float | None) -> float | None:
+        return None if t is None else round((t - self.t0) * 1000.0, 3)
+
+    def timings(self) -> dict[str, float | None]:
+        return {
+            "ttfb_ms": self._ms(self.t_headers),
+            "ttft_ms": self._ms(self.t_first_token if self.t_first_token is not None else
+                                (self.t_end if not self.stream else None)),
+            "first_event_ms": self._ms(self.t_first_event),
+            "total_ms": self._ms(self.t_end),
+        }
+
+
+class Addon:
+    """Base class of proxy features. Override the hooks you need (see the module docstring)."""
+
+    name = "addon"
+
+    async def start(self) -> None:
+        """Called once when the proxy starts (inside its event loop)."""
+
+    async def stop(self) -> None:
+        """Called once when the proxy stops."""
+
+    async def request(self, flow: Flow) -> None:
+        pass
+
+    def response_start(self, flow: Flow) -> None:
+        pass
+
+    def event(self, flow: Flow, ev: SSEEvent) -> None:
+        pass
+
+    def response_body(self, flow: Flow) -> None:
+        pass
+
+    async def response_done(self, flow: Flow) -> None:
+        pass
+
+    async def error(self, flow: Flow) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /stats (JSON-serialisable)."""
+        return {}
+
+
+def overrides(addon: Addon, hook: str) -> bool:
+    return getattr(type(addon), hook) is not getattr(Addon, hook)

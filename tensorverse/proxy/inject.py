@@ -1,0 +1,131 @@
+"""Injection and stripping: ask the primary for what recording needs, hide it from the client.
+
+For ``/v1/chat/completions`` and ``/v1/completions`` the proxy may add ``return_token_ids``
+(exact prompt and output token ids) and ``logprobs``/``top_logprobs`` (top-k per output token,
+with ``return_tokens_as_token_ids`` when the client asked for no logprobs at all, so tokens that
+decode alike stay apart). Whatever the client did not ask for is put back the way vLLM writes it
+for a request without it (vLLM 0.32 writes those fields as ``null``, it never omits them), in the
+whole body and in every streamed event, so the client parses the same objects as a direct call.
+A client that asks for logprobs itself gets exactly what it asked for (the proxy records those):
+asking for more and trimming would not be invisible, because tokens tied at the boundary rank
+differently for another k.
+
+If the upstream rejects the injected request (400/422: an older vLLM, a lower ``--max-logprobs``),
+the core resends the client's own body; the injector then stops injecting what was rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.proxy.protocol import CHAT, COMPLETIONS, SSEEvent
+
+log = logging.getLogger("tensorverse.proxy.inject")
+
+
+class Injector(Addon):
+    name = "inject"
+
+    def __init__(self, *, return_token_ids: bool = True, top_logprobs: int = 5) -> None:
+        self.return_token_ids = return_token_ids
+        self.top_logprobs = top_logprobs
+        self.counters = {"injected": 0, "stripped_events": 0, "rejected": 0}
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "return_token_ids": self.return_token_ids, "top_logprobs": self.top_logprobs}
+
+    # -- request ---------------------------------------------------------------------------------
+    def plan(self, kind: str | None, req: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(parameters to add, strip plan) for a client request body."""
+        if kind not in (CHAT, COMPLETIONS) or not isinstance(req, dict):
+            return {}, {}
+        add: dict[str, Any] = {}
+        strip: dict[str, Any] = {}
+        if self.return_token_ids and not req.get("return_token_ids"):
+            add["return_token_ids"] = True
+            strip["token_ids"] = True
+        k = self.top_logprobs
+        # Logprobs are only added when the client asked for none. A client that asked for its own
+        # gets exactly its request: asking vLLM for more and trimming is not invisible (ties at
+        # the boundary rank differently for another k; seen with bf16 logits on vLLM 0.32).
+        if k > 0 and not req.get("use_beam_search") and not req.get("logprob_token_ids"):
+            if kind == CHAT and not req.get("logprobs") and req.get("top_logprobs") is None:
+                add.update(logprobs=True, top_logprobs=k)
+                strip["logprobs"] = "drop"
+            elif kind == COMPLETIONS and req.get("logprobs") is None:
+                add["logprobs"] = k
+                strip["logprobs"] = "drop"
+            if strip.get("logprobs") == "drop" and "return_tokens_as_token_ids" not in req:
+                add["return_tokens_as_token_ids"] = True
+        return add, strip
+
+    async def request(self, flow: Flow) -> None:
+        add, strip = self.plan(flow.kind, flow.request_json)
+        if not add:
+            return
+        flow.upstream_body = orjson.dumps({**flow.request_json, **add})
+        flow.injected = add
+        flow.meta["strip"] = strip
+        self.counters["injected"] += 1
+
+    async def response_done(self, flow: Flow) -> None:
+        if flow.retried_without_injection:
+            self.counters["rejected"] += 1
+            if (flow.status or 500) < 400:
+                # The plain request worked where the injected one did not: stop injecting.
+                log.warning(
+                    "the primary rejects injected recording parameters (%s); recording continues "
+                    "without exact token ids/logprobs. Upstream said: %s",
+                    ", ".join(sorted(flow.meta.get("strip", {}))) or "?",
+                    flow.meta.get("injection_rejected", "")[:300],
+                )
+                self.return_token_ids = False
+                self.top_logprobs = 0
+
+    # -- response --------------------------------------------------------------------------------
+    def response_body(self, flow: Flow) -> None:
+        strip = flow.meta.get("strip")
+        if not strip or not flow.injected or (flow.status or 500) >= 400:
+            return
+        body = flow.response_json
+        if isinstance(body, dict) and strip_response(flow.kind, body, strip):
+            flow.set_response_json(body)
+
+    def event(self, flow: Flow, ev: SSEEvent) -> None:
+        strip = flow.meta.get("strip")
+        if not strip or not flow.injected:
+            return
+        obj = ev.json
+        if isinstance(obj, dict) and strip_response(flow.kind, obj, strip):
+            ev.set_json(obj)
+            self.counters["stripped_events"] += 1
+
+
+def _null(d: dict, key: str) -> bool:
+    if d.get(key) is not None:
+        d[key] = None
+        return True
+    return False
+
+
+def strip_response(kind: str | None, obj: dict, strip: dict[str, Any]) -> bool:
+    """Undo injection in one response body or stream event, in place; True if it changed."""
+    changed = False
+    lp = strip.get("logprobs")
+    if strip.get("token_ids"):
+        changed |= _null(obj, "prompt_token_ids")
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        if strip.get("token_ids"):
+            changed |= _null(ch, "token_ids")
+            if kind == COMPLETIONS:
+                changed |= _null(ch, "prompt_token_ids")
+        if lp == "drop":
+            changed |= _null(ch, "logprobs")
+    return changed
+

@@ -1,0 +1,552 @@
+"""Wire formats the proxy understands, apart from any serving logic.
+
+* which requests are LLM turns (`endpoint_kind`),
+* Server-Sent Events: an incremental parser that keeps each event's exact bytes (`SSEParser`),
+* error bodies in the shape each API's clients expect (`error_body`),
+* accumulators that turn a response (one JSON body, or the stream's events) into the recorded
+  form of its choices: text, reasoning, tool calls, token ids, logprobs, finish reason, usage
+  (`ChatAccumulator`, `CompletionAccumulator`, `MessagesAccumulator`).
+
+The shapes are vLLM's (0.32): ``vllm/entrypoints/openai/*/protocol.py`` and
+``vllm/entrypoints/anthropic/protocol.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+MESSAGES = "messages"
+
+_ENDPOINTS = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETIONS,
+    "/v1/messages": MESSAGES,
+}
+
+
+def endpoint_kind(method: str, path: str) -> str | None:
+    """The LLM endpoint a request targets (recorded as a turn), or None for a plain relay."""
+    if method != "POST":
+        return None
+    return _ENDPOINTS.get(path.rstrip("/") if len(path) > 1 else path)
+
+
+# -- Server-Sent Events ----------------------------------------------------------------------
+
+
+class SSEEvent:
+    """One event: its exact bytes (with the blank line that ends it) and its parsed fields.
+
+    ``raw`` is what is relayed; an addon that changes the event assigns a new ``raw``
+    (see `set_json`). ``json`` parses ``data`` once, lazily (None when it is not JSON).
+    """
+
+    __slots__ = ("raw", "data", "event", "_json", "_parsed", "modified")
+
+    def __init__(self, raw: bytes, data: bytes | None, event: str | None) -> None:
+        self.raw = raw
+        self.data = data
+        self.event = event
+        self._json: Any = None
+        self._parsed = False
+        self.modified = False
+
+    @property
+    def done(self) -> bool:
+        return self.data == b"[DONE]"
+
+    @property
+    def json(self) -> Any:
+        if not self._parsed:
+            self._parsed = True
+            if self.data and self.data != b"[DONE]":
+                try:
+                    self._json = orjson.loads(self.data)
+                except orjson.JSONDecodeError:
+                    self._json = None
+        return self._json
+
+    def set_json(self, value: Any) -> None:
+        """Replace the event's data with ``value`` (re-serialised; other fields kept)."""
+        self._json = value
+        self._parsed = True
+        self.data = orjson.dumps(value)
+        head = f"event: {self.event}\n".encode() if self.event is not None else b""
+        self.raw = head + b"data: " + self.data + b"\n\n"
+        self.modified = True
+
+    def __repr__(self) -> str:
+        return f"SSEEvent(event={self.event!r}, data={self.data[:80] if self.data else None!r})"
+
+
+def _parse_block(block: bytes) -> tuple[bytes | None, str | None]:
+    data: list[bytes] = []
+    event = None
+    for line in block.splitlines():
+        if not line or line[0:1] == b":":
+            continue
+        name, sep, value = line.partition(b":")
+        if sep and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            event = value.decode("utf-8", "replace")
+    return (b"\n".join(data) if data else None), event
+
+
+class SSEParser:
+    """Incremental SSE parser. `feed` returns the complete events; partial bytes wait.
+
+    Events end with a blank line: ``\\n\\n``, ``\\r\\n\\r\\n`` or ``\\r\\r`` (the spec allows all
+    three). Bytes are kept exactly, so an unmodified event is relayed bit for bit.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        buf = self._buf + chunk if self._buf else chunk
+        events: list[SSEEvent] = []
+        start = 0
+        has_cr = b"\r" in buf
+        while True:
+            if not has_cr:
+                end = buf.find(b"\n\n", start)
+                if end < 0:
+                    break
+                stop = end + 2
+            else:
+                stop = _find_blank_line(buf, start)
+                if stop < 0:
+                    break
+            raw = buf[start:stop]
+            data, event = _parse_block(raw)
+            events.append(SSEEvent(raw, data, event))
+            start = stop
+        self._buf = buf[start:]
+        return events
+
+    def tail(self) -> bytes:
+        """Bytes after the last complete event (a stream cut mid-event)."""
+        tail, self._buf = self._buf, b""
+        return tail
+
+
+def _find_blank_line(buf: bytes, start: int) -> int:
+    """End offset (exclusive) of the first event terminator at or after ``start``, or -1."""
+    best = -1
+    for term in (b"\r\n\r\n", b"\n\n", b"\r\r", b"\n\r\n", b"\r\n\n"):
+        i = buf.find(term, start)
+        if i >= 0 and (best < 0 or i + len(term) < best):
+            best = i + len(term)
+    return best
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def error_body(kind: str | None, status: int, message: str, err_type: str) -> bytes:
+    """An error body the client of ``kind`` parses: OpenAI's shape, or Anthropic's."""
+    if kind == MESSAGES:
+        anthropic_type = {413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}.get(
+            status, "api_error"
+        )
+        return orjson.dumps({"type": "error", "error": {"type": anthropic_type, "message": message}})
+    return orjson.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}})
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def _token_key(token: str) -> int | str:
+    """``"token_id:123"`` (vLLM's return_tokens_as_token_ids) -> 123; other tokens unchanged."""
+    if token.startswith("token_id:"):
+        try:
+            return int(token[9:])
+        except ValueError:
+            return token
+    return token
+
+
+def _chat_logprobs(content: list[dict] | None) -> list[dict]:
+    out = []
+    for item in content or ():
+        if not isinstance(item, dict):
+            continue
+        top = item.get("top_logprobs") or ()
+        out.append(
+            {
+                "token": _token_key(str(item.get("token", ""))),
+                "logprob": item.get("logprob"),
+                "top": [[_token_key(str(t.get("token", ""))), t.get("logprob")] for t in top if isinstance(t, dict)],
+            }
+        )
+    return out
+
+
+def _completion_logprobs(lp: dict | None) -> list[dict]:
+    if not isinstance(lp, dict):
+        return []
+    tokens = lp.get("tokens") or []
+    values = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or []
+    out = []
+    for i, tok in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        out.append(
+            {
+                "token": _token_key(str(tok)),
+                "logprob": values[i] if i < len(values) else None,
+                "top": [[_token_key(str(k)), v] for k, v in top.items()],
+            }
+        )
+    return out
+
+
+# -- accumulators -----------------------------------------------------------------------------
+
+
+class _Choice:
+    __slots__ = ("index", "text", "reasoning", "tool_calls", "token_ids", "logprobs", "raw_chat_logprobs", "finish_reason",
+                 "stop_reason", "role")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, dict] = {}
+        self.token_ids: list[int] | None = None
+        self.logprobs: list[dict] = []
+        self.raw_chat_logprobs: list[list] = []  # converted in record(), off the relay path
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.role: str | None = None
+
+    def add_token_ids(self, ids: Any) -> None:
+        if isinstance(ids, list):
+            if self.token_ids is None:
+                self.token_ids = []
+            self.token_ids.extend(ids)
+
+    def add_tool_delta(self, tc: dict, position: int) -> None:
+        idx = tc.get("index", position)
+        if not isinstance(idx, int):
+            idx = position
+        slot = self.tool_calls.setdefault(idx, {"id": None, "type": "function", "name": "", "arguments": ""})
+        if tc.get("id"):
+            slot["id"] = tc["id"]
+        if tc.get("type"):
+            slot["type"] = tc["type"]
+        fn = tc.get("function") or {}
+        if isinstance(fn, dict):
+            if fn.get("name"):
+                slot["name"] += fn["name"]
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                slot["arguments"] += args
+            elif args is not None:
+                slot["arguments"] += orjson.dumps(args).decode()
+
+    def _logprobs(self) -> list[dict]:
+        if self.raw_chat_logprobs:
+            for content in self.raw_chat_logprobs:
+                self.logprobs.extend(_chat_logprobs(content))
+            self.raw_chat_logprobs = []
+        return self.logprobs
+
+    def record(self) -> dict:
+        calls = [self.tool_calls[k] for k in sorted(self.tool_calls)]
+        return {
+            "index": self.index,
+            "text": "".join(self.text),
+            "reasoning": "".join(self.reasoning) or None,
+            "tool_calls": [
+                {"id": c["id"], "type": c["type"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls
+            ],
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "token_ids": self.token_ids,
+            "logprobs": self._logprobs() or None,
+        }
+
+
+class Accumulator:
+    """Builds the recorded response from a JSON body (`add_body`) or stream events (`add_event`)."""
+
+    kind = ""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: dict | None = None
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.events = 0
+        self.first_token_seen = False  # set by add_event when an event carries output
+
+    def choice(self, index: Any) -> _Choice:
+        if not isinstance(index, int):
+            index = 0
+        c = self.choices.get(index)
+        if c is None:
+            c = self.choices[index] = _Choice(index)
+        return c
+
+    def add_body(self, body: Any) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def add_event(self, obj: Any) -> bool:  # pragma: no cover - overridden
+        """Fold one parsed stream event in; True when it carried output (text, tokens, tools)."""
+        raise NotImplementedError
+
+    def _head(self, obj: dict) -> None:
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
+        if self.model is None and isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+
+    def result(self) -> dict:
+        choices = [self.choices[k].record() for k in sorted(self.choices)]
+        first = choices[0] if choices else None
+        return {
+            "response_id": self.response_id,
+            "model": self.model,
+            "prompt_token_ids": self.prompt_token_ids,
+            "choices": choices,
+            "output_token_ids": first["token_ids"] if first else None,
+            "text": first["text"] if first else None,
+            "reasoning": first["reasoning"] if first else None,
+            "tool_calls": first["tool_calls"] if first else [],
+            "finish_reason": first["finish_reason"] if first else None,
+            "usage": self.usage,
+        }
+
+
+class ChatAccumulator(Accumulator):
+    kind = CHAT
+
+    def add_body(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        self._head(body)
+        if isinstance(body.get("prompt_token_ids"), list):
+            self.prompt_token_ids = body["prompt_token_ids"]
+        for ch in body.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            c = self.choice(ch.get("index", 0))
+            msg = ch.get("message") or {}
+            if isinstance(msg, dict):
+                c.role = msg.get("role")
+                if isinstance(msg.get("content"), str):
+                    c.text.append(msg["content"])
+                r = msg.get("reasoning_content") or msg.get("reasoning")
+                if isinstance(r, str):
+                    c.reasoning.append(r)
+                for i, tc in enumerate(msg.get("tool_calls") or ()):
+                    if isinstance(tc, dict):
+                        c.add_tool_delta({**tc, "index": i}, i)
+            c.add_token_ids(ch.get("token_ids"))
+            lp = ch.get("logprobs")
+            if isinstance(lp, dict):
+                c.logprobs.extend(_chat_logprobs(lp.get("content")))
+            c.finish_reason = ch.get("finish_reason")
+            c.stop_reason = ch.get("stop_reason")
+
+    def add_event(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self.events += 1
+        self._head(obj)
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_token_ids = obj["prompt_token_ids"]
+        output = False
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            c = self.choice(ch.get("index", 0))
+            delta = ch.get("delta") or {}
+            if isinstance(delta, dict):
+                if delta.get("role"):
+                    c.role = delta["role"]
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    c.text.append(content)
+                    output = True
+                r = delta.get("reasoning_content") or delta.get("reasoning")
+                if isinstance(r, str) and r:
+                    c.reasoning.append(r)
+                    output = True
+                for i, tc in enumerate(delta.get("tool_calls") or ()):
+                    if isinstance(tc, dict):
+                        c.add_tool_delta(tc, i)
+                        output = True
+            ids = ch.get("token_ids")
+            if ids:
+                output = True
+            c.add_token_ids(ids)
+            lp = ch.get("logprobs")
+            if isinstance(lp, dict) and lp.get("content"):
+                c.raw_chat_logprobs.append(lp["content"])
+            if ch.get("finish_reason") is not None:
+                c.finish_reason = ch["finish_reason"]
+                c.stop_reason = ch.get("stop_reason")
+        return output
+
+
+class CompletionAccumulator(Accumulator):
+    kind = COMPLETIONS
+
+    def _fold(self, ch: dict) -> bool:
+        c = self.choice(ch.get("index", 0))
+        text = ch.get("text")
+        output = False
+        if isinstance(text, str) and text:
+            c.text.append(text)
+            output = True
+        ids = ch.get("token_ids")
+        if ids:
+            output = True
+        c.add_token_ids(ids)
+        if isinstance(ch.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
+            self.prompt_token_ids = ch["prompt_token_ids"]
+        c.logprobs.extend(_completion_logprobs(ch.get("logprobs")))
+        if ch.get("finish_reason") is not None:
+            c.finish_reason = ch["finish_reason"]
+            c.stop_reason = ch.get("stop_reason")
+        return output
+
+    def add_body(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        self._head(body)
+        for ch in body.get("choices") or ():
+            if isinstance(ch, dict):
+                self._fold(ch)
+
+    def add_event(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self.events += 1
+        self._head(obj)
+        output = False
+        for ch in obj.get("choices") or ():
+            if isinstance(ch, dict):
+                output = self._fold(ch) or output
+        return output
+
+
+class MessagesAccumulator(Accumulator):
+    """Anthropic Messages (vLLM's /v1/messages): content blocks, stop_reason, usage."""
+
+    kind = MESSAGES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._blocks: dict[int, dict] = {}
+
+    def _block(self, index: Any, block: dict | None = None) -> dict:
+        if not isinstance(index, int):
+            index = len(self._blocks)
+        b = self._blocks.get(index)
+        if b is None:
+            b = self._blocks[index] = {"type": "text", "text": "", "thinking": "", "id": None, "name": "", "json": ""}
+        if isinstance(block, dict):
+            b["type"] = block.get("type", b["type"])
+            if block.get("type") == "tool_use":
+                b["id"] = block.get("id")
+                b["name"] = block.get("name") or ""
+                inp = block.get("input")
+                if inp not in (None, {}):
+                    b["json"] = orjson.dumps(inp).decode()
+            elif isinstance(block.get("text"), str):
+                b["text"] += block["text"]
+            elif isinstance(block.get("thinking"), str):
+                b["thinking"] += block["thinking"]
+        return b
+
+    def _usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self.usage = {**(self.usage or {}), **usage}
+
+    def add_body(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        if isinstance(body.get("id"), str):
+            self.response_id = body["id"]
+        if isinstance(body.get("model"), str):
+            self.model = body["model"]
+        self._usage(body.get("usage"))
+        for i, block in enumerate(body.get("content") or ()):
+            if isinstance(block, dict):
+                self._block(i, block)
+        c = self.choice(0)
+        c.finish_reason = body.get("stop_reason")
+        c.stop_reason = body.get("stop_sequence")
+
+    def add_event(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self.events += 1
+        t = obj.get("type")
+        output = False
+        if t == "message_start" and isinstance(obj.get("message"), dict):
+            m = obj["message"]
+            self.response_id = m.get("id")
+            self.model = m.get("model")
+            self._usage(m.get("usage"))
+        elif t == "content_block_start":
+            self._block(obj.get("index"), obj.get("content_block"))
+        elif t == "content_block_delta":
+            b = self._block(obj.get("index"))
+            d = obj.get("delta") or {}
+            dt = d.get("type")
+            if dt == "text_delta" and isinstance(d.get("text"), str):
+                b["text"] += d["text"]
+                output = bool(d["text"])
+            elif dt == "input_json_delta" and isinstance(d.get("partial_json"), str):
+                b["json"] += d["partial_json"]
+                output = True
+            elif dt == "thinking_delta" and isinstance(d.get("thinking"), str):
+                b["thinking"] += d["thinking"]
+                output = bool(d["thinking"])
+        elif t == "message_delta":
+            d = obj.get("delta") or {}
+            c = self.choice(0)
+            if d.get("stop_reason") is not None:
+                c.finish_reason = d["stop_reason"]
+            c.stop_reason = d.get("stop_sequence")
+            self._usage(obj.get("usage"))
+        return output
+
+    def result(self) -> dict:
+        c = self.choice(0)
+        c.text = []
+        c.reasoning = []
+        c.tool_calls = {}
+        for i in sorted(self._blocks):
+            b = self._blocks[i]
+            if b["type"] == "tool_use":
+                c.tool_calls[i] = {"id": b["id"], "type": "function", "name": b["name"], "arguments": b["json"] or "{}"}
+            elif b["type"] == "thinking":
+                c.reasoning.append(b["thinking"])
+            else:
+                c.text.append(b["text"])
+        return super().result()
+
+
+ACCUMULATORS: dict[str, type[Accumulator]] = {
+    CHAT: ChatAccumulator,
+    COMPLETIONS: CompletionAccumulator,
+    MESSAGES: MessagesAccumulator,
+}

@@ -1,0 +1,173 @@
+"""The recorder: one turn record per LLM request, written to the store.
+
+A turn holds the client's request (without credentials or cookies), what the proxy injected,
+the primary's prompt and output token ids, top-k logprobs, text, reasoning, tool calls, finish
+reason, usage, status, state (``ok``, ``upstream_error``, ``aborted``, ``error``) and timings
+(TTFB, TTFT, total). A body that is not JSON is recorded as unparsed text (truncated), never
+dropped. Store writes are submitted to the store's writer thread and never awaited on the
+request path; a full store (`StoreFullError`) is counted and proxying goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tensorverse.proxy import flow as F
+from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.proxy.protocol import ACCUMULATORS, SSEEvent
+
+log = logging.getLogger("tensorverse.proxy.recorder")
+
+DEFAULT_REDACTED = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"})
+
+
+def _text(raw: bytes | None, limit: int) -> str | None:
+    if raw is None:
+        return None
+    return raw[:limit].decode("utf-8", "replace")
+
+
+class Recorder(Addon):
+    name = "recorder"
+
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        primary: str = "primary",
+        redacted_headers: frozenset[str] | set[str] = DEFAULT_REDACTED,
+        max_unparsed_bytes: int = 64 << 10,
+    ) -> None:
+        self.store = store
+        self.primary = primary
+        self.redacted = frozenset(h.lower() for h in redacted_headers) | DEFAULT_REDACTED
+        self.max_unparsed_bytes = max_unparsed_bytes
+        self.counters = {"recorded": 0, "store_full": 0, "store_errors": 0, "unparsed_requests": 0,
+                         "unparsed_events": 0}
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counters)
+
+    # -- accumulation (on the relay path: cheap, synchronous) ----------------------------------
+    def response_start(self, flow: Flow) -> None:
+        if (flow.status or 500) < 400:
+            flow.meta["acc"] = ACCUMULATORS[flow.kind]()  # type: ignore[index]
+
+    def event(self, flow: Flow, ev: SSEEvent) -> None:
+        acc = flow.meta.get("acc")
+        if acc is None or ev.done or ev.data is None:
+            return
+        obj = ev.json
+        if obj is None:
+            self.counters["unparsed_events"] += 1
+            flow.meta["unparsed_events"] = flow.meta.get("unparsed_events", 0) + 1
+            return
+        if acc.add_event(obj) and flow.t_first_token is None:
+            flow.t_first_token = time.perf_counter()
+
+    def response_body(self, flow: Flow) -> None:
+        acc = flow.meta.get("acc")
+        if acc is not None:
+            acc.add_body(flow.response_json)
+
+    # -- the record ----------------------------------------------------------------------------
+    def headers(self, flow: Flow) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, value in flow.headers.items():
+            low = name.lower()
+            if low in self.redacted:
+                continue
+            out[low] = f"{out[low]}, {value}" if low in out else value
+        return out
+
+    def build_turn(self, flow: Flow) -> dict[str, Any]:
+        req = flow.request_json
+        turn: dict[str, Any] = {
+            "id": flow.meta.get("turn_id") or f"{flow.start_ns:016x}{flow.id}",
+            "session_id": flow.session_id,
+            "index": flow.turn_index if flow.turn_index is not None else 0,
+            "created_ns": flow.start_ns,
+            "endpoint": flow.kind,
+            "method": flow.method,
+            "path": flow.path,
+            "backend": self.primary,
+            "request_headers": self.headers(flow),
+            "state": flow.state,
+            "status": flow.status,
+            "error": flow.error,
+            "timings": flow.timings(),
+            "injected": dict(flow.injected),
+            "retried_without_injection": flow.retried_without_injection,
+        }
+        if isinstance(req, dict):
+            turn["request"] = req
+            turn["model"] = req.get("model")
+            turn["stream"] = bool(req.get("stream"))
+            turn["tools_offered"] = bool(req.get("tools"))
+        else:
+            self.counters["unparsed_requests"] += 1
+            turn["request"] = None
+            turn["request_unparsed"] = True
+            turn["request_parse_error"] = flow.request_parse_error
+            turn["request_text"] = _text(flow.body, self.max_unparsed_bytes)
+            turn["model"] = None
+            turn["stream"] = False
+            turn["tools_offered"] = False
+        acc = flow.meta.get("acc")
+        if acc is not None:
+            turn.update(acc.result())
+            turn["events"] = acc.events if flow.stream else None
+            if not turn.get("model"):
+                turn["model"] = acc.model
+        else:
+            turn.update(prompt_token_ids=None, output_token_ids=None, choices=[], text=None, reasoning=None,
+                        tool_calls=[], finish_reason=None, usage=None, response_id=None)
+        if flow.response_body is not None and (flow.response_json is None or (flow.status or 0) >= 400):
+            turn["response_text"] = _text(flow.response_body, self.max_unparsed_bytes)
+            turn["response_unparsed"] = flow.response_json is None
+        if flow.meta.get("unparsed_events"):
+            turn["unparsed_events"] = flow.meta["unparsed_events"]
+        if flow.sse_tail:
+            turn["stream_tail"] = _text(flow.sse_tail, self.max_unparsed_bytes)
+        if flow.state == F.OK and flow.stream and acc is not None and not any(
+            c.get("finish_reason") for c in turn["choices"]
+        ):
+            turn["incomplete"] = True  # a stream that ended without a finish reason
+        return turn
+
+    async def _record(self, flow: Flow) -> None:
+        if flow.session_id is None:
+            return
+        turn = self.build_turn(flow)
+        flow.meta["turn"] = turn
+        self.counters["recorded"] += 1
+        if self.store is None:
+            return
+        try:
+            fut = self.store.put_turn(turn)
+        except Exception as e:  # noqa: BLE001 - a closed/broken store never breaks proxying
+            self._failed(turn, e)
+            return
+        flow.meta["turn_future"] = fut
+        fut.add_done_callback(lambda f: self._failed(turn, f.exception()) if f.exception() else None)
+
+    def _failed(self, turn: dict, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        from tensorverse.store import StoreFullError
+
+        if isinstance(exc, StoreFullError):
+            self.counters["store_full"] += 1
+            if self.counters["store_full"] in (1, 10, 100) or self.counters["store_full"] % 1000 == 0:
+                log.warning("store full: turn %s not recorded (%d so far)", turn["id"], self.counters["store_full"])
+        else:
+            self.counters["store_errors"] += 1
+            log.warning("turn %s not recorded: %s", turn["id"], exc)
+
+    async def response_done(self, flow: Flow) -> None:
+        await self._record(flow)
+
+    async def error(self, flow: Flow) -> None:
+        await self._record(flow)

@@ -1,0 +1,159 @@
+"""Assemble the proxy from a `Config`: core + addons (sessions, recorder, injection, shadow tee)
++ the admin listener; and `run` it until SIGINT/SIGTERM (``tensorverse proxy --config FILE``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from tensorverse.config import Config
+from tensorverse.proxy.admin import Ingest, make_admin_app
+from tensorverse.proxy.core import ProxyCore
+from tensorverse.proxy.inject import Injector
+from tensorverse.proxy.recorder import Recorder
+from tensorverse.proxy.sessions import Sessions
+from tensorverse.proxy.tee import CapturePolicy, ShadowRunner, ShadowTee, runner_from_config, tee_backends_from_config
+
+log = logging.getLogger("tensorverse.proxy")
+
+
+class Proxy:
+    """The whole proxy. ``await start()`` then ``await close()``; ``port``/``admin_port`` after start.
+
+    ``store``: an open `tensorverse.store.Store` (default: opened from ``[store]``; pass one to
+    share it, or ``False`` for none). ``runner``: the shadow runner (default: the shadow
+    package's, `tensorverse.proxy.tee.PackageRunner`); ``tee_backends``: override the shadows.
+    """
+
+    def __init__(self, config: Config, *, store: Any = None, runner: ShadowRunner | None = None,
+                 tee_backends: list | None = None) -> None:
+        self.config = config
+        self._own_store = store is None
+        if store is None:
+            from tensorverse.store import Store
+
+            store = Store.open(config.store.path, max_size=config.store.max_size_bytes, durable=config.store.durable)
+        self.store = store or None
+        c = config
+        self.sessions = Sessions(
+            self.store,
+            header=c.sessions.header,
+            tags_header=c.sessions.tags_header,
+            tags=c.sessions.tags,
+            idle_timeout_s=c.sessions.idle_timeout_s,
+            max_tracked=c.sessions.max_tracked,
+        )
+        addons: list[Any] = []
+        if c.recording.enabled:
+            self.recorder: Recorder | None = Recorder(
+                self.store, primary=c.primary.name, redacted_headers=c.recording.redacted(),
+                max_unparsed_bytes=c.recording.max_unparsed_bytes,
+            )
+            self.injector: Injector | None = Injector(
+                return_token_ids=c.recording.return_token_ids, top_logprobs=c.recording.top_logprobs
+            )
+            addons += [self.sessions, self.recorder, self.injector]
+        else:
+            self.recorder = self.injector = None
+        if tee_backends is None:
+            tee_backends = tee_backends_from_config(c) if c.shadows else []
+        if runner is None and tee_backends and c.capture.enabled and c.recording.enabled:
+            runner = runner_from_config(c, self.store, tee_backends)
+        self.tee = ShadowTee(
+            runner if c.capture.enabled else None,
+            tee_backends,
+            store=self.store,
+            policy=CapturePolicy.from_config(c.capture),
+            modes=c.capture.modes,
+            queue_size=c.shadow.queue_size,
+            workers=c.shadow.workers,
+        )
+        if c.recording.enabled and tee_backends:
+            if runner is None:
+                log.warning("no shadow runner available: %d shadow backend(s) configured but not run",
+                            len(tee_backends))
+            addons.append(self.tee)
+        self.core = ProxyCore(
+            c.primary.url,
+            addons,
+            max_body_bytes=c.proxy.max_body_bytes,
+            connect_timeout_s=c.proxy.connect_timeout_s,
+            read_timeout_s=c.proxy.read_timeout_s,
+            upstream_prefix=c.proxy.upstream_prefix,
+            max_connections=c.proxy.max_connections,
+            strip_header_prefixes=("x-tensorverse-",) if c.proxy.strip_tensorverse_headers else (),
+        )
+        self.ingest = Ingest(self.store, c.admin.resolved_token(), max_bytes=c.admin.max_ingest_bytes)
+        self._admin_runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self.admin_port: int | None = None
+
+    def stats(self) -> dict[str, Any]:
+        s = self.core.stats()
+        s["ingest"] = dict(self.ingest.counters)
+        return s
+
+    async def start(self) -> None:
+        c = self.config
+        if self.store is not None:
+            await self._register_backends()
+        self.port = await self.core.start(c.proxy.host, c.proxy.port)
+        if c.admin.enabled:
+            self._admin_runner = web.AppRunner(make_admin_app(self.stats, self.ingest), access_log=None)
+            await self._admin_runner.setup()
+            site = web.TCPSite(self._admin_runner, c.admin.host, c.admin.port)
+            await site.start()
+            server = site._server  # noqa: SLF001
+            self.admin_port = server.sockets[0].getsockname()[1] if server and server.sockets else c.admin.port
+        if c.admin.resolved_token() is None:
+            log.info("admin token not set: the capture ingest endpoint is disabled")
+        log.info("tensorverse proxy on %s:%s -> %s (admin %s:%s, store %s, %d shadow(s))",
+                 c.proxy.host, self.port, c.primary.url, c.admin.host, self.admin_port, c.store.path,
+                 len(self.tee.backends))
+
+    async def _register_backends(self) -> None:
+        """Backend records (never credentials): the shadow runner finds the primary's URL here
+        for its tokenizer check, and the viewer labels lanes with roles and settings."""
+        c = self.config
+        records = [(c.primary.name, {"url": c.primary.url, "role": "primary", "settings": c.primary.settings})]
+        records += [(s.name, {"url": s.url, "role": s.role, "model": s.model}) for s in c.shadows]
+        try:
+            for name, info in records:
+                await asyncio.wrap_future(self.store.put_backend(name, info))
+        except Exception as e:  # noqa: BLE001 - a full or broken store never stops the proxy
+            log.warning("could not record backends in the store: %s", e)
+
+    async def close(self) -> None:
+        await self.core.close()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
+        if self._own_store and self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+async def serve(config: Config) -> None:
+    proxy = Proxy(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
+            pass
+    await proxy.start()
+    print(f"tensorverse proxy listening on {config.proxy.host}:{proxy.port} -> {config.primary.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await proxy.close()
+
+
+def run(config: Config) -> int:
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,299 @@
+"""The shadow tee: selected turns go to the shadow backends, off the agent's path.
+
+After the primary's response is complete (the hooks run in the background, see
+`tensorverse.proxy.flow`), the capture policy decides whether the turn is shadowed. A selected
+turn is put on a bounded queue without waiting: when the queue is full it is dropped and
+counted. Workers take turns off the queue and call the shadow runner once per backend, each
+under the backend's concurrency limit and timeout. Failures, timeouts and garbage from a shadow
+are counted and logged; nothing reaches the agent.
+
+The runner is any async callable ``runner(turn, backends, store, *, modes)`` (the shadow
+runner's ``shadow_turn``); tests and benchmarks pass their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol, Sequence
+
+from tensorverse.proxy import flow as F
+from tensorverse.proxy.flow import Addon, Flow
+
+log = logging.getLogger("tensorverse.proxy.tee")
+
+
+class ShadowRunner(Protocol):
+    def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Awaitable[Any]: ...
+
+
+@dataclass
+class CapturePolicy:
+    """Which turns are shadowed (config section ``[capture]``)."""
+
+    enabled: bool = True
+    only_with_tools: bool = False
+    sample: float = 1.0
+    per_minute: int = 0
+    endpoints: tuple[str, ...] = ("chat.completions", "completions")
+    rng: Callable[[], float] = random.random
+    clock: Callable[[], float] = time.monotonic
+    _recent: deque = field(default_factory=deque, repr=False)
+
+    @classmethod
+    def from_config(cls, capture: Any, **kw: Any) -> "CapturePolicy":
+        return cls(
+            enabled=capture.enabled,
+            only_with_tools=capture.only_with_tools,
+            sample=capture.sample,
+            per_minute=capture.per_minute,
+            endpoints=tuple(capture.endpoints),
+            **kw,
+        )
+
+    def reject_reason(self, flow: Flow, turn: dict | None) -> str | None:
+        """None when the turn is selected, else why not (a counter name)."""
+        if not self.enabled:
+            return "disabled"
+        if turn is None or flow.state != F.OK:
+            return "not_ok"
+        if flow.kind not in self.endpoints:
+            return "endpoint"
+        if self.only_with_tools and not turn.get("tools_offered"):
+            return "no_tools"
+        if not turn.get("prompt_token_ids") or turn.get("output_token_ids") is None:
+            return "no_token_ids"
+        if self.sample < 1.0 and self.rng() >= self.sample:
+            return "sampled_out"
+        if self.per_minute:
+            now = self.clock()
+            while self._recent and now - self._recent[0] >= 60.0:
+                self._recent.popleft()
+            if len(self._recent) >= self.per_minute:
+                return "over_budget"
+            self._recent.append(now)
+        return None
+
+
+@dataclass
+class TeeBackend:
+    """A shadow backend as the tee schedules it: the runner's backend object plus limits."""
+
+    name: str
+    backend: Any  # passed to the runner as is (tensorverse.shadow.backend.Backend)
+    concurrency: int = 2
+    timeout_s: float = 120.0
+    modes: tuple[str, ...] | None = None
+    _sem: asyncio.Semaphore | None = field(default=None, repr=False)
+
+
+class ShadowTee(Addon):
+    name = "shadow"
+
+    def __init__(
+        self,
+        runner: ShadowRunner | None,
+        backends: Sequence[TeeBackend],
+        *,
+        store: Any = None,
+        policy: CapturePolicy | None = None,
+        modes: Sequence[str] = ("forced", "free"),
+        queue_size: int = 256,
+        workers: int = 4,
+        wait_for_turn_s: float = 30.0,
+    ) -> None:
+        self.runner = runner
+        self.backends = list(backends)
+        self.store = store
+        self.policy = policy or CapturePolicy()
+        self.modes = tuple(modes)
+        self.queue_size = queue_size
+        self.n_workers = workers
+        self.wait_for_turn_s = wait_for_turn_s
+        self._queue: asyncio.Queue | None = None
+        self._workers: list[asyncio.Task] = []
+        self.counters: dict[str, Any] = {
+            "queued": 0,
+            "dropped_queue_full": 0,
+            "skipped": {},
+            "turns_done": 0,
+            "backend": {b.name: {"ok": 0, "failed": 0, "timed_out": 0} for b in self.backends},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "queue_depth": self._queue.qsize() if self._queue else 0,
+                "queue_size": self.queue_size}
+
+    async def start(self) -> None:
+        self._queue = asyncio.Queue(maxsize=self.queue_size)
+        for b in self.backends:
+            b._sem = asyncio.Semaphore(b.concurrency)
+        if self.runner is not None and self.backends:
+            self._workers = [asyncio.get_running_loop().create_task(self._work()) for _ in range(self.n_workers)]
+
+    async def stop(self) -> None:
+        close = getattr(self.runner, "close", None)
+        for w in self._workers:
+            w.cancel()
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # noqa: BLE001
+                log.exception("shadow runner failed to close")
+
+    async def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued turn is done (tests, shutdown); True if it emptied in time."""
+        if self._queue is None:
+            return True
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- the primary's side: never waits ----------------------------------------------------------
+    async def response_done(self, flow: Flow) -> None:
+        if self.runner is None or not self.backends or self._queue is None:
+            return
+        turn = flow.meta.get("turn")
+        reason = self.policy.reject_reason(flow, turn)
+        if reason is not None:
+            skipped = self.counters["skipped"]
+            skipped[reason] = skipped.get(reason, 0) + 1
+            return
+        try:
+            self._queue.put_nowait((turn, flow.meta.get("turn_future")))
+        except asyncio.QueueFull:
+            self.counters["dropped_queue_full"] += 1
+            n = self.counters["dropped_queue_full"]
+            if n in (1, 10, 100) or n % 1000 == 0:
+                log.warning("shadow queue full (%d): dropped turn %s (%d dropped so far)",
+                            self.queue_size, turn.get("id"), n)
+            return
+        self.counters["queued"] += 1
+
+    # -- the shadows' side ------------------------------------------------------------------------
+    async def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            turn, fut = await self._queue.get()
+            try:
+                await self._process(turn, fut)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a worker never dies
+                log.exception("shadow tee: turn %s failed", turn.get("id"))
+            finally:
+                self._queue.task_done()
+
+    async def _process(self, turn: dict, fut: Any) -> None:
+        if fut is not None:  # the turn must be committed before runs refer to it
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(fut), self.wait_for_turn_s)
+            except Exception:  # noqa: BLE001 - store full/failed: shadow anyway, results may not store
+                pass
+        await asyncio.gather(*(self._run_one(turn, b) for b in self.backends))
+        finish = getattr(self.runner, "finish", None)
+        if finish is not None:  # e.g. compare the turn's runs once all backends are done
+            try:
+                await finish(turn, self.store)
+            except Exception as e:  # noqa: BLE001
+                log.warning("shadow tee: finishing turn %s failed: %s", turn.get("id"), e)
+        self.counters["turns_done"] += 1
+
+    async def _run_one(self, turn: dict, b: TeeBackend) -> None:
+        c = self.counters["backend"][b.name]
+        assert b._sem is not None and self.runner is not None
+        async with b._sem:
+            try:
+                await asyncio.wait_for(
+                    self.runner(turn, [b.backend], self.store, modes=b.modes or self.modes), b.timeout_s
+                )
+                c["ok"] += 1
+            except asyncio.TimeoutError:
+                c["timed_out"] += 1
+                log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.get("id"), b.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - shadow failures never surface
+                c["failed"] += 1
+                log.warning("shadow %s: turn %s failed: %s: %s", b.name, turn.get("id"), type(e).__name__, e)
+
+
+def _backend(sb: Any, *, topk_only: bool = False) -> Any:
+    from tensorverse.shadow.backend import Backend
+
+    return Backend(
+        name=sb.name,
+        url=sb.url,
+        model=sb.model,
+        api_key=sb.resolved_api_key(),
+        role=sb.role,
+        timeout_s=sb.timeout_s,
+        capture="topk" if topk_only else sb.capture,
+        concurrency=sb.concurrency,
+        logprobs=sb.logprobs,
+        headers=dict(sb.headers),
+    )
+
+
+def tee_backends_from_config(cfg: Any) -> list[TeeBackend]:
+    """The configured shadows (those `capture.backends` selects) as tee backends, with the shadow
+    runner's `Backend` objects (their own credentials: never the client's)."""
+    topk = cfg.capture.logits == "topk"
+    return [
+        TeeBackend(sb.name, _backend(sb, topk_only=topk), sb.concurrency, sb.timeout_s,
+                   tuple(sb.modes) if sb.modes else None)
+        for sb in cfg.selected_backends()
+    ]
+
+
+class PackageRunner:
+    """The tee's runner over `tensorverse.shadow.runner.ShadowRunner`: one runner for the
+    process (it caches each backend's capabilities and tokenizer fingerprint), called once per
+    (turn, backend); `finish` compares the turn's runs once every backend is done."""
+
+    def __init__(self, store: Any, backends: Sequence[Any], primary: Any = None, **kwargs: Any) -> None:
+        from tensorverse.shadow.runner import ShadowRunner as _Runner
+
+        self._runner = _Runner(store, list(backends), primary=primary, **kwargs)
+
+    async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Any:
+        runs = await self._runner.run_turn(turn, modes=modes, backends=list(backends))
+        bad = [r for r in runs[1:] if r.get("status") not in ("ok", None)]
+        if bad and len(bad) == len(runs) - 1:
+            raise RuntimeError("; ".join(f"{r.get('mode')}: {r.get('status')} {r.get('error') or ''}".strip()
+                                         for r in bad))
+        return runs
+
+    async def finish(self, turn: dict, store: Any) -> None:
+        from tensorverse.shadow.compare import compare_turn
+
+        await asyncio.to_thread(compare_turn, store, turn["id"])
+
+    async def close(self) -> None:
+        await self._runner.close()
+
+
+def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend]) -> Any:
+    """The shadow package's runner for this configuration (None when it is not installed)."""
+    try:
+        from tensorverse.shadow.backend import Backend
+    except ImportError:  # pragma: no cover
+        return None
+    primary = Backend(name=cfg.primary.name, url=cfg.primary.url, role="primary",
+                      api_key=cfg.primary.resolved_api_key())
+    positions = None if cfg.capture.positions == "all" else cfg.capture.positions
+    try:
+        return PackageRunner(store, [b.backend for b in tee_backends], primary,
+                             forced_positions=positions, free_positions=positions)
+    except ImportError:  # pragma: no cover
+        log.warning("the shadow runner is not available: shadows are not run")
+        return None

@@ -1,0 +1,405 @@
+"""Turn the stored runs of one turn into comparisons (candidate vs reference), stored with
+``store.put_comparison(run_id, ref_run_id, result)``.
+
+The reference for **forced** runs (aligned, position by position):
+
+1. the forced run of the ``secondary`` (the primary's exact config on another server) when one
+   ran, else of a designated ``reference`` backend: full-vocabulary rows on both sides give exact
+   metrics (``kind: full``); when either side has only API top-k, the metrics come from top-k
+   (``kind: topk``, ``approximate``);
+2. the primary's own recorded top-k logprobs (the ``recorded`` run): always top-k, approximate.
+   Every forced run is also compared with the primary this way when the primary's top-k was
+   recorded, so candidates and the secondary are measured alike: the secondary's comparison with
+   the primary is the **noise floor** (``noise_floor: true``), and each candidate's comparison with
+   the primary carries a ``noise`` verdict against it (:mod:`tensorverse.analysis.noise`).
+
+**Free** runs are compared with the primary's recorded output: divergence point and common prefix
+(:func:`tensorverse.analysis.flips.free_divergence`), the tool-call verdict of the candidate's
+text against the primary's (:func:`tensorverse.analysis.toolcalls.compare_tool_calls`), and
+whether the branch happens where the same backend's forced run first preferred another token than
+the primary's (``forced_departure``, ``confirms_forced``).
+
+A chat-template mismatch recorded on a run is carried as ``template_mismatch`` (never counted as
+a flip). Runs refused by the same-dictionary check have no comparisons.
+
+Result keys (forced): ``turn_id``, ``mode``, ``kind`` (``full``/``topk``), ``backend``,
+``ref_backend``, ``role``, ``ref_role``, ``approximate``, ``noise_floor``, ``n``, ``positions``
+(compared output positions), ``incomplete`` (rows missing on either side), ``summary``
+(:func:`tensorverse.analysis.metrics.summarize`, with regions), ``flips`` (positions),
+``first_flip``, ``flip_tokens`` (per flip: position, token, ref_top1, cand_top1), ``metrics``
+(per-position columns), ``regions``, ``template_mismatch``, ``noise`` (candidate vs noise floor).
+Free: ``divergence`` (``position``, ``common_prefix``, ``kind``, ``ref_token``, ``cand_token``...),
+``common_prefix``, ``diverged``, ``tool_calls`` (verdict dict), ``verdict``, ``forced_departure``,
+``confirms_forced``, ``template_mismatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Collection, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tensorverse.analysis.flips import forced_flips, free_divergence
+from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics, position_metrics, summarize
+from tensorverse.analysis.noise import compare_flip_rates
+from tensorverse.analysis.regions import tag_regions
+from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
+from tensorverse.analysis.topk import topk_position_metrics
+from tensorverse.store.codec import decode_row
+
+__all__ = ["compare_turn", "compare_runs", "select_reference", "load_rows", "latest_runs",
+           "CHUNK"]
+
+log = logging.getLogger("tensorverse.shadow")
+
+CHUNK = 64  # rows decoded and compared at a time (64 x 151,936 float32 = 39 MB per side)
+_REF_ROLES = ("secondary", "reference")
+
+
+def latest_runs(runs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The latest run per (backend, mode)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in runs:
+        key = (r.get("backend"), r.get("mode"))
+        cur = out.get(key)
+        if cur is None or (r.get("created_ns") or 0) >= (cur.get("created_ns") or 0):
+            out[key] = dict(r)
+    return out
+
+
+def _full(run: Mapping[str, Any] | None) -> bool:
+    return bool(run) and run.get("status") == "ok" and run.get("capture") == "full"
+
+
+def _has_topk(run: Mapping[str, Any] | None, n: int) -> bool:
+    tl = (run or {}).get("top_logprobs")
+    return isinstance(tl, list) and len(tl) >= n and all(e for e in tl[:n])
+
+
+def select_reference(forced: Sequence[Mapping[str, Any]],
+                     roles: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The forced reference run: a secondary's, else a reference's; full capture preferred."""
+    roles = roles or {}
+    ok = [r for r in forced if r.get("status") == "ok"]
+    for role in _REF_ROLES:
+        cands = sorted((r for r in ok if roles.get(r["backend"], r.get("role")) == role),
+                       key=lambda r: (not _full(r), r["backend"]))
+        if cands:
+            return dict(cands[0])
+    return None
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    if a.dtype == np.uint16:  # bfloat16 bit patterns
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a
+
+
+def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
+    """Decode the rows of ``positions`` of a run into one float32 matrix."""
+    rows = [_widen(decode_row(store.read_row(run_id, p), record=f"{run_id}@{p}")) for p in positions]
+    if not rows:
+        return np.zeros((0, 0), np.float32)
+    widths = {r.shape[-1] for r in rows}
+    if len(widths) != 1:
+        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}")
+    return np.stack([r.reshape(-1) for r in rows]).astype(np.float32, copy=False)
+
+
+def _row_positions(store: Any, run: Mapping[str, Any], n: int) -> list[int]:
+    """Positions < n whose row the run has in the store."""
+    rows = run.get("rows") or {}
+    if rows.get("complete") and rows.get("expected") == n:
+        return list(range(n))
+    have = []
+    for p in range(n):
+        try:
+            store.read_row(run["id"], p)
+        except KeyError:
+            continue
+        have.append(p)
+    return have
+
+
+def _concat(parts: list[PositionMetrics]) -> PositionMetrics:
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    return PositionMetrics(
+        top1_agree=cat("top1_agree"), kl=cat("kl"), delta_p=cat("delta_p"), margin=cat("margin"),
+        rank=cat("rank"), entropy=cat("entropy"), ref_top1=cat("ref_top1"),
+        cand_top1=cat("cand_top1"), tokens=cat("tokens"),
+    )
+
+
+def _full_metrics(store: Any, ref: Mapping[str, Any], cand: Mapping[str, Any],
+                  tokens: Sequence[int]) -> tuple[PositionMetrics, list[int], bool]:
+    n = len(tokens)
+    both = sorted(set(_row_positions(store, ref, n)) & set(_row_positions(store, cand, n)))
+    if not both:
+        raise AnalysisInputError("no position has a captured row on both sides")
+    parts = []
+    for s in range(0, len(both), CHUNK):
+        ps = both[s: s + CHUNK]
+        r = load_rows(store, ref["id"], ps)
+        c = load_rows(store, cand["id"], ps)
+        if r.shape[1] != c.shape[1]:
+            raise AnalysisInputError(
+                f"rows of {ref['backend']} have {r.shape[1]} logits, rows of {cand['backend']} "
+                f"{c.shape[1]}: different vocabularies cannot be compared")
+        parts.append(position_metrics(r, c, [tokens[p] for p in ps]))
+    return _concat(parts), both, len(both) < n
+
+
+def _columns(m: PositionMetrics) -> dict[str, list[Any]]:
+    return {
+        "top1_agree": m.top1_agree.tolist(),
+        "kl": m.kl.tolist(),
+        "delta_p": m.delta_p.tolist(),
+        "margin": m.margin.tolist(),
+        "rank": m.rank.tolist(),
+        "entropy": m.entropy.tolist(),
+        "ref_top1": m.ref_top1.tolist(),
+        "cand_top1": m.cand_top1.tolist(),
+        **({"rank_lower_bound": m.rank_lower_bound.tolist()}
+           if m.rank_lower_bound is not None else {}),
+    }
+
+
+def _template_mismatch(*runs: Mapping[str, Any] | None) -> bool:
+    return any(((r or {}).get("template") or {}).get("status") == "template_mismatch" for r in runs)
+
+
+def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
+                   tokens: Sequence[int], *, pieces: Sequence[str] | None = None,
+                   roles: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """One forced-mode comparison (full rows when both runs have them, else top-k)."""
+    roles = roles or {}
+    n = len(tokens)
+    role = roles.get(cand["backend"], cand.get("role"))
+    ref_role = roles.get(ref["backend"], ref.get("role"))
+    result: dict[str, Any] = {
+        "turn_id": cand.get("turn_id"),
+        "mode": "forced",
+        "backend": cand["backend"],
+        "ref_backend": ref["backend"],
+        "role": role,
+        "ref_role": ref_role,
+        "noise_floor": role == "secondary" and ref_role == "primary",
+        "template_mismatch": _template_mismatch(cand, ref),
+        "status": "ok",
+    }
+    incomplete = False
+    if _full(cand) and _full(ref):
+        m, positions, incomplete = _full_metrics(store, ref, cand, tokens)
+        kind = "full"
+    elif _has_topk(cand, n) and _has_topk(ref, n):
+        k = min(int(cand.get("k") or 0) or 10**9, int(ref.get("k") or 0) or 10**9)
+        m = topk_position_metrics(ref["top_logprobs"][:n], cand["top_logprobs"][:n], list(tokens),
+                                  k=None if k == 10**9 else k)
+        positions = list(range(n))
+        kind = "topk"
+    else:
+        raise AnalysisInputError(
+            f"{cand['backend']} ({cand.get('capture')}) and {ref['backend']} ({ref.get('capture')}) "
+            "have neither full rows nor top-k logprobs for every position on both sides")
+    regions = None
+    if pieces is not None and len(pieces) == n:
+        all_regions = tag_regions(list(pieces))
+        regions = [all_regions[p] for p in positions]
+    flips_local = forced_flips(m)
+    flips = [positions[i] for i in flips_local]
+    result.update({
+        "kind": kind,
+        "approximate": kind != "full",
+        "n": len(positions),
+        "positions": positions if incomplete else None,
+        "incomplete": incomplete,
+        "summary": summarize(m, regions),
+        "flips": flips,
+        "first_flip": flips[0] if flips else None,
+        "flip_tokens": [{"position": positions[i], "token": int(m.tokens[i]),
+                         "ref_top1": int(m.ref_top1[i]), "cand_top1": int(m.cand_top1[i]),
+                         "region": regions[i] if regions else None} for i in flips_local[:256]],
+        "metrics": _columns(m),
+        "regions": regions,
+    })
+    if result["summary"].get("first_flip") is not None:
+        result["summary"]["first_flip"] = flips[0]
+    return result
+
+
+def _forced_departure(forced: Mapping[str, Any] | None, tokens: Sequence[int],
+                      store: Any) -> int | None:
+    """First position where a backend's forced run preferred another token than the primary's."""
+    if not forced or forced.get("status") != "ok":
+        return None
+    n = len(tokens)
+    if _full(forced) and store is not None:
+        for s in range(0, n, CHUNK):
+            ps = list(range(s, min(n, s + CHUNK)))
+            try:
+                rows = load_rows(store, forced["id"], ps)
+            except KeyError:
+                break
+            top = np.argmax(rows, axis=1)
+            for i, p in enumerate(ps):
+                if int(top[i]) != int(tokens[p]):
+                    return p
+        else:
+            return None
+    tl = forced.get("top_logprobs")
+    if isinstance(tl, list) and len(tl) >= n:
+        for p in range(n):
+            e = tl[p]
+            if not e:
+                return None
+            if int(e[0][0]) != int(tokens[p]):
+                return p
+    return None
+
+
+def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
+                 forced: Mapping[str, Any] | None = None, store: Any = None,
+                 roles: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """One free-mode comparison with the primary's recorded output."""
+    roles = roles or {}
+    ref_tokens = list(primary.get("token_ids") or [])
+    cand_tokens = list(cand.get("token_ids") or [])
+    d = free_divergence(ref_tokens, cand_tokens)
+    ref_x = extract_tool_calls(primary.get("text") or "", openai_tool_calls=primary.get("tool_calls"))
+    cand_x = extract_tool_calls(cand.get("text") or "")
+    verdict = compare_tool_calls(ref_x, cand_x)
+    forced_ok = bool(forced) and forced.get("status") == "ok"
+    departure = _forced_departure(forced, ref_tokens, store) if forced_ok else None
+    role = roles.get(cand["backend"], cand.get("role"))
+    return {
+        "turn_id": cand.get("turn_id"),
+        "mode": "free",
+        "kind": "tokens",
+        "backend": cand["backend"],
+        "ref_backend": primary.get("backend"),
+        "role": role,
+        "ref_role": "primary",
+        "noise_floor": role == "secondary",
+        "approximate": False,
+        "status": "ok",
+        "divergence": d.as_dict(),
+        "diverged": d.diverged,
+        "common_prefix": d.common_prefix,
+        "first_flip": d.position,
+        "tool_calls": verdict.to_dict(),
+        "verdict": verdict.verdict,
+        "ref_tool_calls": len(ref_x.calls),
+        "cand_tool_calls": len(cand_x.calls),
+        "forced_departure": departure,
+        "confirms_forced": (departure == d.position) if forced_ok else None,
+        "template_mismatch": _template_mismatch(cand),
+        "finish_reason": cand.get("finish_reason"),
+        "ref_finish_reason": primary.get("finish_reason"),
+    }
+
+
+def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
+                 roles: Mapping[str, str] | None = None, pieces: Sequence[str] | None = None,
+                 store_results: bool = True,
+                 backends: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """All comparisons of one turn's runs (see the module docstring); stored when asked.
+
+    ``backends``: only the comparisons that involve these backends (as candidate, or as the
+    reference or noise floor of others); None for all. The runner passes the backends it just
+    ran, so a proxy that shadows a turn backend by backend does not redo the others' work."""
+    latest = latest_runs(runs)
+    roles = dict(roles or {})
+    primary = next((r for (b, m), r in latest.items() if m == "recorded"), None)
+    if primary is None:
+        raise AnalysisInputError("the turn has no recorded primary run")
+    tokens = [int(t) for t in primary.get("token_ids") or []]
+    n = len(tokens)
+    if pieces is None:
+        pieces = primary.get("pieces")
+    forced = {b: r for (b, m), r in latest.items() if m == "forced"}
+    free = {b: r for (b, m), r in latest.items() if m == "free"}
+    ref = select_reference(list(forced.values()), roles)
+    out: list[dict[str, Any]] = []
+    floor_run = next((r for b, r in sorted(forced.items()) if r.get("status") == "ok"
+                      and roles.get(b, r.get("role")) == "secondary"), None)
+    pivots = {x["backend"] for x in (ref, floor_run) if x is not None}
+    everything = backends is None or bool(pivots & set(backends))
+
+    def wanted(b: str) -> bool:
+        return everything or b in (backends or ())
+
+    def add(result: dict[str, Any], run_id: str, ref_run_id: str) -> None:
+        result["run_id"] = run_id
+        result["ref_run_id"] = ref_run_id
+        out.append(result)
+
+    def failed(cand: Mapping[str, Any], refrun: Mapping[str, Any], mode: str, e: Exception) -> dict[str, Any]:
+        return {"turn_id": cand.get("turn_id"), "mode": mode, "backend": cand["backend"],
+                "ref_backend": refrun.get("backend"), "status": "error",
+                "error": f"{type(e).__name__}: {e}"}
+
+    vs_primary: dict[str, dict[str, Any]] = {}
+    for b, run in sorted(forced.items()):
+        if run.get("status") != "ok" or len(run.get("token_ids") or []) < n:
+            continue
+        if ref is not None and b != ref["backend"] and wanted(b):
+            try:
+                add(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles),
+                    run["id"], ref["id"])
+            except (AnalysisInputError, KeyError, ValueError) as e:
+                add(failed(run, ref, "forced", e), run["id"], ref["id"])
+        is_floor = floor_run is not None and b == floor_run["backend"]
+        if n and (wanted(b) or is_floor) and _has_topk(primary, n) and _has_topk(run, n):
+            try:
+                res = compare_forced(store, run, primary, tokens, pieces=pieces,
+                                     roles={**roles, primary["backend"]: "primary"})
+                vs_primary[b] = res
+                if wanted(b):
+                    add(res, run["id"], primary["id"])
+            except (AnalysisInputError, KeyError, ValueError) as e:
+                if wanted(b):
+                    add(failed(run, primary, "forced", e), run["id"], primary["id"])
+
+    floor = next((r for r in vs_primary.values() if r.get("noise_floor")), None)
+    if floor is not None:
+        for res in vs_primary.values():
+            if res is floor or res.get("status") != "ok":
+                continue
+            try:
+                res["noise"] = compare_flip_rates(len(res["flips"]), res["n"], len(floor["flips"]),
+                                                  floor["n"]).as_dict()
+                res["noise"]["floor_backend"] = floor["backend"]
+            except AnalysisInputError as e:
+                res["noise"] = {"error": str(e)}
+
+    for b, run in sorted(free.items()):
+        if run.get("status") != "ok" or not wanted(b):
+            continue
+        try:
+            add(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles),
+                run["id"], primary["id"])
+        except (AnalysisInputError, KeyError, ValueError) as e:
+            add(failed(run, primary, "free", e), run["id"], primary["id"])
+
+    if store_results:
+        futures = [store.put_comparison(r["run_id"], r["ref_run_id"],
+                                        {k: v for k, v in r.items() if k not in ("run_id", "ref_run_id")})
+                   for r in out]
+        for f in futures:
+            f.result()
+    return out
+
+
+def compare_turn(store: Any, turn_id: str, *, roles: Mapping[str, str] | None = None,
+                 store_results: bool = True,
+                 backends: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """Compare the stored runs of one turn and store the comparisons. Pure numpy on stored rows;
+    blocking (call it in a thread from async code). ``backends``: see :func:`compare_runs`."""
+    return compare_runs(store, list(store.iter_runs(turn_id)), roles=roles,
+                        store_results=store_results, backends=backends)

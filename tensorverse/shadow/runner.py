@@ -1,0 +1,983 @@
+"""Forced and free runs of one recorded turn on shadow backends (DESIGN.md, "Shadow runner").
+
+For each shadow backend and each recorded turn, two runs, both through the backend's
+``/v1/completions`` with the primary's prompt *token ids* (so a chat-template difference cannot
+masquerade as numeric divergence):
+
+``forced``
+    teacher forcing through the decode path: ``max_tokens = len(output)``, ``ignore_eos``, no stop,
+    ``temperature 0``, and ``vllm_xargs`` asking the Tensorverse plugin to force the primary's ids
+    (``tv_force``) and capture every row (``tv_capture`` = the run id). The emitted ids must equal
+    the forced ids; when they do not (no plugin), or the server cannot force, the run falls back to
+    *scoring* the primary's output as a prompt (``prompt_logprobs`` over prompt + output: the
+    prefill path, top-k only) and is marked ``approximate``.
+``free``
+    the shadow generates on its own from the same prompt ids: greedy, or the primary's
+    temperature/top-p/top-k and seed when the primary had a seed; ``max_tokens`` as the primary
+    asked (else ``len(output) + free_margin``), the primary's stop strings, capture on.
+
+Rows travel from the plugin to the store through the server's sink (``TENSORVERSE_CAPTURE_SINK``);
+the runner waits (bounded by ``rows_timeout_s``) until the expected rows are in the store.
+Failures never raise to the caller: they become run records with ``status`` ``failed`` or
+``timeout`` and an ``error``. A backend whose tokenizer differs from the primary's gets
+``status: refused`` records and is never run.
+
+The turn (a dict, as the proxy records it): ``id``, ``session_id``, ``prompt_token_ids``,
+``output_token_ids`` (or ``token_ids``), ``text`` (or ``output_text``), optional ``sampling`` (the
+primary's ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``max_tokens``, ``stop``,
+``stop_token_ids``, penalties; read from ``request`` when absent), ``top_logprobs`` (the primary's,
+one entry per output position, any form :func:`tensorverse.analysis.topk.parse_top_logprobs`
+reads), ``pieces`` (decoded text of each output token), ``request`` (the chat request, for the
+template check), ``tool_calls`` (OpenAI ``tool_calls`` of the primary's answer), ``primary``
+(the primary backend's name), ``finish_reason``.
+
+Run record (``store.put_run``; its ``id`` is the capture id): ``id``, ``turn_id``,
+``session_id``, ``backend``, ``role``, ``mode`` (``forced``/``free``; the primary's own output is
+stored as a ``recorded`` run, id ``<turn id>~primary``), ``status`` (``ok``/``failed``/
+``timeout``/``refused``), ``capture`` (``full``/``topk``), ``approximate``, ``method``
+(``forced_decode``/``prompt_logprobs``/``generate``), ``token_ids``, ``text``, ``finish_reason``,
+``top_logprobs`` (per position ``[[id, logprob], ...]``, best first), ``token_logprobs``, ``k``,
+``rows`` (``expected``, ``present``, ``complete``, ``waited_s``), ``timings`` (``request_s``,
+``rows_wait_s``, ``total_s``), ``sampling`` (what was sent, without the prompt), ``template``
+(the chat-template check), ``tokenizer``, ``attempts`` (earlier tries and why they were abandoned),
+``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import aiohttp
+
+from tensorverse.capture.optin import KEY_CAPTURE, KEY_FORCE, KEY_POSITIONS
+from tensorverse.shadow.backend import Backend
+from tensorverse.shadow.client import BackendClient, BackendError
+from tensorverse.shadow.doctor import probe_capabilities
+from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
+
+__all__ = ["TurnInput", "ShadowRunner", "RunnerCache", "SHARED_CACHE", "shadow_turn", "primary_run_id", "forced_body",
+           "free_body", "scoring_body", "parse_completion", "parse_prompt_logprobs",
+           "normalize_topk", "RECORDED", "MODES"]
+
+log = logging.getLogger("tensorverse.shadow")
+
+RECORDED = "recorded"
+MODES = ("forced", "free")
+_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+                  "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def primary_run_id(turn_id: str) -> str:
+    """The id of the run record holding the primary's own output for a turn."""
+    return f"{turn_id}~primary"
+
+
+# --------------------------------------------------------------------------- the turn
+
+
+def _ids(value: Any, what: str) -> list[int]:
+    if value is None:
+        raise ValueError(f"turn: {what} missing")
+    try:
+        out = [int(v) for v in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"turn: {what} must be a list of token ids") from None
+    if any(v < 0 for v in out):
+        raise ValueError(f"turn: {what} holds a negative token id")
+    return out
+
+
+def normalize_topk(entry: Any) -> list[list[float]] | None:
+    """One position's top-k logprobs as ``[[token_id, logprob], ...]``, most likely first."""
+    if entry is None:
+        return None
+    from tensorverse.analysis.topk import parse_top_logprobs
+
+    try:
+        d = parse_top_logprobs(entry)
+    except ValueError:
+        return None
+    return [[int(t), (lp if math.isfinite(lp) else -9999.0)]
+            for t, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def _recorded_logprobs(turn: Mapping[str, Any], n: int) -> tuple[list | None, list | None]:
+    """Top-k and pieces from the proxy's record of the primary's answer: ``choices[0].logprobs``
+    is a list of ``{"token", "logprob", "top": [[token, logprob], ...]}`` where a token is an int
+    (the answer used ``token_id:N`` keys) or the decoded text."""
+    choices = turn.get("choices")
+    ch = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else None
+    lps = ch.get("logprobs") if ch else None
+    if not isinstance(lps, list) or len(lps) != n or not n:
+        return None, None
+    tops: list[dict[int, float] | None] = []
+    pieces: list[str] | None = []
+    for e in lps:
+        if not isinstance(e, Mapping):
+            tops.append(None)
+            pieces = None
+            continue
+        d: dict[int, float] = {}
+        for pair in e.get("top") or ():
+            if isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int) \
+                    and isinstance(pair[1], (int, float)):
+                d[pair[0]] = float(pair[1])
+        tok = e.get("token")
+        if isinstance(tok, int) and isinstance(e.get("logprob"), (int, float)):
+            d.setdefault(tok, float(e["logprob"]))
+        tops.append(d or None)
+        if pieces is not None:
+            if isinstance(tok, str):
+                pieces.append(tok)
+            else:
+                pieces = None
+    return tops, pieces
+
+
+@dataclass
+class TurnInput:
+    """What the runner needs of a recorded turn (see the module docstring for the dict form)."""
+
+    id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    session_id: str | None = None
+    text: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[list[list[float]] | None] | None = None
+    pieces: list[str] | None = None
+    request: dict[str, Any] | None = None
+    tool_calls: Any = None
+    primary: str | None = None
+    finish_reason: str | None = None
+    model: str | None = None
+    endpoint: str | None = None  # the proxy's kind: chat.completions, completions, messages
+
+    @property
+    def chat_request(self) -> dict[str, Any] | None:
+        """The OpenAI chat request to render for the template check (None for completions and
+        Anthropic ``messages`` requests, whose messages are not in the chat template's form)."""
+        if not self.request or not self.request.get("messages"):
+            return None
+        if self.endpoint not in (None, "chat.completions"):
+            return None
+        return self.request
+
+    @classmethod
+    def from_dict(cls, turn: Mapping[str, Any]) -> "TurnInput":
+        if isinstance(turn, TurnInput):
+            return turn
+        tid = turn.get("id")
+        if not isinstance(tid, str) or not tid:
+            raise ValueError("turn: id missing")
+        prompt = _ids(turn.get("prompt_token_ids"), "prompt_token_ids")
+        out = turn.get("output_token_ids", turn.get("token_ids"))
+        output = _ids(out, "output_token_ids")
+        if not prompt:
+            raise ValueError("turn: prompt_token_ids is empty")
+        request = turn.get("request") if isinstance(turn.get("request"), Mapping) else None
+        endpoint = turn.get("endpoint")
+        sampling = dict(turn.get("sampling") or {})
+        if not sampling and request:
+            sampling = {k: request[k] for k in _SAMPLING_KEYS if request.get(k) is not None}
+            if "max_tokens" not in sampling and request.get("max_completion_tokens") is not None:
+                sampling["max_tokens"] = request["max_completion_tokens"]
+        tops = turn.get("top_logprobs")
+        pieces = turn.get("pieces")
+        if tops is None:
+            tops, lp_pieces = _recorded_logprobs(turn, len(output))
+            if pieces is None:
+                pieces = lp_pieces
+        top_logprobs = None
+        if isinstance(tops, list) and len(tops) == len(output):
+            top_logprobs = [normalize_topk(e) for e in tops]
+            if all(e is None for e in top_logprobs):
+                top_logprobs = None
+        if not (isinstance(pieces, list) and len(pieces) == len(output)
+                and all(isinstance(p, str) for p in pieces)):
+            pieces = None
+        return cls(
+            id=tid,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            session_id=turn.get("session_id"),
+            text=turn.get("text", turn.get("output_text")),
+            sampling=sampling,
+            top_logprobs=top_logprobs,
+            pieces=pieces,
+            request=dict(request) if request else None,
+            endpoint=endpoint if isinstance(endpoint, str) else None,
+            tool_calls=turn.get("tool_calls"),
+            primary=turn.get("primary") or turn.get("backend"),
+            finish_reason=turn.get("finish_reason"),
+            model=turn.get("model") or (request or {}).get("model"),
+        )
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+def _base(backend: Backend, turn: TurnInput) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    model = backend.model or turn.model
+    if model:
+        body["model"] = model
+    return body
+
+
+def forced_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool = True,
+                positions: str | Sequence[int] | None = None) -> dict[str, Any]:
+    """The forced run's ``/v1/completions`` body (teacher forcing through the plugin)."""
+    xargs: dict[str, Any] = {KEY_FORCE: list(turn.output_token_ids)}
+    if capture:
+        xargs[KEY_CAPTURE] = run_id
+        if positions is not None:
+            xargs[KEY_POSITIONS] = positions if isinstance(positions, str) else list(positions)
+    body = _base(backend, turn)
+    body.update({
+        "prompt": list(turn.prompt_token_ids),
+        "max_tokens": len(turn.output_token_ids),
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 1,
+        "stream": False,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "vllm_xargs": xargs,
+    })
+    if backend.logprobs:
+        body["logprobs"] = backend.logprobs
+    return body
+
+
+def free_sampling(turn: TurnInput, *, margin: int = 64) -> dict[str, Any]:
+    """The free run's sampling: greedy, or the primary's sampling when it had a seed."""
+    s = turn.sampling or {}
+    out: dict[str, Any] = {}
+    seeded = s.get("seed") is not None and (s.get("temperature") or 0) > 0
+    if seeded:
+        for k in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            if s.get(k) is not None:
+                out[k] = s[k]
+    else:
+        out["temperature"] = 0
+    mt = s.get("max_tokens")
+    out["max_tokens"] = int(mt) if isinstance(mt, int) and mt > 0 else len(turn.output_token_ids) + margin
+    out["max_tokens"] = max(out["max_tokens"], 1)
+    for k in ("stop", "stop_token_ids"):
+        if s.get(k):
+            out[k] = s[k]
+    for k, neutral in _PENALTIES.items():
+        if s.get(k) is not None and s[k] != neutral:
+            out[k] = s[k]
+    return out
+
+
+def free_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool = True,
+              margin: int = 64, positions: str | Sequence[int] | None = None) -> dict[str, Any]:
+    """The free run's body. Capture is left out when the sampling uses penalties (they change
+    the row before the plugin copies it on Model Runner V2, so the plugin refuses them)."""
+    sampling = free_sampling(turn, margin=margin)
+    body = _base(backend, turn)
+    body.update({"prompt": list(turn.prompt_token_ids), **sampling, "n": 1, "stream": False,
+                 "return_token_ids": True, "return_tokens_as_token_ids": True})
+    if backend.logprobs:
+        body["logprobs"] = backend.logprobs
+    if capture and not any(k in sampling for k in _PENALTIES):
+        xargs: dict[str, Any] = {KEY_CAPTURE: run_id}
+        if positions is not None:
+            xargs[KEY_POSITIONS] = positions if isinstance(positions, str) else list(positions)
+        body["vllm_xargs"] = xargs
+    return body
+
+
+def scoring_body(turn: TurnInput, backend: Backend) -> dict[str, Any]:
+    """The forced-mode fallback: score prompt + output in one prefill (``prompt_logprobs``)."""
+    body = _base(backend, turn)
+    body.update({
+        "prompt": [*turn.prompt_token_ids, *turn.output_token_ids],
+        "max_tokens": 1,
+        "temperature": 0,
+        "n": 1,
+        "stream": False,
+        "prompt_logprobs": max(1, backend.logprobs),
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    })
+    return body
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def parse_completion(resp: Mapping[str, Any]) -> dict[str, Any]:
+    """Token ids, text, finish reason and per-position top-k of a completion answer."""
+    choice = resp["choices"][0]
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        raise BackendError("protocol", "the answer has no token_ids (return_token_ids not honoured: "
+                           "vLLM >= 0.10 needed)", path="/completions")
+    lp = choice.get("logprobs") or {}
+    tops = lp.get("top_logprobs")
+    top_logprobs = [normalize_topk(e) for e in tops] if isinstance(tops, list) else None
+    return {
+        "token_ids": [int(t) for t in ids],
+        "text": choice.get("text") or "",
+        "finish_reason": choice.get("finish_reason"),
+        "stop_reason": choice.get("stop_reason"),
+        "top_logprobs": top_logprobs,
+        "token_logprobs": lp.get("token_logprobs"),
+    }
+
+
+def parse_prompt_logprobs(resp: Mapping[str, Any], start: int, tokens: Sequence[int]) -> dict[str, Any]:
+    """Top-k and token logprobs of positions ``start..start+len(tokens)`` from ``prompt_logprobs``
+    (vLLM: a list with ``None`` first, then ``{"<id>": {"logprob", "rank", ...}}`` per token)."""
+    choice = resp["choices"][0]
+    pl = choice.get("prompt_logprobs")
+    if not isinstance(pl, list) or len(pl) < start + len(tokens):
+        raise BackendError("protocol", "the answer has no prompt_logprobs for the output",
+                           path="/completions")
+    tops: list[list[list[float]] | None] = []
+    token_lps: list[float | None] = []
+    for i, t in enumerate(tokens):
+        entry = pl[start + i] or {}
+        d: dict[int, float] = {}
+        for k, v in entry.items():
+            key = k[len("token_id:"):] if isinstance(k, str) and k.startswith("token_id:") else k
+            lp = v.get("logprob") if isinstance(v, Mapping) else v
+            try:
+                d[int(key)] = max(float(lp), -9999.0)
+            except (TypeError, ValueError):
+                continue
+        tops.append([[tid, lp] for tid, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))] or None)
+        token_lps.append(d.get(int(t)))
+    return {"top_logprobs": tops, "token_logprobs": token_lps}
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else n
+
+
+def _sink_refusal(e: BackendError) -> bool:
+    return e.kind == "http" and e.status == 400 and ("tv_capture" in e.message or "sink" in e.message)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass
+class _Caps:
+    forcing: bool = True
+    capture: bool = True
+    probed: bool = False
+    detail: str = ""
+    at: float = field(default_factory=lambda: _now())
+
+
+class RunnerCache:
+    """Backend capabilities and tokenizer fingerprints, kept ``ttl_s`` seconds, keyed by
+    (name, url, model). :func:`shadow_turn` shares one per process, so a proxy that calls it once
+    per turn and backend probes each backend once, not once per turn."""
+
+    def __init__(self, ttl_s: float = 600.0) -> None:
+        self.ttl_s = ttl_s
+        self.caps: dict[tuple, _Caps] = {}
+        self.fps: dict[tuple, tuple[float, dict[str, Any]]] = {}
+
+    @staticmethod
+    def key(b: Backend) -> tuple:
+        return (b.name, b.base_url, b.model)
+
+    def get_caps(self, b: Backend) -> _Caps | None:
+        c = self.caps.get(self.key(b))
+        if c is not None and _now() - c.at > self.ttl_s:
+            self.caps.pop(self.key(b), None)
+            return None
+        return c
+
+    def get_fp(self, b: Backend) -> dict[str, Any] | None:
+        e = self.fps.get(self.key(b))
+        if e is None or _now() - e[0] > self.ttl_s:
+            return None
+        return e[1]
+
+    def put_fp(self, b: Backend, fp: dict[str, Any]) -> None:
+        self.fps[self.key(b)] = (_now(), fp)
+
+    def clear(self) -> None:
+        self.caps.clear()
+        self.fps.clear()
+
+
+SHARED_CACHE = RunnerCache()
+
+
+class ShadowRunner:
+    """Runs recorded turns on shadow backends and stores run records (and comparisons).
+
+    One runner per process is the intended use (the proxy keeps one): it caches each backend's
+    capabilities (plugin, sink) and tokenizer fingerprint, and bounds the requests in flight per
+    backend to ``backend.concurrency``. Use ``async with ShadowRunner(store, backends) as r``.
+    """
+
+    def __init__(self, store: Any, backends: Iterable[Backend], *, rows_timeout_s: float = 30.0,
+                 rows_poll_s: float = 0.1, check_tokenizer: bool = True,
+                 strict_tokenizer: bool = False, check_template: bool = True,
+                 free_margin: int = 64, forced_positions: str | Sequence[int] | None = None,
+                 free_positions: str | Sequence[int] | None = None,
+                 primary: Backend | None = None, cache: RunnerCache | None = None,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.store = store
+        self.backends = list(backends)
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique: {names}")
+        self.rows_timeout_s = rows_timeout_s
+        self.rows_poll_s = rows_poll_s
+        self.check_tokenizer = check_tokenizer
+        self.strict_tokenizer = strict_tokenizer
+        self.check_template = check_template
+        self.free_margin = free_margin
+        self.forced_positions = forced_positions
+        self.free_positions = free_positions
+        self._session = session
+        self._own_session = session is None
+        self._primary = primary or next((b for b in self.backends if b.role == "primary"), None)
+        self.cache = cache if cache is not None else RunnerCache()
+        self._sems: dict[str, asyncio.Semaphore] = {}
+        self._caps_lock: dict[str, asyncio.Lock] = {}
+        self._fp_lock: dict[str, asyncio.Lock] = {}
+        self._registered: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def __aenter__(self) -> "ShadowRunner":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    def _client(self, backend: Backend) -> BackendClient:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+            self._own_session = True
+        return BackendClient(backend, self._session)
+
+    def _sem(self, backend: Backend) -> asyncio.Semaphore:
+        s = self._sems.get(backend.name)
+        if s is None:
+            s = self._sems[backend.name] = asyncio.Semaphore(backend.concurrency)
+        return s
+
+    @property
+    def primary(self) -> Backend | None:
+        return self._primary
+
+    def _primary_from_store(self, name: str | None) -> Backend | None:
+        """The primary as the proxy registered it (``put_backend(name, {"url": ...})``)."""
+        if not name or not hasattr(self.store, "get_backend"):
+            return None
+        try:
+            info = self.store.get_backend(name)
+        except Exception:  # noqa: BLE001 - not registered
+            return None
+        url = info.get("url") if isinstance(info, Mapping) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return None
+        try:
+            return Backend(name=name, url=url, model=info.get("model"), role="primary",
+                           timeout_s=float(info.get("timeout_s") or 30.0))
+        except (TypeError, ValueError):
+            return None
+
+    # -- store helpers (never raise) ------------------------------------------------------
+    async def _put(self, method: str, *args: Any) -> bool:
+        try:
+            await asyncio.wrap_future(getattr(self.store, method)(*args))
+            return True
+        except Exception as e:  # noqa: BLE001 - a full or closed store must not break the runner
+            log.warning("tensorverse shadow: store %s failed: %s", method, e)
+            return False
+
+    async def _register(self, backend: Backend, fp: Mapping[str, Any] | None) -> None:
+        if backend.name in self._registered:
+            return
+        info = backend.info()
+        if backend.role == "primary":  # keep what the proxy stored about its primary
+            try:
+                info = {**self.store.get_backend(backend.name), **{k: v for k, v in info.items()
+                                                                  if v is not None}}
+            except Exception:  # noqa: BLE001
+                pass
+        if fp and fp.get("available"):
+            info["tokenizer"] = {k: fp.get(k) for k in ("fingerprint", "vocab_size",
+                                                        "template_fingerprint")}
+        caps = self.cache.get_caps(backend)
+        if caps is not None and caps.probed:
+            info["capabilities"] = {"forcing": caps.forcing, "capture": caps.capture,
+                                    "detail": caps.detail}
+        if await self._put("put_backend", backend.name, info):
+            self._registered.add(backend.name)
+
+    # -- cached checks --------------------------------------------------------------------
+    async def fingerprint_of(self, backend: Backend) -> dict[str, Any]:
+        lock = self._fp_lock.setdefault(backend.name, asyncio.Lock())
+        async with lock:
+            fp = self.cache.get_fp(backend)
+            if fp is None:
+                fp = await fingerprint(self._client(backend))
+                if fp.get("available"):  # cache only answers, so a backend that was down is retried
+                    self.cache.put_fp(backend, fp)
+            return fp
+
+    async def tokenizer_verdict(self, backend: Backend, primary: Backend | None = None) -> dict[str, Any]:
+        """``{"allowed", "message", "fingerprint"}`` for a backend against the primary."""
+        fp = await self.fingerprint_of(backend)
+        primary = primary or self.primary
+        if primary is None:
+            return {"allowed": True, "message": "no primary backend declared; the same-dictionary "
+                    "check was skipped", "fingerprint": fp.get("fingerprint")}
+        if primary.name == backend.name:
+            return {"allowed": True, "message": "primary", "fingerprint": fp.get("fingerprint")}
+        pfp = await self.fingerprint_of(primary)
+        ok, msg = same_dictionary(pfp, fp, primary_name=primary.name, shadow_name=backend.name,
+                                  strict=self.strict_tokenizer)
+        return {"allowed": ok, "message": msg, "fingerprint": fp.get("fingerprint")}
+
+    async def capabilities(self, backend: Backend) -> _Caps:
+        lock = self._caps_lock.setdefault(backend.name, asyncio.Lock())
+        async with lock:
+            caps = self.cache.get_caps(backend)
+            if caps is not None:
+                return caps
+            if backend.capture == "full":
+                caps = _Caps(forcing=True, capture=True, probed=False, detail="configured: full")
+                self.cache.caps[self.cache.key(backend)] = caps
+                return caps
+            probe = await probe_capabilities(self._client(backend))
+            if probe.get("plugin") is None:  # the probe failed: try the runs as configured
+                return _Caps(forcing=True, capture=backend.capture != "topk",
+                             detail=probe.get("error", ""))
+            caps = _Caps(forcing=bool(probe.get("forcing")),
+                         capture=bool(probe.get("capture_sink")) and backend.capture != "topk",
+                         probed=True, detail=probe.get("detail", ""))
+            self.cache.caps[self.cache.key(backend)] = caps
+            return caps
+
+    # -- rows -----------------------------------------------------------------------------
+    def _present(self, run_id: str, positions: Sequence[int], have: set[int], full: bool) -> None:
+        """Add to ``have`` the positions whose row is in the store (stops at the first missing
+        one unless ``full``: rows arrive in order, so a poll stays cheap)."""
+        for p in positions:
+            if p in have:
+                continue
+            try:
+                self.store.read_row(run_id, p)
+            except KeyError:
+                if not full:
+                    return
+                continue
+            have.add(p)
+
+    async def wait_rows(self, run_id: str, positions: Sequence[int]) -> dict[str, Any]:
+        """Wait (at most ``rows_timeout_s``) until the rows of ``positions`` are in the store."""
+        t0 = _now()
+        have: set[int] = set()
+        deadline = t0 + self.rows_timeout_s
+        error = None
+        while True:
+            try:
+                await asyncio.to_thread(self._present, run_id, positions, have, False)
+            except Exception as e:  # noqa: BLE001 - a reader hiccup: keep polling until the deadline
+                error = f"{type(e).__name__}: {e}"
+            if len(have) >= len(positions) or _now() >= deadline:
+                break
+            await asyncio.sleep(self.rows_poll_s)
+        if len(have) < len(positions):
+            try:
+                await asyncio.to_thread(self._present, run_id, positions, have, True)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        out = {"expected": len(positions), "present": len(have),
+               "complete": len(have) >= len(positions), "waited_s": round(_now() - t0, 4)}
+        if not out["complete"]:
+            missing = [p for p in positions if p not in have]
+            out["missing"] = missing[:64]
+            if error:
+                out["error"] = error
+        return out
+
+    # -- runs -----------------------------------------------------------------------------
+    def _record(self, t: TurnInput, backend: Backend, mode: str, run_id: str) -> dict[str, Any]:
+        return {
+            "id": run_id,
+            "turn_id": t.id,
+            "session_id": t.session_id,
+            "backend": backend.name,
+            "role": backend.role,
+            "mode": mode,
+            "status": "failed",
+            "capture": "topk",
+            "approximate": True,
+            "method": None,
+            "token_ids": [],
+            "text": None,
+            "finish_reason": None,
+            "top_logprobs": None,
+            "token_logprobs": None,
+            "k": backend.logprobs,
+            "rows": None,
+            "timings": {},
+            "sampling": None,
+            "prompt_tokens": len(t.prompt_token_ids),
+            "attempts": [],
+            "error": None,
+        }
+
+    @staticmethod
+    def _fail(run: dict[str, Any], e: BackendError | str) -> dict[str, Any]:
+        if isinstance(e, BackendError):
+            run["status"] = "timeout" if e.kind == "timeout" else "failed"
+            run["error"] = str(e)
+        else:
+            run["status"] = "failed"
+            run["error"] = e
+        return run
+
+    async def _post(self, backend: Backend, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        async with self._sem(backend):
+            t0 = _now()
+            resp = await self._client(backend).completions(body)
+            return resp, _now() - t0
+
+    @staticmethod
+    def _sent(body: Mapping[str, Any]) -> dict[str, Any]:
+        """What was sent, without the prompt and the forced ids (they are in the turn)."""
+        out = {k: v for k, v in body.items() if k != "prompt"}
+        xa = out.get("vllm_xargs")
+        if isinstance(xa, dict) and KEY_FORCE in xa:
+            out["vllm_xargs"] = {**xa, KEY_FORCE: f"<{len(xa[KEY_FORCE])} forced ids>"}
+        return out
+
+    async def run_forced(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
+        from tensorverse.store.schema import new_id
+
+        t_start = _now()
+        run = self._record(t, backend, "forced", run_id or new_id())
+        n = len(t.output_token_ids)
+        if n == 0:
+            return self._fail(run, "the primary's output is empty: nothing to force")
+        caps = await self.capabilities(backend)
+        resp = None
+        if caps.forcing:
+            body = forced_body(t, backend, run["id"], capture=caps.capture,
+                               positions=self.forced_positions)
+            try:
+                resp, dt = await self._post(backend, body)
+            except BackendError as e:
+                if caps.capture and _sink_refusal(e):
+                    caps.capture = False  # the server has the plugin but no sink
+                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
+                    body = forced_body(t, backend, run["id"], capture=False)
+                    try:
+                        resp, dt = await self._post(backend, body)
+                    except BackendError as e2:
+                        if e2.kind in ("timeout", "connect"):
+                            return self._fail(run, e2)
+                        run["attempts"].append({"method": "forced_decode", "error": str(e2)})
+                elif e.kind in ("timeout", "connect"):
+                    run["timings"]["total_s"] = round(_now() - t_start, 4)
+                    return self._fail(run, e)
+                else:
+                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
+            if resp is not None:
+                try:
+                    got = parse_completion(resp)
+                except BackendError as e:
+                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
+                    got = None
+                if got is not None:
+                    j = _first_difference(t.output_token_ids, got["token_ids"])
+                    if j is None:
+                        run.update(status="ok", method="forced_decode", sampling=self._sent(body),
+                                   token_ids=got["token_ids"], text=got["text"],
+                                   finish_reason=got["finish_reason"],
+                                   top_logprobs=got["top_logprobs"],
+                                   token_logprobs=got["token_logprobs"])
+                        run["timings"]["request_s"] = round(dt, 4)
+                        if KEY_CAPTURE in (body.get("vllm_xargs") or {}):
+                            positions = list(range(n))
+                            if self.forced_positions is not None:
+                                from tensorverse.capture.optin import Positions
+
+                                ps = Positions.parse(self.forced_positions)
+                                positions = [p for p in positions if p in ps]
+                            rows = await self.wait_rows(run["id"], positions)
+                            run["rows"] = rows
+                            run["timings"]["rows_wait_s"] = rows["waited_s"]
+                            if rows["present"]:
+                                run["capture"] = "full"
+                                run["approximate"] = False
+                            else:
+                                run["attempts"].append({
+                                    "method": "capture",
+                                    "error": f"no captured row arrived in {self.rows_timeout_s:g} s "
+                                             "(is the server's TENSORVERSE_CAPTURE_SINK pointing at "
+                                             "this store or its recorder?)"})
+                        run["timings"]["total_s"] = round(_now() - t_start, 4)
+                        return run
+                    emitted = got["token_ids"]
+                    msg = (f"the backend did not emit the forced tokens (first difference at "
+                           f"position {j}: forced {t.output_token_ids[j] if j < n else None}, emitted "
+                           f"{emitted[j] if j < len(emitted) else None}): the Tensorverse plugin is "
+                           "missing or switched off; falling back to prompt_logprobs scoring")
+                    run["attempts"].append({"method": "forced_decode", "error": msg})
+                    caps.forcing = False
+                    caps.capture = False
+        # Fallback: score the primary's output in one prefill (top-k only, approximate).
+        body = scoring_body(t, backend)
+        try:
+            resp, dt = await self._post(backend, body)
+            got = parse_prompt_logprobs(resp, len(t.prompt_token_ids), t.output_token_ids)
+        except BackendError as e:
+            run["timings"]["total_s"] = round(_now() - t_start, 4)
+            return self._fail(run, e)
+        run.update(status="ok", method="prompt_logprobs", sampling=self._sent(body),
+                   token_ids=list(t.output_token_ids), top_logprobs=got["top_logprobs"],
+                   token_logprobs=got["token_logprobs"], capture="topk", approximate=True,
+                   k=max(1, backend.logprobs))
+        run["timings"]["request_s"] = round(dt, 4)
+        run["timings"]["total_s"] = round(_now() - t_start, 4)
+        return run
+
+    async def run_free(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
+        from tensorverse.store.schema import new_id
+
+        t_start = _now()
+        run = self._record(t, backend, "free", run_id or new_id())
+        caps = await self.capabilities(backend)
+        body = free_body(t, backend, run["id"], capture=caps.capture, margin=self.free_margin,
+                         positions=self.free_positions)
+        if caps.capture and "vllm_xargs" not in body:
+            run["attempts"].append({"method": "capture", "error": "capture skipped: the primary's "
+                                    "sampling uses penalties, which the plugin cannot capture under"})
+        try:
+            resp, dt = await self._post(backend, body)
+        except BackendError as e:
+            if not _sink_refusal(e):
+                run["timings"]["total_s"] = round(_now() - t_start, 4)
+                return self._fail(run, e)
+            caps.capture = False
+            run["attempts"].append({"method": "generate", "error": str(e)})
+            body.pop("vllm_xargs", None)
+            try:
+                resp, dt = await self._post(backend, body)
+            except BackendError as e2:
+                run["timings"]["total_s"] = round(_now() - t_start, 4)
+                return self._fail(run, e2)
+        try:
+            got = parse_completion(resp)
+        except BackendError as e:
+            return self._fail(run, e)
+        run.update(status="ok", method="generate", sampling=self._sent(body),
+                   token_ids=got["token_ids"], text=got["text"], finish_reason=got["finish_reason"],
+                   top_logprobs=got["top_logprobs"], token_logprobs=got["token_logprobs"])
+        run["timings"]["request_s"] = round(dt, 4)
+        if "vllm_xargs" in body and got["token_ids"]:
+            positions = list(range(len(got["token_ids"])))
+            if self.free_positions is not None:
+                from tensorverse.capture.optin import Positions
+
+                ps = Positions.parse(self.free_positions)
+                positions = [p for p in positions if p in ps]
+            rows = await self.wait_rows(run["id"], positions)
+            run["rows"] = rows
+            run["timings"]["rows_wait_s"] = rows["waited_s"]
+            if rows["present"]:
+                run["capture"] = "full"
+                run["approximate"] = False
+        run["timings"]["total_s"] = round(_now() - t_start, 4)
+        return run
+
+    async def _pieces(self, t: TurnInput, allowed: Sequence[Backend]) -> list[str] | None:
+        """Decoded text of each output token (``/detokenize`` per distinct id), for regions."""
+        if t.pieces is not None:
+            return t.pieces
+        try:  # an earlier call for this turn (another backend) may have stored them
+            prev = await asyncio.to_thread(self.store.get_run, primary_run_id(t.id))
+            pieces = prev.get("pieces")
+            if isinstance(pieces, list) and len(pieces) == len(t.output_token_ids):
+                return pieces
+        except Exception:  # noqa: BLE001 - not there yet
+            pass
+        for backend in allowed:
+            client = self._client(backend)
+            uniq = sorted(set(t.output_token_ids))
+            sem = asyncio.Semaphore(8)
+
+            async def one(tid: int) -> tuple[int, str]:
+                async with sem:
+                    body: dict[str, Any] = {"tokens": [tid]}
+                    if backend.model:
+                        body["model"] = backend.model
+                    out = await client.post("/detokenize", body, root=True)
+                    return tid, (out.get("prompt") if isinstance(out, dict) else "") or ""
+
+            try:
+                got = dict(await asyncio.gather(*(one(x) for x in uniq)))
+            except BackendError as e:
+                log.info("tensorverse shadow: no pieces from %s: %s", backend.name, e)
+                continue
+            return [got[x] for x in t.output_token_ids]
+        return None
+
+    async def _template_basis(self, t: TurnInput, primary: Backend | None) -> tuple[list[int], str]:
+        """What a shadow's rendering of the chat request is compared with: the primary's own
+        rendering by ``/tokenize`` when it can be had (like with like), else the recorded prompt."""
+        if not self.check_template or t.chat_request is None or primary is None:
+            return t.prompt_token_ids, "recorded_prompt"
+        try:
+            rendered = await render_chat(self._client(primary), t.chat_request)
+        except (BackendError, ValueError):
+            return t.prompt_token_ids, "recorded_prompt"
+        if rendered != t.prompt_token_ids:
+            log.info("tensorverse shadow: turn %s: the primary's /tokenize rendering differs from "
+                     "the prompt it served; comparing template renderings with each other", t.id)
+            return rendered, "primary_render"
+        return rendered, "recorded_prompt"
+
+    def _primary_record(self, t: TurnInput, pieces: list[str] | None,
+                        primary: Backend | None) -> dict[str, Any]:
+        return {
+            "id": primary_run_id(t.id),
+            "turn_id": t.id,
+            "session_id": t.session_id,
+            "backend": t.primary or (primary.name if primary else "primary"),
+            "role": "primary",
+            "mode": RECORDED,
+            "status": "ok",
+            "capture": "topk" if t.top_logprobs else "none",
+            "approximate": True,
+            "method": "recorded",
+            "token_ids": list(t.output_token_ids),
+            "text": t.text,
+            "finish_reason": t.finish_reason,
+            "top_logprobs": t.top_logprobs,
+            "pieces": pieces,
+            "tool_calls": t.tool_calls,
+            "prompt_tokens": len(t.prompt_token_ids),
+            "sampling": t.sampling,
+        }
+
+    async def run_turn(self, turn: Mapping[str, Any] | TurnInput, *,
+                       modes: Sequence[str] = MODES,
+                       backends: Sequence[Backend] | None = None) -> list[dict[str, Any]]:
+        """Run ``modes`` of one turn on every non-primary backend; store and return the records.
+
+        The first record is the primary's (``mode: recorded``). Never raises for backend trouble."""
+        for m in modes:
+            if m not in MODES:
+                raise ValueError(f"unknown mode {m!r} (forced, free)")
+        t = TurnInput.from_dict(turn)
+        targets = [b for b in (backends if backends is not None else self.backends)
+                   if b.role != "primary"]
+        primary = self.primary or self._primary_from_store(t.primary)
+        expected, basis = await self._template_basis(t, primary)
+
+        # Same-dictionary check (cached per backend) and chat-template check (per turn).
+        async def vet(b: Backend) -> tuple[Backend, dict[str, Any], dict[str, Any] | None]:
+            verdict = (await self.tokenizer_verdict(b, primary)) if self.check_tokenizer else \
+                {"allowed": True, "message": "not checked", "fingerprint": None}
+            tmpl = None
+            if verdict["allowed"] and self.check_template and t.chat_request is not None:
+                tmpl = await check_template(self._client(b), t.chat_request, expected)
+                tmpl["basis"] = basis
+            return b, verdict, tmpl
+
+        vetted = await asyncio.gather(*(vet(b) for b in targets))
+
+        async def run_one(b: Backend, verdict: dict[str, Any], tmpl: dict[str, Any] | None,
+                          mode: str) -> dict[str, Any]:
+            from tensorverse.store.schema import new_id
+
+            if not verdict["allowed"]:
+                run = self._record(t, b, mode, new_id())
+                run.update(status="refused", error=verdict["message"])
+            else:
+                try:
+                    if mode == "forced":
+                        run = await self.run_forced(t, b)
+                    else:
+                        run = await self.run_free(t, b)
+                except Exception as e:  # noqa: BLE001 - never an exception to the caller
+                    log.exception("tensorverse shadow: %s run of turn %s on %s", mode, t.id, b.name)
+                    run = self._record(t, b, mode, new_id())
+                    self._fail(run, f"internal error: {type(e).__name__}: {e}")
+            run["tokenizer"] = {"same_dictionary": verdict["allowed"], "message": verdict["message"],
+                                "fingerprint": verdict.get("fingerprint")}
+            run["template"] = tmpl
+            await self._put("put_run", run)
+            return run
+
+        runs = await asyncio.gather(*(run_one(b, v, tm, m) for b, v, tm in vetted for m in modes))
+        for b in targets:  # after the runs, so the record has the probed capabilities
+            await self._register(b, self.cache.get_fp(b))
+        if primary is not None and self.check_tokenizer:
+            await self._register(primary, self.cache.get_fp(primary))
+        allowed = [b for b, v, _ in vetted if v["allowed"]]
+        pieces = None
+        if any(r["status"] == "ok" for r in runs):
+            try:
+                pieces = await self._pieces(t, allowed)
+            except Exception as e:  # noqa: BLE001
+                log.info("tensorverse shadow: no pieces for turn %s: %s", t.id, e)
+        record = self._primary_record(t, pieces, primary)
+        await self._put("put_run", record)
+        return [record, *runs]
+
+
+async def shadow_turn(turn: Mapping[str, Any], backends: Sequence[Backend], store: Any, *,
+                      modes: Sequence[str] = MODES, compare: bool = True,
+                      **runner_kwargs: Any) -> list[dict[str, Any]]:
+    """Run one recorded turn on the shadow backends (forced + free), store the run records and,
+    with ``compare``, the comparisons. Returns the run records (the primary's first).
+
+    For many turns keep one :class:`ShadowRunner` (capabilities and fingerprints are cached)."""
+    runner_kwargs.setdefault("cache", SHARED_CACHE)
+    try:
+        t = TurnInput.from_dict(turn)
+    except ValueError as e:
+        log.warning("tensorverse shadow: turn %s not shadowed: %s",
+                    turn.get("id") if isinstance(turn, Mapping) else None, e)
+        return []
+    async with ShadowRunner(store, backends, **runner_kwargs) as runner:
+        runs = await runner.run_turn(t, modes=modes)
+    if compare:
+        from tensorverse.shadow.compare import compare_turn
+
+        try:
+            await asyncio.to_thread(compare_turn, store, runs[0]["turn_id"],
+                                    backends=[b.name for b in backends if b.role != "primary"])
+        except Exception:  # noqa: BLE001 - comparisons are best effort; runs are stored
+            log.exception("tensorverse shadow: comparing turn %s failed", runs[0]["turn_id"])
+    return runs

@@ -1,0 +1,116 @@
+import struct
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorverse.capture.frames import (
+    HEADER_SIZE,
+    MAGIC,
+    Frame,
+    FrameError,
+    encode_frame,
+    iter_frames,
+    parse_frames,
+)
+
+
+def _frames():
+    return [
+        Frame("run-1", 0, 1, 7, b"\x00blob\xff"),
+        Frame("run-1", 1, 2, 7, b""),
+        Frame("ünïcode/ид", 4_000_000_000, 3, 2**64 - 1, bytes(range(256)) * 3),
+    ]
+
+
+def _body(frames):
+    return b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin)
+                    for f in frames)
+
+
+def test_roundtrip_several_frames_per_body():
+    frames = _frames()
+    body = _body(frames)
+    assert parse_frames(body) == frames
+    assert list(iter_frames(bytearray(body))) == frames
+    assert list(iter_frames(memoryview(body))) == frames
+    assert sum(f.size for f in frames) == len(body)
+    assert parse_frames(b"") == []
+
+
+def test_layout_is_as_documented():
+    raw = encode_frame("ab", 5, b"XYZ", seq=9, origin=3)
+    assert raw[:4] == MAGIC and raw[4] == 1 and raw[5] == 0
+    id_len, origin, seq, pos, blob_len = struct.unpack_from("<HQQII", raw, 6)
+    assert (id_len, origin, seq, pos, blob_len) == (2, 3, 9, 5, 3)
+    assert raw[HEADER_SIZE:HEADER_SIZE + 2] == b"ab"
+    assert raw[HEADER_SIZE + 2:HEADER_SIZE + 5] == b"XYZ"
+    assert struct.unpack("<I", raw[-4:])[0] == zlib.crc32(raw[:-4])
+
+
+def test_every_truncation_is_reported():
+    body = _body(_frames())
+    ends = set()
+    off = 0
+    for f in _frames():
+        off += f.size
+        ends.add(off)
+    for cut in range(len(body)):
+        if cut in ends or cut == 0:
+            continue
+        with pytest.raises(FrameError, match="truncated"):
+            parse_frames(body[:cut])
+
+
+def test_iter_yields_good_frames_before_the_bad_one():
+    frames = _frames()
+    body = _body(frames)
+    it = iter_frames(body[:-1])
+    assert next(it) == frames[0]
+    assert next(it) == frames[1]
+    with pytest.raises(FrameError, match=r"frame 2 at byte \d+"):
+        next(it)
+
+
+def test_every_single_byte_corruption_is_caught():
+    raw = encode_frame("run-x", 3, b"payload-bytes", seq=1, origin=2)
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x41
+        with pytest.raises(FrameError):
+            parse_frames(bytes(bad))
+
+
+def test_clear_messages():
+    raw = encode_frame("r", 0, b"x", seq=1)
+    with pytest.raises(FrameError, match="bad magic"):
+        parse_frames(b"XXXX" + raw[4:])
+    with pytest.raises(FrameError, match="unsupported frame version 9"):
+        parse_frames(raw[:4] + b"\x09" + raw[5:])
+    with pytest.raises(FrameError, match="crc32 mismatch"):
+        parse_frames(raw[:-5] + b"y" + raw[-4:])
+    with pytest.raises(FrameError, match="truncated header"):
+        parse_frames(raw[:10])
+
+
+def test_encode_rejects_bad_input():
+    with pytest.raises(ValueError):
+        encode_frame("", 0, b"", seq=1)
+    with pytest.raises(ValueError):
+        encode_frame("x" * 2000, 0, b"", seq=1)
+    with pytest.raises(ValueError):
+        encode_frame("r", -1, b"", seq=1)
+    with pytest.raises(ValueError):
+        encode_frame("r", 2**32, b"", seq=1)
+    with pytest.raises(ValueError):
+        encode_frame("r", 0, b"", seq=2**64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=40), st.integers(0, 2**32 - 1),
+                          st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                          st.binary(max_size=300)), max_size=6))
+def test_roundtrip_property(items):
+    frames = [Frame(c, p, s, o, b) for c, p, s, o, b in items]
+    assert parse_frames(_body(frames)) == frames

@@ -1,0 +1,207 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tensorverse.capture.sink import MemorySink
+from tensorverse.capture.tap import Tap, force_tokens
+from tensorverse.store.codec import decode_row
+
+V = 1000
+
+
+def _logits(n=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, V, generator=g) * 3).to(dtype)
+
+
+def _as_f32(arr):
+    if arr.dtype == np.uint16:  # bfloat16 bit patterns
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_are_copied_before_masking_and_arrive_exact(dtype):
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=8)
+    logits = _logits(dtype=dtype)
+    raw = logits.clone()
+    slots = [tap.copy_row(logits, r) for r in (1, 3)]
+    tap.mark_copied(slots)
+    force_tokens(logits, [1, 3], [5, 7])  # the engine masks the rows right after the copy
+    tap.submit(slots[0], "run-a", 0)
+    tap.submit(slots[1], "run-b", 4)
+    assert tap.flush(10)
+    frames = sorted(sink.frames, key=lambda f: f.capture_id)
+    assert [(f.capture_id, f.position) for f in frames] == [("run-a", 0), ("run-b", 4)]
+    assert [f.seq for f in sorted(sink.frames, key=lambda f: f.seq)] == [1, 2]
+    assert {f.origin for f in frames} == {tap.origin}
+    for f, r in zip(frames, (1, 3)):
+        got = _as_f32(decode_row(f.blob))
+        assert np.array_equal(got, raw[r].float().numpy())  # raw, not the masked row
+    s = tap.stats()
+    assert s["rows_captured"] == 2 and s["rows_encoded"] == 2 and s["rows_shipped"] == 2
+    assert s["rows_dropped"] == 0 and s["bytes_encoded"] == s["bytes_shipped"] > 0
+    assert s["queue_depth"] == 0
+    tap.close()
+
+
+def test_capture_helper_and_buffer_reuse():
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=2)
+    for step in range(5):
+        logits = _logits(seed=step)
+        assert tap.capture(logits, [(0, "r", step), (2, "q", step)]) == 2
+        assert tap.flush(10)
+    assert len(sink.frames) == 10
+    assert tap.stats()["buffers"] == 2  # buffers are reused, not reallocated
+    tap.close()
+
+
+def test_full_pool_drops_and_never_blocks():
+    gate = threading.Event()
+
+    def slow_encoder(arr, dtype):
+        gate.wait(10)
+        return arr.tobytes()
+
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=2, encoder=slow_encoder)
+    logits = _logits()
+    t0 = time.monotonic()
+    taken = [tap.copy_row(logits, r) for r in range(4)]
+    for s in taken:
+        if s is not None:
+            tap.submit(s, "r", 0)
+    assert time.monotonic() - t0 < 1.0
+    assert sum(s is not None for s in taken) == 2
+    assert tap.stats()["dropped_no_buffer"] == 2
+    assert tap.stats()["rows_dropped"] == 2
+    gate.set()
+    assert tap.flush(10)
+    assert len(sink.frames) == 2
+    # buffers came back: the next rows are taken again
+    assert tap.capture(logits, [(0, "r", 1)]) == 1
+    tap.close()
+
+
+def test_encoder_failure_is_counted_and_the_thread_goes_on():
+    calls = []
+
+    def flaky(arr, dtype):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return b"ok"
+
+    sink = MemorySink()
+    tap = Tap(sink, encoder=flaky)
+    tap.capture(_logits(), [(0, "r", 0), (1, "r", 1)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert s["dropped_encode"] == 1 and s["errors"] == 1 and s["rows_shipped"] == 1
+    assert [f.position for f in sink.frames] == [1]
+    tap.close()
+
+
+def test_sink_failure_is_counted_not_raised():
+    sink = MemorySink(fail=True, retry_min_s=0.0)
+    tap = Tap(sink)
+    tap.capture(_logits(), [(0, "r", 0), (1, "r", 1)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert s["dropped_sink"] == 2 and s["sink_errors"] >= 1 and s["rows_shipped"] == 0
+    assert "memory sink set to fail" in s["last_sink_error"]
+    sink.fail = False
+    tap.capture(_logits(), [(0, "r", 2)])
+    assert tap.flush(10)
+    assert [f.position for f in sink.frames] == [2]
+    tap.close()
+
+
+def test_no_sink_drops_counted():
+    tap = Tap(None)
+    tap.capture(_logits(), [(0, "r", 0)])
+    assert tap.flush(10)
+    assert tap.stats()["dropped_sink"] == 1
+    tap.close()
+
+
+def test_bad_input_never_raises():
+    tap = Tap(MemorySink())
+    logits = _logits()
+    assert tap.copy_row(logits, 99) is None  # index out of range
+    assert tap.stats()["errors"] == 1
+    tap.release(None)
+    tap.close()
+    assert tap.copy_row(logits, 0) is None  # closed
+
+
+def test_release_discarded_returns_the_buffer():
+    tap = Tap(MemorySink(), max_rows=1)
+    logits = _logits()
+    s = tap.copy_row(logits, 0)
+    assert tap.copy_row(logits, 1) is None
+    tap.release(s, discarded=True)
+    assert tap.copy_row(logits, 1) is not None
+    assert tap.stats()["rows_discarded"] == 1
+    tap.close()
+
+
+def test_copy_into_an_existing_slot_overwrites_it():
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=1)
+    a, b = _logits(seed=1), _logits(seed=2)
+    s = tap.copy_row(a, 0)
+    s2 = tap.copy_row(b, 0, s)  # same position recomputed (chunked prefill): reuse the buffer
+    assert s2 is s
+    tap.submit(s2, "r", 0)
+    assert tap.flush(10)
+    assert np.array_equal(decode_row(sink.frames[0].blob), b[0].numpy())
+    tap.close()
+
+
+def test_no_thread_until_first_row():
+    tap = Tap(MemorySink())
+    assert tap._thread is None
+    force_tokens(_logits(), [0], [1])
+    assert tap._thread is None and tap.flush(1)
+    tap.close()
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_force_tokens(n):
+    logits = _logits(n=10)
+    raw = logits.clone()
+    rows = list(range(0, 10, 10 // n))[:n]
+    toks = [(7 * r + 3) % V for r in rows]
+    force_tokens(logits, rows, toks)
+    for r, t in zip(rows, toks):
+        assert int(logits[r].argmax()) == t
+        assert logits[r, t] == 0.0
+        assert torch.isneginf(logits[r]).sum() == V - 1
+        p = torch.softmax(logits[r] / 0.7, dim=-1)
+        assert p[t] == 1.0
+    untouched = [r for r in range(10) if r not in rows]
+    assert torch.equal(logits[untouched], raw[untouched])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copy_is_async_and_exact():
+    sink = MemorySink()
+    tap = Tap(sink)
+    logits = _logits().cuda()
+    raw = logits.cpu()
+    slots = [tap.copy_row(logits, r) for r in range(4)]
+    assert all(s.pinned for s in slots)
+    tap.mark_copied(slots)
+    force_tokens(logits, [0, 1, 2, 3, 0, 1], [1, 2, 3, 4, 1, 2])
+    for r, s in enumerate(slots):
+        tap.submit(s, "r", r)
+    assert tap.flush(10)
+    for f in sink.frames:
+        assert np.array_equal(decode_row(f.blob), raw[f.position].numpy())
+    tap.close()

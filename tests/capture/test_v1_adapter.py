@@ -1,0 +1,290 @@
+"""The V1 adapter driven by vLLM's real persistent batch (``InputBatch``): its add_request,
+remove_request, condense and swap_states produce the BatchUpdates the engine would send."""
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
+
+from tensorverse.capture import optin, runtime  # noqa: E402
+from tensorverse.capture.plugin import CaptureLogitsProcessor  # noqa: E402
+from tensorverse.capture.sink import MemorySink  # noqa: E402
+from tensorverse.capture.tap import Tap  # noqa: E402
+from tensorverse.store.codec import decode_row  # noqa: E402
+
+V = 97
+CPU = torch.device("cpu")
+
+
+def marker(rid: str, pos: int, chunk: int = 0) -> torch.Tensor:
+    """The logits row the fake model produces for request ``rid`` at ``pos`` (per chunk)."""
+    seed = zlib.crc32(f"{rid}/{pos}/{chunk}".encode())
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def sink(monkeypatch):
+    s = MemorySink()
+    tap = Tap(s, max_rows=64)
+    monkeypatch.setattr(runtime, "_tap", tap)
+    monkeypatch.setattr(runtime, "_adapter_errors", 0)
+    monkeypatch.delenv("TENSORVERSE_CAPTURE", raising=False)
+    yield s
+    tap.close()
+
+
+class Engine:
+    """The parts of vLLM's V1 model runner that talk to logits processors."""
+
+    def __init__(self, max_reqs=6, placeholders=False):
+        self.proc = CaptureLogitsProcessor(None, CPU, False)
+        self.ib = InputBatch(max_num_reqs=max_reqs, max_model_len=256, max_num_batched_tokens=256,
+                             device=CPU, vocab_size=V, block_sizes=[16], max_num_blocks_per_req=[16],
+                             logitsprocs=LogitsProcessors([self.proc]))
+        self.states: dict[str, CachedRequestState] = {}
+        self.to_add: list[str] = []
+        self.to_remove: list[str] = []
+        self.prefill_steps: dict[str, int] = {}
+        self.max_tokens: dict[str, int] = {}
+        self.placeholders = placeholders  # async scheduling: -1 placeholders in the output list
+        self.tokens: dict[str, list[int]] = {}
+        self.untouched: list[bool] = []
+
+    def add(self, rid, xargs=None, max_tokens=6, prefill_steps=1, output=None):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=xargs)
+        st = self.states.get(rid)
+        if st is None or output is None:
+            st = CachedRequestState(req_id=rid, prompt_token_ids=[1, 2, 3], mm_features=[],
+                                    sampling_params=sp, generator=None, block_ids=([0],),
+                                    num_computed_tokens=0, output_token_ids=output or [])
+            self.states[rid] = st
+            self.tokens[rid] = []
+        self.to_add.append(rid)
+        self.prefill_steps[rid] = prefill_steps
+        self.max_tokens[rid] = max_tokens
+
+    def remove(self, rid):
+        self.to_remove.append(rid)
+
+    def step(self, swap=None):
+        for rid in self.to_remove:
+            self.ib.remove_request(rid)
+        self.to_remove = []
+        for rid in self.to_add:
+            self.ib.add_request(self.states[rid])
+        self.to_add = []
+        self.ib.condense()
+        if swap is not None:
+            self.ib.swap_states(*swap)
+        self.ib.refresh_metadata()
+        rids = list(self.ib.req_ids)
+        if not rids:
+            return
+        chunks = {rid: self.prefill_steps.get(rid, 1) for rid in rids}
+        logits = torch.stack([marker(rid, len(self.states[rid].output_token_ids), chunks[rid])
+                              for rid in rids])
+        raw = logits.clone()
+        out = self.proc.apply(logits)
+        assert out is logits
+        for i, rid in enumerate(rids):
+            self.untouched.append(torch.equal(out[i], raw[i]))
+            if self.prefill_steps.get(rid, 1) > 1:  # chunked prefill: sample discarded
+                self.prefill_steps[rid] -= 1
+                continue
+            self.prefill_steps[rid] = 1
+            tok = int(out[i].argmax())
+            self.tokens[rid].append(tok)
+            self.states[rid].output_token_ids.append(-1 if self.placeholders else tok)
+            if len(self.states[rid].output_token_ids) >= self.max_tokens[rid]:
+                self.remove(rid)
+
+    def run(self, steps=40):
+        for _ in range(steps):
+            self.step()
+
+    def busy(self):
+        return bool(self.ib.req_ids) or bool(self.to_add)
+
+
+def frames_of(sink, cid):
+    runtime.flush(10)
+    fs = sorted((f for f in sink.frames if f.capture_id == cid), key=lambda f: f.position)
+    return fs
+
+
+def assert_rows(sink, cid, positions, chunks=None):
+    fs = frames_of(sink, cid)
+    assert [f.position for f in fs] == list(positions), cid
+    for f in fs:
+        want = marker(cid.split(":")[0], f.position, (chunks or {}).get(f.position, 1))
+        assert np.array_equal(decode_row(f.blob), want.numpy()), (cid, f.position)
+
+
+def test_capture_force_and_bystanders_through_adds_removes_condense_and_swaps(sink):
+    e = Engine()
+    e.add("a", {"tv_capture": "a"}, max_tokens=5)
+    e.add("b", None, max_tokens=9)
+    e.add("c", {"tv_capture": "c", "tv_force": [10, 11, 12, 13]}, max_tokens=4)
+    e.add("d", {"tv_capture": "d", "tv_positions": "every:2"}, max_tokens=7)
+    e.step()
+    e.step(swap=(0, 3))
+    e.step()
+    e.add("f", {"tv_force": "20 21 22"}, max_tokens=5)  # force only, then free
+    e.step(swap=(1, 2))
+    for _ in range(3):
+        e.step()
+    e.add("g", {"tv_capture": "g", "tv_positions": [1, 3]}, max_tokens=5)
+    e.run(20)
+    assert not e.busy()
+    assert_rows(sink, "a", range(5))
+    assert_rows(sink, "c", range(4))
+    assert_rows(sink, "d", [0, 2, 4, 6])
+    assert_rows(sink, "g", [1, 3])
+    assert frames_of(sink, "b") == [] and frames_of(sink, "f") == []
+    assert e.tokens["c"] == [10, 11, 12, 13]
+    assert e.tokens["f"][:3] == [20, 21, 22]
+    # free positions follow the model's own argmax
+    assert e.tokens["f"][3:] == [int(marker("f", p, 1).argmax()) for p in (3, 4)]
+    assert e.tokens["b"] == [int(marker("b", p, 1).argmax()) for p in range(9)]
+    s = runtime.stats()
+    assert s["rows_dropped"] == 0 and s["errors"] == 0 and s["rows_forced"] == 7
+    assert e.proc.impl._reqs == {}  # everything left the batch: apply is O(1) again
+
+
+def test_chunked_prefill_rows_are_not_shipped_twice(sink):
+    e = Engine()
+    e.add("p", {"tv_capture": "p", "tv_force": [5, 6, 7]}, max_tokens=3, prefill_steps=3)
+    e.add("q", {"tv_capture": "q"}, max_tokens=2)
+    e.run(10)
+    # position 0 of "p" was computed three times (chunks 3, 2, 1); only the sampled one counts
+    assert_rows(sink, "p", range(3))
+    assert_rows(sink, "q", range(2))
+    assert e.tokens["p"] == [5, 6, 7]
+
+
+def test_request_aborted_during_prefill_ships_nothing(sink):
+    e = Engine()
+    e.add("x", {"tv_capture": "x"}, max_tokens=3, prefill_steps=5)
+    e.step()
+    e.step()
+    e.remove("x")
+    e.step()
+    assert frames_of(sink, "x") == []
+    assert runtime.stats()["rows_discarded"] == 1
+    assert runtime.get_tap().stats()["buffers"] == 1  # the buffer went back to the pool
+
+
+def test_preempted_request_resumes_where_it_stopped(sink):
+    e = Engine()
+    e.add("r", {"tv_capture": "r", "tv_force": [3, 4, 5, 6, 7, 8]}, max_tokens=6)
+    e.add("s", {"tv_capture": "s"}, max_tokens=6)
+    e.step()
+    e.step()
+    e.step()
+    e.remove("r")  # preempted: leaves the batch with 3 tokens
+    e.step()
+    e.step()
+    out = e.states["r"].output_token_ids
+    e.add("r", {"tv_capture": "r", "tv_force": [3, 4, 5, 6, 7, 8]}, max_tokens=6, output=out,
+          prefill_steps=2)  # recomputes prompt + 3 outputs, in two chunks
+    e.run(10)
+    assert_rows(sink, "r", range(6))
+    assert_rows(sink, "s", range(6))
+    assert e.tokens["r"] == [3, 4, 5, 6, 7, 8]
+
+
+def test_async_scheduling_placeholders(sink):
+    e = Engine(placeholders=True)
+    e.add("h", {"tv_capture": "h", "tv_force": [1, 2, 3, 4]}, max_tokens=4)
+    e.run(6)
+    assert_rows(sink, "h", range(4))
+
+
+def test_no_opt_in_is_o1_and_untouched(sink):
+    e = Engine()
+    e.add("u", None, max_tokens=3)
+    e.add("v", {"unrelated": "x"}, max_tokens=3)
+    e.run(5)
+    assert all(e.untouched)
+    assert e.proc.impl._reqs == {}
+    sentinel = object()  # not even a tensor: proves apply does no tensor work
+    assert e.proc.apply(sentinel) is sentinel
+    assert runtime.stats()["rows_captured"] == 0
+
+
+def test_switched_off(monkeypatch, sink):
+    monkeypatch.setenv("TENSORVERSE_CAPTURE", "0")
+    e = Engine()
+    assert e.proc.is_argmax_invariant() is True
+    e.add("z", {"tv_capture": "z", "tv_force": [1, 2]}, max_tokens=2)
+    e.run(3)
+    assert all(e.untouched) and frames_of(sink, "z") == []
+    CaptureLogitsProcessor.validate_params(  # ignored, not rejected
+        SamplingParams(n=1, logit_bias={1: 1.0}, extra_args={"tv_capture": "z"}))
+
+
+def test_on_by_default_and_not_argmax_invariant(sink):
+    assert Engine().proc.is_argmax_invariant() is False
+
+
+def test_errors_never_reach_vllm(sink, monkeypatch):
+    e = Engine()
+    e.add("k", {"tv_capture": "k", "tv_force": [1]}, max_tokens=2)
+    e.step()
+    before = runtime.stats()["adapter_errors"]
+    assert e.proc.apply("not a tensor") == "not a tensor"
+    assert runtime.stats()["adapter_errors"] == before + 1
+
+
+def test_validate_params(monkeypatch):
+    monkeypatch.delenv("TENSORVERSE_CAPTURE", raising=False)
+    monkeypatch.setenv("TENSORVERSE_CAPTURE_SINK", "dir:/tmp/x")
+    ok = CaptureLogitsProcessor.validate_params
+    ok(SamplingParams())
+    ok(SamplingParams(extra_args={"tv_capture": "r1", "tv_force": [1, 2], "tv_positions": "0-3"}))
+    ok(SamplingParams(presence_penalty=0.5, extra_args={"tv_force": "1,2"}))  # force only: fine
+    bad = [
+        ({"tv_capture": ""}, {}),
+        ({"tv_capture": "a\nb"}, {}),
+        ({"tv_capture": 5}, {}),
+        ({"tv_force": []}, {}),
+        ({"tv_force": [1, -2]}, {}),
+        ({"tv_force": [1.5]}, {}),
+        ({"tv_force": "1,x"}, {}),
+        ({"tv_positions": "all"}, {}),
+        ({"tv_capture": "r", "tv_positions": "every:0"}, {}),
+        ({"tv_capture": "r", "tv_positions": "5-2"}, {}),
+        ({"tv_capture": "r"}, {"n": 2, "temperature": 1.0}),
+        ({"tv_capture": "r"}, {"logit_bias": {3: 1.0}}),
+        ({"tv_capture": "r"}, {"allowed_token_ids": [1, 2]}),
+        ({"tv_capture": "r"}, {"min_tokens": 2}),
+        ({"tv_capture": "r"}, {"repetition_penalty": 1.1}),
+        ({"tv_force": [1]}, {"thinking_token_budget": 5}),
+    ]
+    for xargs, kw in bad:
+        with pytest.raises(ValueError):
+            ok(SamplingParams(extra_args=xargs, **kw))
+    monkeypatch.delenv("TENSORVERSE_CAPTURE_SINK")
+    with pytest.raises(ValueError, match="TENSORVERSE_CAPTURE_SINK"):
+        ok(SamplingParams(extra_args={"tv_capture": "r"}))
+    ok(SamplingParams(extra_args={"tv_force": [1]}))  # forcing needs no sink
+
+
+def test_positions_spec():
+    P = optin.Positions.parse
+    assert 0 in P(None) and 10**6 in P("all")
+    every = P("every:3+1")
+    assert [p for p in range(10) if p in every] == [1, 4, 7]
+    r = P("0-2, 5, 8-")
+    assert [p for p in range(12) if p in r] == [0, 1, 2, 5, 8, 9, 10, 11]
+    assert r.last() is None and P([4, 1, 2]).last() == 4
+    assert [p for p in range(6) if p in P([4, 1, 2])] == [1, 2, 4]
+    o = optin.parse_extra_args({"tv_capture": "x", "tv_positions": [0, 1]})
+    assert o.finished_at(2) and not o.finished_at(1)

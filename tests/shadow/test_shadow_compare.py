@@ -1,0 +1,178 @@
+"""compare_turn on hand-built stored runs: full rows vs top-k, reference choice, noise floor,
+free-run divergence and tool-call verdicts, incomplete rows, refused and failed runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorverse.shadow.compare import compare_runs, compare_turn, select_reference
+from tensorverse.shadow.runner import primary_run_id
+from tensorverse.store.codec import encode_row
+
+V = 50
+N = 6
+PIECES = ['<tool_call>', '{"name": "show_vlan", ', '"arguments": {"vlan": ', '201', '}}', '</tool_call>']
+REF_TEXT = "".join(PIECES)
+CAND_TEXT = REF_TEXT.replace("201", "202")
+
+
+def ref_logits() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    return (rng.standard_normal((N, V)) * 2).astype(np.float32)
+
+
+def tokens_of(x: np.ndarray) -> list[int]:
+    return [int(t) for t in np.argmax(x, axis=1)]
+
+
+def topk(x: np.ndarray, k: int = 5) -> list[list[list[float]]]:
+    out = []
+    for row in x.astype(np.float64):
+        lp = row - row.max()
+        lp -= np.log(np.exp(lp).sum())
+        order = np.argsort(-lp)[:k]
+        out.append([[int(i), float(lp[i])] for i in order])
+    return out
+
+
+def put_rows(store, run_id: str, x: np.ndarray, skip: tuple[int, ...] = ()) -> None:
+    store.write_rows(run_id, [(p, encode_row(x[p])) for p in range(x.shape[0]) if p not in skip]).result()
+
+
+def run_record(rid, backend, role, mode, tokens, *, capture="full", top=None, text=None, rows=None,
+               status="ok", **extra):
+    return {"id": rid, "turn_id": "T", "backend": backend, "role": role, "mode": mode,
+            "status": status, "capture": capture, "approximate": capture != "full",
+            "token_ids": tokens, "text": text, "top_logprobs": top, "k": 5, "rows": rows, **extra}
+
+
+@pytest.fixture
+def turn_runs(store):
+    R = ref_logits()
+    T = tokens_of(R)
+    C = R.copy()
+    C[3, (T[3] + 1) % V] = R[3].max() + 0.5  # the candidate prefers another token at 3
+    complete = {"expected": N, "present": N, "complete": True}
+    free_tokens = T[:3] + [(T[3] + 1) % V, 4, 5]
+    runs = [
+        run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk",
+                   top=topk(R), text=REF_TEXT, pieces=PIECES),
+        run_record("sec-f", "sec", "secondary", "forced", T, top=topk(R), rows=complete),
+        run_record("sec-r", "sec", "secondary", "free", T, text=REF_TEXT),
+        run_record("cand-f", "cand", "shadow", "forced", T, top=topk(C), rows=complete),
+        run_record("cand-r", "cand", "shadow", "free", free_tokens, text=CAND_TEXT),
+        run_record("down-f", "down", "shadow", "forced", [], status="failed", error="connect"),
+        run_record("other-f", "other", "shadow", "forced", [], status="refused", error="refused: ..."),
+    ]
+    for r in runs:
+        store.put_run(r).result()
+    put_rows(store, "sec-f", R)
+    put_rows(store, "cand-f", C)
+    return R, C, T
+
+
+def test_compare_turn_full_topk_free_and_noise(store, turn_runs):
+    R, C, T = turn_runs
+    out = compare_turn(store, "T")
+    key = {(c["run_id"], c["ref_run_id"]): c for c in out}
+    prim = primary_run_id("T")
+    assert set(key) == {("cand-f", "sec-f"), ("cand-f", prim), ("sec-f", prim), ("sec-r", prim),
+                        ("cand-r", prim)}
+
+    full = key[("cand-f", "sec-f")]
+    assert full["kind"] == "full" and full["approximate"] is False and full["status"] == "ok"
+    assert full["flips"] == [3] and full["first_flip"] == 3
+    assert full["summary"]["flips"] == 1 and full["summary"]["n"] == N
+    assert full["regions"][3] == "tool_args"
+    assert full["summary"]["flips_by_region"]["tool_args"] == 1
+    assert full["metrics"]["kl"][3] > 0 and full["metrics"]["kl"][0] == pytest.approx(0, abs=1e-12)
+    assert full["flip_tokens"][0] == {"position": 3, "token": T[3], "ref_top1": T[3],
+                                      "cand_top1": (T[3] + 1) % V, "region": "tool_args"}
+    assert full["incomplete"] is False and full["positions"] is None
+
+    floor = key[("sec-f", prim)]
+    assert floor["kind"] == "topk" and floor["approximate"] and floor["noise_floor"] is True
+    assert floor["flips"] == []
+    cand_vs_prim = key[("cand-f", prim)]
+    assert cand_vs_prim["flips"] == [3] and cand_vs_prim["noise_floor"] is False
+    assert cand_vs_prim["noise"]["candidate_flips"] == 1 and cand_vs_prim["noise"]["secondary_flips"] == 0
+    assert cand_vs_prim["noise"]["floor_backend"] == "sec"
+
+    free = key[("cand-r", prim)]
+    assert free["mode"] == "free" and free["divergence"]["position"] == 3
+    assert free["common_prefix"] == 3 and free["diverged"] is True
+    assert free["verdict"] == "value_mismatch"
+    assert free["tool_calls"]["differences"][0]["path"] == "$.arguments.vlan"
+    assert free["forced_departure"] == 3 and free["confirms_forced"] is True
+    same = key[("sec-r", prim)]
+    assert same["verdict"] == "match" and same["diverged"] is False and same["confirms_forced"] is True
+    assert same["noise_floor"] is True
+
+    # stored, keyed by (run, reference run)
+    got = store.get_comparison("cand-f", "sec-f")
+    assert got["flips"] == [3] and got["run_id"] == "cand-f" and got["ref_run_id"] == "sec-f"
+
+
+def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
+    R, C, T = turn_runs
+    partial = run_record("cand2-f", "cand2", "shadow", "forced", T, top=topk(C),
+                         rows={"expected": N, "present": N - 1, "complete": False})
+    store.put_run(partial).result()
+    put_rows(store, "cand2-f", C, skip=(4,))
+    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    c = out[("cand2-f", "sec-f")]
+    assert c["incomplete"] is True and c["positions"] == [0, 1, 2, 3, 5] and c["n"] == 5
+    assert c["flips"] == [3]
+
+
+def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
+    runs = list(store.iter_runs("T"))
+    forced = [r for r in runs if r["mode"] == "forced"]
+    assert select_reference(forced)["backend"] == "sec"
+    assert select_reference(forced, roles={"sec": "shadow", "cand": "reference"})["backend"] == "cand"
+    assert select_reference(forced, roles={"sec": "shadow"}) is None
+    # no reference at all: candidates are compared with the primary's top-k only
+    out = compare_runs(store, runs, roles={"sec": "shadow"}, store_results=False)
+    refs = {c["ref_run_id"] for c in out}
+    assert refs == {primary_run_id("T")}
+
+
+def test_topk_comparison_when_one_side_has_no_rows(store, turn_runs):
+    R, C, T = turn_runs
+    store.put_run(run_record("tk-f", "tk", "shadow", "forced", T, capture="topk", top=topk(C))).result()
+    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    c = out[("tk-f", "sec-f")]
+    assert c["kind"] == "topk" and c["approximate"] is True and c["flips"] == [3]
+
+
+def test_width_mismatch_is_an_error_result_not_an_exception(store, turn_runs):
+    R, C, T = turn_runs
+    store.put_run(run_record("w-f", "wide", "shadow", "forced", T, top=topk(C),
+                             rows={"expected": N, "present": N, "complete": True})).result()
+    put_rows(store, "w-f", np.pad(C, ((0, 0), (0, 3)), constant_values=-5.0))
+    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    c = out[("w-f", "sec-f")]
+    assert c["status"] == "error" and "different vocabularies" in c["error"]
+
+
+def test_no_primary_run_is_an_input_error(store):
+    from tensorverse.analysis.metrics import AnalysisInputError
+
+    store.put_run(run_record("x", "a", "shadow", "forced", [1])).result()
+    with pytest.raises(AnalysisInputError):
+        compare_turn(store, "T")
+
+
+def test_only_the_comparisons_of_the_given_backends(store, turn_runs):
+    prim = primary_run_id("T")
+    cand = {(c["run_id"], c["ref_run_id"]) for c in compare_turn(store, "T", backends=["cand"],
+                                                                  store_results=False)}
+    assert cand == {("cand-f", "sec-f"), ("cand-f", prim), ("cand-r", prim)}
+    # the secondary is the reference and the noise floor: its call redoes everything
+    sec = {(c["run_id"], c["ref_run_id"]) for c in compare_turn(store, "T", backends=["sec"],
+                                                                 store_results=False)}
+    assert ("cand-f", "sec-f") in sec and ("sec-f", prim) in sec and ("cand-r", prim) in sec
+    with_noise = [c for c in compare_turn(store, "T", backends=["cand"], store_results=False)
+                  if c["run_id"] == "cand-f" and c["ref_run_id"] == prim][0]
+    assert with_noise["noise"]["floor_backend"] == "sec"
