@@ -26,7 +26,7 @@ test-fast: setup
 	$(PY) -m pytest -m 'not vllm' $(PYTEST_ARGS)
 
 bench: setup
-	@for b in benchmarks/*.py; do case $$b in */_*) continue;; esac; \
+	@for b in benchmarks/*.py; do case $$b in */_*|*_cuda.py) continue;; esac; \
 		echo "== $$b"; $(PY) $$b || exit 1; done
 
 demo: setup

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from tensorverse.config import Config
+from tensorverse.exporters.metrics import Metrics, RequestMetrics
 from tensorverse.proxy.admin import Ingest, make_admin_app
 from tensorverse.proxy.core import ProxyCore
 from tensorverse.proxy.inject import Injector
@@ -39,6 +40,7 @@ class Proxy:
             store = Store.open(config.store.path, max_size=config.store.max_size_bytes, durable=config.store.durable)
         self.store = store or None
         c = config
+        self.metrics = Metrics.from_config(c)  # Prometheus metrics, served on the admin listener
         self.sessions = Sessions(
             self.store,
             header=c.sessions.header,
@@ -62,7 +64,7 @@ class Proxy:
         if tee_backends is None:
             tee_backends = tee_backends_from_config(c) if c.shadows else []
         if runner is None and tee_backends and c.capture.enabled and c.recording.enabled:
-            runner = runner_from_config(c, self.store, tee_backends)
+            runner = runner_from_config(c, self.store, tee_backends, metrics=self.metrics)
         self.tee = ShadowTee(
             runner if c.capture.enabled else None,
             tee_backends,
@@ -71,12 +73,14 @@ class Proxy:
             modes=c.capture.modes,
             queue_size=c.shadow.queue_size,
             workers=c.shadow.workers,
+            metrics=self.metrics,
         )
         if c.recording.enabled and tee_backends:
             if runner is None:
                 log.warning("no shadow runner available: %d shadow backend(s) configured but not run",
                             len(tee_backends))
             addons.append(self.tee)
+        addons.append(RequestMetrics(self.metrics))  # last: its request hook times the others too
         self.core = ProxyCore(
             c.primary.url,
             addons,
@@ -94,7 +98,7 @@ class Proxy:
 
     def stats(self) -> dict[str, Any]:
         s = self.core.stats()
-        s["ingest"] = dict(self.ingest.counters)
+        s["ingest"] = self.ingest.stats()
         return s
 
     async def start(self) -> None:
@@ -103,7 +107,8 @@ class Proxy:
             await self._register_backends()
         self.port = await self.core.start(c.proxy.host, c.proxy.port)
         if c.admin.enabled:
-            self._admin_runner = web.AppRunner(make_admin_app(self.stats, self.ingest), access_log=None)
+            self._admin_runner = web.AppRunner(make_admin_app(self.stats, self.ingest, metrics=self.metrics,
+                                                            store=self.store), access_log=None)
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, c.admin.host, c.admin.port)
             await site.start()

@@ -187,21 +187,3 @@ def test_force_tokens(n):
         assert p[t] == 1.0
     untouched = [r for r in range(10) if r not in rows]
     assert torch.equal(logits[untouched], raw[untouched])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_copy_is_async_and_exact():
-    sink = MemorySink()
-    tap = Tap(sink)
-    logits = _logits().cuda()
-    raw = logits.cpu()
-    slots = [tap.copy_row(logits, r) for r in range(4)]
-    assert all(s.pinned for s in slots)
-    tap.mark_copied(slots)
-    force_tokens(logits, [0, 1, 2, 3, 0, 1], [1, 2, 3, 4, 1, 2])
-    for r, s in enumerate(slots):
-        tap.submit(s, "r", r)
-    assert tap.flush(10)
-    for f in sink.frames:
-        assert np.array_equal(decode_row(f.blob), raw[f.position].numpy())
-    tap.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (installed by `make setup`)
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (installed by `make setup`)
 
 import vllm.v1.worker.gpu.buffer_utils as buffer_utils  # noqa: E402
 from vllm import SamplingParams  # noqa: E402

@@ -122,7 +122,7 @@ def test_header_session_and_tags(fake, make_proxy, settle, turns):
 
 
 def test_anthropic_messages_recorded_and_grouped(fake, make_proxy, settle, turns):
-    anthropic = pytest.importorskip("anthropic")
+    import anthropic
     proxy = make_proxy(fake.url)
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0)
     direct = anthropic.Anthropic(base_url=fake.url, api_key="sk-ant", max_retries=0)

@@ -128,7 +128,7 @@ def test_multi_turn_tool_session_is_one_session(rig, make_proxy, settle, turns):
 
 
 def test_anthropic_messages_equal_direct(rig, make_proxy, settle, turns):
-    anthropic = pytest.importorskip("anthropic")
+    import anthropic
     proxy = make_proxy(rig.primary.base)
     d = anthropic.Anthropic(base_url=rig.primary.base, api_key="sk-ant", max_retries=0, timeout=300)
     v = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0, timeout=300)

@@ -90,9 +90,7 @@ def _mem_available_gib() -> float:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    pytest.importorskip("vllm")
-    if _mem_available_gib() < 7.0:
-        pytest.skip(f"two more vLLM servers need ~7 GiB; {_mem_available_gib():.1f} GiB available")
+    assert _mem_available_gib() >= 7.0, f"two more vLLM servers need ~7 GiB; {_mem_available_gib():.1f} GiB available"
     from rig.models import build_model
     from rig.servers import VLLMServer, start_many
 
