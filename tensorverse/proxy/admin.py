@@ -5,8 +5,9 @@
                    All frames of a body are checked before any is written; rows are written one
                    transaction per capture id and the reply is sent once they are committed.
                    Frames already seen (same origin and seq: a retried batch) are skipped.
-``GET /metrics``   Prometheus text: the proxy's counters (``tensorverse_proxy_*``,
-                   ``tensorverse_shadow_*``, ``tensorverse_store_*``), read at scrape time.
+``GET /metrics``   Prometheus text (`tensorverse.exporters.metrics`; every metric is in
+                   ``docs/metrics.md``): divergence metrics updated as comparisons are stored,
+                   plus the proxy's counters and the store's gauges read at scrape time.
 ``GET /stats``     the same counters as one JSON object.
 ``GET /healthz``   ``ok``.
 
@@ -35,7 +36,34 @@ class Ingest:
         self._seen: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._dedupe = dedupe
         self.counters = {"batches": 0, "rows": 0, "duplicates": 0, "rejected": 0, "unauthorized": 0,
-                         "store_full": 0, "store_errors": 0}
+                         "store_full": 0, "store_errors": 0, "bytes": 0, "rows_dropped_store_full": 0,
+                         "rows_dropped_store_error": 0}
+        # the capturing processes' own counters (sink header), latest per origin, for /metrics
+        self._plugins: OrderedDict[int, dict[str, int]] = OrderedDict()
+
+    _PLUGIN_KEYS = ("rows_captured", "dropped_no_buffer", "dropped_sink", "dropped_encode")
+
+    def _note_plugin_stats(self, request: web.Request) -> None:
+        from tensorverse.capture.sink import STATS_HEADER
+
+        raw = request.headers.get(STATS_HEADER)
+        if not raw or len(raw) > 4096:
+            return
+        try:
+            d = orjson.loads(raw)
+            origin = int(d["origin"])
+            vals = {k: int(d.get(k) or 0) for k in self._PLUGIN_KEYS}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return
+        self._plugins[origin] = vals
+        self._plugins.move_to_end(origin)
+        while len(self._plugins) > 1024:
+            self._plugins.popitem(last=False)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters, plus ``plugins``: the capture plugins' counters summed over processes."""
+        plugins = {k: sum(p[k] for p in self._plugins.values()) for k in self._PLUGIN_KEYS}
+        return {**self.counters, "plugins": plugins}
 
     def _authorized(self, request: web.Request) -> bool:
         if not self.token:
@@ -58,6 +86,7 @@ class Ingest:
         if not self._authorized(request):
             self.counters["unauthorized"] += 1
             return self._json(401, error="missing or wrong bearer token")
+        self._note_plugin_stats(request)
         if self.store is None:
             return self._json(503, error="no store configured")
         if request.content_length is not None and request.content_length > self.max_bytes:
@@ -69,6 +98,7 @@ class Ingest:
             if len(body) > self.max_bytes:
                 self.counters["rejected"] += 1
                 return self._json(413, error=f"body over {self.max_bytes} bytes")
+        self.counters["bytes"] += len(body)
         try:
             frames = parse_frames(bytes(body))
         except FrameError as e:
@@ -87,9 +117,11 @@ class Ingest:
             await asyncio.gather(*(asyncio.wrap_future(fut) for fut in futures))
         except StoreFullError as e:
             self.counters["store_full"] += 1
+            self.counters["rows_dropped_store_full"] += sum(len(r) for r in by_run.values())
             return self._json(507, error=f"store full: {e}")
         except Exception as e:  # noqa: BLE001
             self.counters["store_errors"] += 1
+            self.counters["rows_dropped_store_error"] += sum(len(r) for r in by_run.values())
             log.warning("ingest: cannot store rows: %s", e)
             return self._json(500, error=f"cannot store rows: {type(e).__name__}")
         for f in frames:  # remember only what was committed
@@ -104,64 +136,16 @@ class Ingest:
         return self._json(200, rows=rows, duplicates=dup, runs=len(by_run))
 
 
-def _flatten(prefix: str, value: Any, out: list[tuple[str, dict[str, str], float]], labels: dict[str, str]) -> None:
-    if isinstance(value, bool):
-        return
-    if isinstance(value, (int, float)):
-        out.append((prefix, labels, float(value)))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}_{k}", v, out, labels)
-
-
-class _StatsCollector:
-    """Prometheus collector over the proxy's plain counters (nothing to update per request)."""
-
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self._stats = stats
-
-    def collect(self):  # noqa: ANN201 - prometheus_client protocol
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self._stats()
-        proxy = s.get("proxy", {})
-        for key, value in proxy.items():
-            yield CounterMetricFamily(f"tensorverse_proxy_{key}", f"proxy: {key.replace('_', ' ')}", value=value)
-        rec = s.get("recorder", {})
-        for key, value in rec.items():
-            yield CounterMetricFamily(f"tensorverse_recorder_{key}", f"recorder: {key.replace('_', ' ')}", value=value)
-        sh = s.get("shadow")
-        if sh:
-            yield CounterMetricFamily("tensorverse_shadow_queued", "turns queued for the shadows", value=sh["queued"])
-            yield CounterMetricFamily("tensorverse_shadow_dropped", "turns dropped: shadow queue full",
-                                      value=sh["dropped_queue_full"])
-            yield GaugeMetricFamily("tensorverse_shadow_queue_depth", "turns waiting for the shadows",
-                                    value=sh["queue_depth"])
-            skipped = CounterMetricFamily("tensorverse_shadow_skipped", "turns not shadowed, by reason",
-                                          labels=["reason"])
-            for reason, n in sh["skipped"].items():
-                skipped.add_metric([reason], n)
-            yield skipped
-            runs = CounterMetricFamily("tensorverse_shadow_turns", "shadow turns by backend and outcome",
-                                       labels=["backend", "outcome"])
-            for backend, outcomes in sh["backend"].items():
-                for outcome, n in outcomes.items():
-                    runs.add_metric([backend, outcome], n)
-            yield runs
-        ing = s.get("ingest", {})
-        for key, value in ing.items():
-            yield CounterMetricFamily(f"tensorverse_ingest_{key}", f"ingest: {key.replace('_', ' ')}", value=value)
-        ses = s.get("sessions", {})
-        if ses:
-            yield CounterMetricFamily("tensorverse_sessions_created", "sessions created", value=ses.get("created", 0))
-
-
-def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None) -> web.Application:
-    from prometheus_client import CollectorRegistry, generate_latest
+def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *,
+                   metrics: Any = None, store: Any = None) -> web.Application:
+    """The admin app. ``metrics``: the process's `tensorverse.exporters.metrics.Metrics` (a bare
+    one when None: the scrape-time families only); ``store``: for the store gauges."""
+    from prometheus_client import generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats))  # type: ignore[arg-type]
+    from tensorverse.exporters.metrics import Metrics
+
+    registry = (metrics if metrics is not None else Metrics()).registry(stats, store)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

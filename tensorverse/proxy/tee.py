@@ -8,7 +8,9 @@ under the backend's concurrency limit and timeout. Failures, timeouts and garbag
 are counted and logged; nothing reaches the agent.
 
 The runner is any async callable ``runner(turn, backends, store, *, modes)`` (the shadow
-runner's ``shadow_turn``); tests and benchmarks pass their own.
+runner's ``shadow_turn``); tests and benchmarks pass their own. With ``metrics`` (a
+`tensorverse.exporters.metrics.Metrics`), the run records a runner returns and the comparisons
+its ``finish`` returns (once stored) update the Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -105,8 +107,10 @@ class ShadowTee(Addon):
         queue_size: int = 256,
         workers: int = 4,
         wait_for_turn_s: float = 30.0,
+        metrics: Any = None,
     ) -> None:
         self.runner = runner
+        self.metrics = metrics
         self.backends = list(backends)
         self.store = store
         self.policy = policy or CapturePolicy()
@@ -203,9 +207,15 @@ class ShadowTee(Addon):
         finish = getattr(self.runner, "finish", None)
         if finish is not None:  # e.g. compare the turn's runs once all backends are done
             try:
-                await finish(turn, self.store)
+                results = await finish(turn, self.store)
             except Exception as e:  # noqa: BLE001
                 log.warning("shadow tee: finishing turn %s failed: %s", turn.get("id"), e)
+            else:
+                if self.metrics is not None and isinstance(results, list):
+                    try:  # the comparisons, stored by now
+                        self.metrics.observe_comparisons(r for r in results if isinstance(r, dict))
+                    except Exception:  # noqa: BLE001 - metrics never break shadowing
+                        log.exception("shadow tee: metrics of turn %s", turn.get("id"))
         self.counters["turns_done"] += 1
 
     async def _run_one(self, turn: dict, b: TeeBackend) -> None:
@@ -213,10 +223,15 @@ class ShadowTee(Addon):
         assert b._sem is not None and self.runner is not None
         async with b._sem:
             try:
-                await asyncio.wait_for(
+                runs = await asyncio.wait_for(
                     self.runner(turn, [b.backend], self.store, modes=b.modes or self.modes), b.timeout_s
                 )
                 c["ok"] += 1
+                if self.metrics is not None and isinstance(runs, list):
+                    try:
+                        self.metrics.observe_runs(r for r in runs if isinstance(r, dict))
+                    except Exception:  # noqa: BLE001 - metrics never break shadowing
+                        log.exception("shadow tee: metrics of %s runs", b.name)
             except asyncio.TimeoutError:
                 c["timed_out"] += 1
                 log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.get("id"), b.timeout_s)
@@ -260,29 +275,55 @@ class PackageRunner:
     process (it caches each backend's capabilities and tokenizer fingerprint), called once per
     (turn, backend); `finish` compares the turn's runs once every backend is done."""
 
-    def __init__(self, store: Any, backends: Sequence[Any], primary: Any = None, **kwargs: Any) -> None:
+    def __init__(self, store: Any, backends: Sequence[Any], primary: Any = None, *, metrics: Any = None,
+                 **kwargs: Any) -> None:
         from tensorverse.shadow.runner import ShadowRunner as _Runner
 
         self._runner = _Runner(store, list(backends), primary=primary, **kwargs)
+        self.metrics = metrics
 
     async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Any:
         runs = await self._runner.run_turn(turn, modes=modes, backends=list(backends))
         bad = [r for r in runs[1:] if r.get("status") not in ("ok", None)]
         if bad and len(bad) == len(runs) - 1:
+            if self.metrics is not None:  # the tee counts this turn as failed and sees no runs
+                self.metrics.observe_runs(runs)
             raise RuntimeError("; ".join(f"{r.get('mode')}: {r.get('status')} {r.get('error') or ''}".strip()
                                          for r in bad))
         return runs
 
-    async def finish(self, turn: dict, store: Any) -> None:
-        from tensorverse.shadow.compare import compare_turn
+    async def finish(self, turn: dict, store: Any) -> list[dict]:
+        """Compare (and store) the turn's runs; returns the comparisons. Free-mode results get
+        the ``region`` of their divergence (from the primary's pieces) for the flip metrics, and
+        the missing rows of the runs are counted."""
+        return await asyncio.to_thread(self._compare, store, turn["id"])
 
-        await asyncio.to_thread(compare_turn, store, turn["id"])
+    def _compare(self, store: Any, turn_id: str) -> list[dict]:
+        from tensorverse.shadow.compare import compare_turn
+        from tensorverse.shadow.runner import primary_run_id
+
+        results = compare_turn(store, turn_id)
+        if self.metrics is not None:
+            from tensorverse.exporters.metrics import region_at
+
+            compared = {r.get("run_id") for r in results}
+            runs = [r for r in store.iter_runs(turn_id) if r.get("id") in compared]
+            self.metrics.observe_missing_rows(runs)
+            if any(r.get("mode") == "free" and r.get("diverged") for r in results):
+                try:
+                    pieces = store.get_run(primary_run_id(turn_id)).get("pieces")
+                except KeyError:
+                    pieces = None
+                for r in results:
+                    if r.get("mode") == "free" and r.get("diverged") and "region" not in r:
+                        r["region"] = region_at(pieces, r.get("first_flip"))
+        return results
 
     async def close(self) -> None:
         await self._runner.close()
 
 
-def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend]) -> Any:
+def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend], *, metrics: Any = None) -> Any:
     """The shadow package's runner for this configuration (None when it is not installed)."""
     try:
         from tensorverse.shadow.backend import Backend
@@ -292,7 +333,7 @@ def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend])
                       api_key=cfg.primary.resolved_api_key())
     positions = None if cfg.capture.positions == "all" else cfg.capture.positions
     try:
-        return PackageRunner(store, [b.backend for b in tee_backends], primary,
+        return PackageRunner(store, [b.backend for b in tee_backends], primary, metrics=metrics,
                              forced_positions=positions, free_positions=positions)
     except ImportError:  # pragma: no cover
         log.warning("the shadow runner is not available: shadows are not run")

@@ -1,0 +1,10 @@
+"""Replay: scrub recorded sessions into a corpus of test cases, rerun them on any rig, report.
+
+``scrub``       the scrubber (consistent, format-preserving placeholders)
+``tokenizers``  re-tokenizing scrubbed text (a local HF tokenizer or a vLLM server)
+``corpus``      the corpus format (``corpus.json`` + ``cases/*.json``, JSON Schemas in ``schema/``)
+                and ``tensorverse scrub``
+``runner``      ``tensorverse replay``: cases through the shadow runner, resumable
+``report``      results file, summary table, ``--fail-on`` gates, ``report merge``
+``tools``       tool simulators for diverged multi-turn branches
+"""

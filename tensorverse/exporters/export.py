@@ -1,0 +1,425 @@
+"""Export the store as flat tables for pandas, DuckDB, Spark...: Parquet (pyarrow) or JSONL.
+
+``tensorverse export parquet --store PATH --out DIR [--since 7d]`` writes one file per table into
+DIR (``sessions``, ``turns``, ``runs``, ``comparisons``, ``positions``; ``logits`` with
+``--logits``), each ``<table>.parquet`` or ``<table>.jsonl``. The schema (:data:`SCHEMA`) is the
+same in both formats and documented in ``docs/metrics.md``: one row per session, turn, run,
+comparison, and **one row per position per forced comparison** (the per-position metrics of
+DESIGN.md). Texts (prompts, outputs) are left out unless ``include_text``; request headers and
+credentials never leave the store.
+
+Tables are written in batches (``batch_rows``), so a store larger than memory exports in bounded
+memory. JSONL needs nothing beyond the core dependencies; Parquet needs the ``export`` extra
+(``pip install 'tensorverse[export]'``, pyarrow).
+
+    import duckdb
+    duckdb.sql("select backend, sum(flip::int) / count(*) as flip_rate "
+               "from 'out/positions.parquet' group by backend")
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import orjson
+
+__all__ = ["SCHEMA", "TABLES", "FORMATS", "export_store", "parse_since", "ExportError"]
+
+FORMATS = ("parquet", "jsonl")
+
+# column -> type: string, int64, float64, bool, list<int64>, list<float32>, json (a JSON string)
+SCHEMA: dict[str, dict[str, str]] = {
+    "sessions": {
+        "session_id": "string", "created_ns": "int64", "updated_ns": "int64", "turns": "int64",
+        "grouping": "string", "endpoint": "string", "tags": "json",
+    },
+    "turns": {
+        "turn_id": "string", "session_id": "string", "index": "int64", "created_ns": "int64",
+        "endpoint": "string", "backend": "string", "model": "string", "state": "string",
+        "status": "int64", "stream": "bool", "tools_offered": "bool", "finish_reason": "string",
+        "prompt_tokens": "int64", "output_tokens": "int64", "n_tool_calls": "int64",
+        "ttfb_ms": "float64", "ttft_ms": "float64", "total_ms": "float64",
+        "prompt_token_ids": "list<int64>", "output_token_ids": "list<int64>",
+        "text": "string",  # with include_text only (else null)
+    },
+    "runs": {
+        "run_id": "string", "turn_id": "string", "session_id": "string", "backend": "string",
+        "role": "string", "mode": "string", "status": "string", "capture": "string",
+        "approximate": "bool", "method": "string", "created_ns": "int64", "n_tokens": "int64",
+        "finish_reason": "string", "rows_expected": "int64", "rows_present": "int64",
+        "rows_complete": "bool", "request_s": "float64", "rows_wait_s": "float64", "total_s": "float64",
+        "error": "string", "token_ids": "list<int64>",
+        "text": "string",  # with include_text only
+    },
+    "comparisons": {
+        "run_id": "string", "ref_run_id": "string", "turn_id": "string", "session_id": "string",
+        "backend": "string", "ref_backend": "string", "role": "string", "ref_role": "string",
+        "mode": "string", "kind": "string", "status": "string", "error": "string",
+        "approximate": "bool", "noise_floor": "bool", "template_mismatch": "bool",
+        "n": "int64", "flips": "int64", "flip_rate": "float64", "first_flip": "int64",
+        "kl_mean": "float64", "kl_se": "float64", "kl_max": "float64", "kl_p99_9": "float64",
+        "kl_p99": "float64", "kl_p95": "float64", "kl_p90": "float64", "kl_p50": "float64",
+        "kl_p10": "float64", "kl_p5": "float64", "kl_p1": "float64", "kl_p0_1": "float64",
+        "kl_min": "float64", "rms_delta_p": "float64", "same_top_p": "float64", "same_top_p_se": "float64",
+        "flips_by_region": "json",
+        "diverged": "bool", "common_prefix": "int64", "verdict": "string", "tool_calls": "json",
+        "forced_departure": "int64", "confirms_forced": "bool",
+        "noise_verdict": "string", "noise_p_value": "float64", "noise_difference": "float64",
+    },
+    "positions": {
+        "run_id": "string", "ref_run_id": "string", "turn_id": "string", "session_id": "string",
+        "backend": "string", "ref_backend": "string", "role": "string", "ref_role": "string",
+        "kind": "string", "position": "int64", "token": "int64", "ref_top1": "int64",
+        "cand_top1": "int64", "top1_agree": "bool", "flip": "bool", "kl": "float64",
+        "delta_p": "float64", "margin": "float64", "rank": "int64", "rank_lower_bound": "bool",
+        "entropy": "float64", "region": "string",
+    },
+    "logits": {
+        "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",
+        "position": "int64", "vocab": "int64", "logits": "list<float32>",
+    },
+}
+TABLES = tuple(SCHEMA)
+
+
+class ExportError(ValueError):
+    """Bad export arguments (format, --since) or a missing optional dependency."""
+
+
+# --------------------------------------------------------------------------- --since
+
+_REL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(value: str | None, *, now_ns: int | None = None) -> int:
+    """``--since``: a duration back from now (``90m``, ``24h``, ``7d``, ``2w``), an ISO 8601 date
+    or time (``2026-11-30``, ``2026-11-30T12:00:00+00:00``; naive = UTC), or Unix seconds.
+    Returns nanoseconds since the epoch (0 when None)."""
+    if value is None or value == "":
+        return 0
+    now = time.time_ns() if now_ns is None else now_ns
+    m = _REL.match(value)
+    if m:
+        return max(0, now - int(float(m.group(1)) * _UNIT_S[m.group(2)] * 1e9))
+    try:
+        return int(float(value) * 1e9)
+    except ValueError:
+        pass
+    try:
+        t = _dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ExportError(f"--since: {value!r} is neither a duration (24h, 7d), an ISO date/time "
+                          "nor Unix seconds") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp() * 1e9)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _float(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if not math.isnan(f) else None
+
+
+def _bool(v: Any) -> bool | None:
+    return bool(v) if v is not None else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else (None if v is None else str(v))
+
+
+def _json(v: Any) -> str | None:
+    return None if v is None else orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def _ids(v: Any) -> list[int] | None:
+    return [int(t) for t in v] if isinstance(v, list) else None
+
+
+def session_row(s: Mapping[str, Any]) -> dict[str, Any]:
+    return {"session_id": s.get("id"), "created_ns": _int(s.get("created_ns")),
+            "updated_ns": _int(s.get("updated_ns")), "turns": _int(s.get("turns")),
+            "grouping": _str(s.get("grouping")), "endpoint": _str(s.get("endpoint")),
+            "tags": _json(s.get("tags") or {})}
+
+
+def turn_row(t: Mapping[str, Any], include_text: bool) -> dict[str, Any]:
+    timings = t.get("timings") or {}
+    prompt = _ids(t.get("prompt_token_ids"))
+    output = _ids(t.get("output_token_ids"))
+    return {"turn_id": t.get("id"), "session_id": t.get("session_id"), "index": _int(t.get("index")),
+            "created_ns": _int(t.get("created_ns")), "endpoint": _str(t.get("endpoint")),
+            "backend": _str(t.get("backend")), "model": _str(t.get("model")), "state": _str(t.get("state")),
+            "status": _int(t.get("status")), "stream": _bool(t.get("stream")),
+            "tools_offered": _bool(t.get("tools_offered")), "finish_reason": _str(t.get("finish_reason")),
+            "prompt_tokens": len(prompt) if prompt is not None else None,
+            "output_tokens": len(output) if output is not None else None,
+            "n_tool_calls": len(t.get("tool_calls") or []),
+            "ttfb_ms": _float(timings.get("ttfb_ms")), "ttft_ms": _float(timings.get("ttft_ms")),
+            "total_ms": _float(timings.get("total_ms")),
+            "prompt_token_ids": prompt, "output_token_ids": output,
+            "text": _str(t.get("text")) if include_text else None}
+
+
+def run_row(r: Mapping[str, Any], session_id: str | None, include_text: bool) -> dict[str, Any]:
+    rows = r.get("rows") or {}
+    timings = r.get("timings") or {}
+    ids = _ids(r.get("token_ids"))
+    return {"run_id": r.get("id"), "turn_id": r.get("turn_id"), "session_id": r.get("session_id") or session_id,
+            "backend": _str(r.get("backend")), "role": _str(r.get("role")), "mode": _str(r.get("mode")),
+            "status": _str(r.get("status")), "capture": _str(r.get("capture")),
+            "approximate": _bool(r.get("approximate")), "method": _str(r.get("method")),
+            "created_ns": _int(r.get("created_ns")), "n_tokens": len(ids) if ids is not None else None,
+            "finish_reason": _str(r.get("finish_reason")), "rows_expected": _int(rows.get("expected")),
+            "rows_present": _int(rows.get("present")), "rows_complete": _bool(rows.get("complete")),
+            "request_s": _float(timings.get("request_s")), "rows_wait_s": _float(timings.get("rows_wait_s")),
+            "total_s": _float(timings.get("total_s")), "error": _str(r.get("error")), "token_ids": ids,
+            "text": _str(r.get("text")) if include_text else None}
+
+
+def _pcol(p: str) -> str:
+    return "kl_" + p.replace(".", "_")
+
+
+def comparison_row(c: Mapping[str, Any], turn_id: str | None, session_id: str | None) -> dict[str, Any]:
+    s = c.get("summary") or {}
+    kl = s.get("kl") or {}
+    dp = s.get("delta_p") or {}
+    same = s.get("same_top_p") or {}
+    noise = c.get("noise") if isinstance(c.get("noise"), Mapping) else {}
+    mode = c.get("mode")
+    flips = c.get("flips")
+    n_flips = len(flips) if isinstance(flips, list) else (1 if mode == "free" and c.get("diverged") else
+                                                          (0 if mode == "free" and c.get("status") == "ok" else None))
+    n = _int(c.get("n"))
+    if mode == "free" and c.get("status") == "ok":
+        d = c.get("divergence") or {}
+        prefix = _int(c.get("common_prefix", d.get("common_prefix"))) or 0
+        n = prefix + (1 if c.get("diverged") else 0)  # as tensorverse_compared_tokens_total
+    row = {"run_id": c.get("run_id"), "ref_run_id": c.get("ref_run_id"), "turn_id": c.get("turn_id") or turn_id,
+           "session_id": session_id, "backend": _str(c.get("backend")), "ref_backend": _str(c.get("ref_backend")),
+           "role": _str(c.get("role")), "ref_role": _str(c.get("ref_role")), "mode": _str(mode),
+           "kind": _str(c.get("kind")), "status": _str(c.get("status")), "error": _str(c.get("error")),
+           "approximate": _bool(c.get("approximate")), "noise_floor": _bool(c.get("noise_floor")),
+           "template_mismatch": _bool(c.get("template_mismatch")), "n": n, "flips": n_flips,
+           "flip_rate": (n_flips / n) if n_flips is not None and n else None,
+           "first_flip": _int(c.get("first_flip")),
+           "kl_mean": _float(kl.get("mean")), "kl_se": _float(kl.get("se")), "kl_max": _float(kl.get("max")),
+           "kl_min": _float(kl.get("min")), "rms_delta_p": _float(dp.get("rms")),
+           "same_top_p": _float(same.get("p")), "same_top_p_se": _float(same.get("se")),
+           "flips_by_region": _json(s.get("flips_by_region")),
+           "diverged": _bool(c.get("diverged")), "common_prefix": _int(c.get("common_prefix")),
+           "verdict": _str(c.get("verdict")), "tool_calls": _json(c.get("tool_calls")),
+           "forced_departure": _int(c.get("forced_departure")), "confirms_forced": _bool(c.get("confirms_forced")),
+           "noise_verdict": _str(noise.get("verdict")), "noise_p_value": _float(noise.get("p_value")),
+           "noise_difference": _float(noise.get("difference"))}
+    for p in ("p99.9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0.1"):
+        row[_pcol(p)] = _float(kl.get(p))
+    return row
+
+
+def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | None) -> Iterator[dict[str, Any]]:
+    """One row per compared position of a forced comparison (nothing for free ones)."""
+    m = c.get("metrics")
+    if c.get("mode") != "forced" or c.get("status") != "ok" or not isinstance(m, Mapping):
+        return
+    n = int(c.get("n") or len(m.get("kl") or ()))
+    positions = c.get("positions") or list(range(n))
+    regions = c.get("regions") or [None] * n
+    tokens = m.get("tokens")
+    lb = m.get("rank_lower_bound")
+    base = {"run_id": c.get("run_id"), "ref_run_id": c.get("ref_run_id"), "turn_id": c.get("turn_id") or turn_id,
+            "session_id": session_id, "backend": _str(c.get("backend")), "ref_backend": _str(c.get("ref_backend")),
+            "role": _str(c.get("role")), "ref_role": _str(c.get("ref_role")), "kind": _str(c.get("kind"))}
+    cols = {k: m.get(k) or [None] * n for k in ("ref_top1", "cand_top1", "top1_agree", "kl", "delta_p",
+                                                 "margin", "rank", "entropy")}
+    flip_tokens = {f.get("position"): f.get("token") for f in c.get("flip_tokens") or () if isinstance(f, Mapping)}
+    for i in range(n):
+        agree = cols["top1_agree"][i]
+        token = tokens[i] if isinstance(tokens, list) else flip_tokens.get(positions[i])
+        yield {**base, "position": int(positions[i]), "token": _int(token),
+               "ref_top1": _int(cols["ref_top1"][i]), "cand_top1": _int(cols["cand_top1"][i]),
+               "top1_agree": _bool(agree), "flip": (not agree) if agree is not None else None,
+               "kl": _float(cols["kl"][i]), "delta_p": _float(cols["delta_p"][i]),
+               "margin": _float(cols["margin"][i]), "rank": _int(cols["rank"][i]),
+               "rank_lower_bound": _bool(lb[i]) if isinstance(lb, list) else False,
+               "entropy": _float(cols["entropy"][i]), "region": _str(regions[i]) if i < len(regions) else None}
+
+
+def _turn_tokens(turn: Mapping[str, Any]) -> list[int] | None:
+    return _ids(turn.get("output_token_ids"))
+
+
+# --------------------------------------------------------------------------- writers
+
+
+class _JsonlWriter:
+    def __init__(self, path: Path, table: str) -> None:
+        self.path = path
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.rows = 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        opt = orjson.OPT_APPEND_NEWLINE
+        self._f.write(b"".join(orjson.dumps(r, option=opt) for r in rows))
+        self.rows += len(rows)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _arrow_type(pa: Any, t: str) -> Any:
+    return {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
+            "json": pa.string(), "list<int64>": pa.list_(pa.int64()),
+            "list<float32>": pa.list_(pa.float32())}[t]
+
+
+class _ParquetWriter:
+    def __init__(self, path: Path, table: str) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.pa = pa
+        self.schema = pa.schema([pa.field(k, _arrow_type(pa, t)) for k, t in SCHEMA[table].items()],
+                                metadata={b"tensorverse.table": table.encode(),
+                                          b"tensorverse.schema": orjson.dumps(SCHEMA[table])})
+        self.path = path
+        self._w = pq.ParquetWriter(str(path), self.schema, compression="zstd")
+        self.rows = 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        cols = {name: [r.get(name) for r in rows] for name in self.schema.names}
+        self._w.write_table(self.pa.Table.from_pydict(cols, schema=self.schema))
+        self.rows += len(rows)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class _Table:
+    def __init__(self, writer: Any, table: str, batch_rows: int) -> None:
+        self.writer = writer
+        self.table = table
+        self.columns = tuple(SCHEMA[table])
+        self.batch_rows = batch_rows
+        self.buf: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.buf.append({k: row.get(k) for k in self.columns})
+        if len(self.buf) >= self.batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buf:
+            self.writer.write(self.buf)
+            self.buf = []
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _logits_rows(store: Any, run: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    import numpy as np
+
+    from tensorverse.store.codec import decode_row
+
+    for pos, blob in store.read_rows(run["id"]):
+        a = decode_row(blob, record=f"{run['id']}@{pos}")
+        if a.dtype == np.uint16:  # bf16 bit patterns
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        a = np.asarray(a, dtype=np.float32).reshape(-1)
+        yield {"run_id": run["id"], "turn_id": run.get("turn_id"), "backend": run.get("backend"),
+               "mode": run.get("mode"), "position": int(pos), "vocab": int(a.size), "logits": a.tolist()}
+
+
+def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet", since_ns: int = 0,
+                 until_ns: int | None = None, include_text: bool = False, logits: bool = False,
+                 tables: Sequence[str] | None = None, batch_rows: int = 50_000,
+                 progress: Callable[[str, int], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Write the store's sessions created in [since_ns, until_ns) as tables under ``out_dir``.
+
+    Returns ``{table: {"path": ..., "rows": n}}``. ``logits``: also the decoded logits rows (one
+    row per stored position, float32; large). ``tables``: a subset of :data:`TABLES`."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
+    if fmt == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ExportError("Parquet export needs pyarrow: pip install 'tensorverse[export]' "
+                              "(or use --format jsonl)") from None
+    wanted = list(tables) if tables is not None else [t for t in TABLES if t != "logits" or logits]
+    unknown = [t for t in wanted if t not in SCHEMA]
+    if unknown:
+        raise ExportError(f"unknown table(s) {unknown}: {', '.join(TABLES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cls = _ParquetWriter if fmt == "parquet" else _JsonlWriter
+    ext = "parquet" if fmt == "parquet" else "jsonl"
+    writers: dict[str, _Table] = {}
+    try:
+        for t in wanted:
+            writers[t] = _Table(cls(out / f"{t}.{ext}", t), t, batch_rows)
+
+        def add(table: str, row: dict[str, Any]) -> None:
+            w = writers.get(table)
+            if w is not None:
+                w.add(row)
+
+        need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits"))
+        n_sessions = 0
+        for s in store.iter_sessions(since_ns=since_ns, until_ns=until_ns):
+            n_sessions += 1
+            add("sessions", session_row(s))
+            for t in store.iter_turns(s["id"]):
+                add("turns", turn_row(t, include_text))
+                if not need_runs:
+                    continue
+                for r in store.iter_runs(t["id"]):
+                    add("runs", run_row(r, s["id"], include_text))
+                    if "comparisons" in writers or "positions" in writers:
+                        for c in store.iter_comparisons(r["id"]):
+                            add("comparisons", comparison_row(c, t["id"], s["id"]))
+                            if "positions" in writers:
+                                for p in _with_tokens(position_rows(c, t["id"], s["id"]), c, t):
+                                    add("positions", p)
+                    if "logits" in writers and r.get("mode") != "recorded":
+                        for row in _logits_rows(store, r):
+                            add("logits", row)
+            if progress is not None:
+                progress("sessions", n_sessions)
+    finally:
+        for w in writers.values():
+            w.close()
+    return {t: {"path": str(w.writer.path), "rows": w.writer.rows} for t, w in writers.items()}
+
+
+def _with_tokens(rows: Iterable[dict[str, Any]], c: Mapping[str, Any], turn: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """Fill ``token`` (the primary's token at the position) from the turn when the comparison's
+    metrics do not carry it."""
+    tokens = _turn_tokens(turn)
+    for row in rows:
+        if row["token"] is None and tokens is not None and 0 <= row["position"] < len(tokens):
+            row["token"] = tokens[row["position"]]
+        yield row

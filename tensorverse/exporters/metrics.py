@@ -1,0 +1,752 @@
+"""Tensorverse's Prometheus metrics: definitions, updates, and the collector behind ``/metrics``.
+
+Two kinds of series (``docs/metrics.md`` lists every one, with its labels):
+
+* **Divergence and shadow metrics**, held by :class:`Metrics` and updated when something happens:
+  each comparison the shadow tee stores (:meth:`Metrics.observe_comparisons`: compared tokens,
+  flips by region, tool-call verdicts, KL and first-flip histograms, noise-floor verdicts), each
+  shadow run (:meth:`Metrics.observe_runs`) and each agent request through the proxy
+  (:class:`RequestMetrics`, an addon: outcome and the latency the proxy added). Histograms are
+  bulk-updated with numpy (one ``searchsorted`` per comparison, not one call per token), so a
+  compared token costs well under a microsecond (``benchmarks/metrics.py``).
+* **Plain counters of the proxy** (its core, recorder, sessions, tee queue, capture ingest) and
+  **store gauges** (size, filesystem free space), read at scrape time: nothing to update per
+  request.
+
+Names follow Prometheus practice: prefix ``tensorverse_``, base units (seconds, bytes; KL in
+nats), ``_total`` for counters, and bounded labels only: ``backend`` (configured names), ``role``
+(``primary``/``shadow``/``secondary``/``reference``), ``mode`` (``forced``/``free``),
+``ref_role`` (the role the comparison's reference had), ``region``, ``verdict``, ``reason``,
+``outcome``, ``endpoint``. Never a session id, turn id or prompt.
+
+Every label combination that the configuration implies is created at 0 when :class:`Metrics` is
+built (:meth:`Metrics.from_config`), so ``rate()`` and alerts see a series from the first scrape,
+not from the first event. A :class:`Metrics` is per process (no global registry): a proxy
+builds its own and the admin listener serves it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import shutil
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from tensorverse.proxy.flow import Addon
+
+__all__ = [
+    "Metrics",
+    "MetricsCollector",
+    "RequestMetrics",
+    "METRICS",
+    "MetricSpec",
+    "exported_names",
+    "REGIONS",
+    "VERDICTS",
+    "MODES",
+    "REF_ROLES",
+    "KL_BUCKETS",
+    "FIRST_FLIP_BUCKETS",
+    "LATENCY_BUCKETS",
+    "RUN_DURATION_BUCKETS",
+    "region_at",
+]
+
+# --------------------------------------------------------------------------- label values
+
+MODES: tuple[str, ...] = ("forced", "free")
+REF_ROLES: tuple[str, ...] = ("primary", "secondary", "reference")
+UNKNOWN = "unknown"
+
+
+def _regions() -> tuple[str, ...]:
+    from tensorverse.analysis.regions import REGIONS as R
+
+    return (*R, UNKNOWN)
+
+
+def _verdicts() -> tuple[str, ...]:
+    from tensorverse.analysis.toolcalls import SEVERITY
+
+    # "none": neither branch made a tool call (kept apart so the mismatch rate is over tool calls)
+    return (*SEVERITY, "none")
+
+
+REGIONS: tuple[str, ...] = _regions()
+VERDICTS: tuple[str, ...] = _verdicts()
+REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "upstream_error", "error", "aborted")
+RUN_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timeout", "refused")
+TEE_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timed_out")
+COMPARISON_OUTCOMES: tuple[str, ...] = ("ok", "error")
+NOISE_VERDICTS: tuple[str, ...] = ("regression", "within_noise")
+SKIP_REASONS: tuple[str, ...] = ("disabled", "not_ok", "endpoint", "no_tools", "no_token_ids",
+                                 "sampled_out", "over_budget")
+CAPTURE_BATCH_OUTCOMES: tuple[str, ...] = ("ok", "rejected", "unauthorized", "store_full", "store_error")
+ROWS_DROPPED_REASONS: tuple[str, ...] = ("store_full", "store_error")
+PLUGIN_DROP_REASONS: tuple[str, ...] = ("no_buffer", "sink", "encode")
+ENDPOINTS: tuple[str, ...] = ("chat.completions", "completions", "messages")
+
+# --------------------------------------------------------------------------- buckets
+
+#: KL(P||Q) per position, nats: 1e-6 .. 10, two steps per decade.
+KL_BUCKETS: tuple[float, ...] = (1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1,
+                                 0.3, 1.0, 3.0, 10.0)
+#: first flip position (0-based output token index): powers of two.
+FIRST_FLIP_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: latency the proxy adds to an agent request, seconds: 50 µs .. 1 s.
+LATENCY_BUCKETS: tuple[float, ...] = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                                      0.1, 0.25, 0.5, 1.0)
+#: one shadow run (request + waiting for its rows), seconds.
+RUN_DURATION_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+# --------------------------------------------------------------------------- the definitions
+
+
+class MetricSpec:
+    """One metric family: its name (counters without ``_total``), type, help and label names."""
+
+    __slots__ = ("name", "type", "help", "labels", "buckets")
+
+    def __init__(self, name: str, type: str, help: str, labels: Sequence[str] = (),
+                 buckets: Sequence[float] | None = None) -> None:
+        self.name = name
+        self.type = type
+        self.help = help
+        self.labels = tuple(labels)
+        self.buckets = tuple(buckets) if buckets is not None else None
+
+    def sample_names(self) -> tuple[str, ...]:
+        """The names of the samples this family exposes."""
+        if self.type == "counter":
+            return (self.name + "_total",)
+        if self.type == "histogram":
+            return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
+        return (self.name,)
+
+    def __repr__(self) -> str:
+        return f"MetricSpec({self.name!r}, {self.type!r}, labels={self.labels})"
+
+
+_B, _R, _M, _RR = "backend", "role", "mode", "ref_role"
+
+#: Every family Tensorverse exports (the admin listener's ``/metrics``).
+METRICS: tuple[MetricSpec, ...] = (
+    # -- the agent's requests (RequestMetrics) ---------------------------------------------------
+    MetricSpec("tensorverse_requests", "counter",
+               "LLM requests relayed to the primary, by outcome (ok, upstream_error = 4xx/5xx "
+               "relayed, error = upstream unreachable or cut, aborted = client went away)",
+               (_B, _R, "outcome")),
+    MetricSpec("tensorverse_proxy_added_latency_seconds", "histogram",
+               "time the proxy spent on a request outside waiting for the primary (before "
+               "sending it upstream, and after the upstream's last byte)", ("endpoint",), LATENCY_BUCKETS),
+    # -- comparisons (observe_comparisons) -------------------------------------------------------
+    MetricSpec("tensorverse_comparisons", "counter",
+               "comparisons stored (candidate run vs reference run), by outcome", (_B, _R, _M, _RR, "outcome")),
+    MetricSpec("tensorverse_compared_tokens", "counter",
+               "output positions compared: forced = aligned positions, free = positions generated "
+               "in lockstep up to and including the first divergence", (_B, _R, _M, _RR)),
+    MetricSpec("tensorverse_flips", "counter",
+               "token flips: forced = positions whose argmax differs; free = first divergences "
+               "(at most one per comparison)", (_B, _R, _M, _RR, "region")),
+    MetricSpec("tensorverse_tool_call_verdicts", "counter",
+               "tool-call verdicts of free runs against the primary's answer (none = neither "
+               "branch called a tool)", (_B, _R, "verdict")),
+    MetricSpec("tensorverse_kl_divergence_nats", "histogram",
+               "KL(P||Q) per compared position, nats (forced mode; top-k comparisons give a lower bound)",
+               (_B, _R, _RR), KL_BUCKETS),
+    MetricSpec("tensorverse_first_flip_position", "histogram",
+               "output position (0-based) of the first flip of comparisons that flipped",
+               (_B, _R, _M, _RR), FIRST_FLIP_BUCKETS),
+    MetricSpec("tensorverse_noise_verdicts", "counter",
+               "candidate flip rate against the secondary's (noise floor) per turn: regression or "
+               "within_noise", (_B, _R, "verdict")),
+    MetricSpec("tensorverse_template_mismatches", "counter",
+               "comparisons whose runs saw a chat-template mismatch (never counted as flips)", (_B, _R)),
+    # -- shadow runs -----------------------------------------------------------------------------
+    MetricSpec("tensorverse_shadow_runs", "counter",
+               "shadow runs (requests to a shadow backend) by mode and outcome", (_B, _R, _M, "outcome")),
+    MetricSpec("tensorverse_shadow_run_duration_seconds", "histogram",
+               "duration of a shadow run, request and waiting for its captured rows", (_B, _M),
+               RUN_DURATION_BUCKETS),
+    MetricSpec("tensorverse_shadow_turns", "counter",
+               "turns processed per shadow backend by outcome (timed_out = the backend's "
+               "timeout_s cut it)", (_B, _R, "outcome")),
+    MetricSpec("tensorverse_shadow_queued", "counter", "turns put on the shadow queue"),
+    MetricSpec("tensorverse_shadow_dropped", "counter",
+               "turns dropped because the shadow queue was full"),
+    MetricSpec("tensorverse_shadow_skipped", "counter",
+               "turns not shadowed, by the capture policy's reason", ("reason",)),
+    MetricSpec("tensorverse_shadow_queue_depth", "gauge", "turns waiting on the shadow queue"),
+    MetricSpec("tensorverse_shadow_queue_capacity", "gauge", "size of the shadow queue"),
+    # -- capture ---------------------------------------------------------------------------------
+    MetricSpec("tensorverse_capture_rows", "counter", "logits rows received on /ingest and stored"),
+    MetricSpec("tensorverse_capture_bytes", "counter", "bytes of frames received on /ingest"),
+    MetricSpec("tensorverse_capture_duplicate_rows", "counter",
+               "rows received again (a retried batch) and skipped"),
+    MetricSpec("tensorverse_capture_batches", "counter", "ingest batches by outcome", ("outcome",)),
+    MetricSpec("tensorverse_capture_rows_dropped", "counter",
+               "rows received but not stored, by reason", ("reason",)),
+    MetricSpec("tensorverse_capture_plugin_rows_captured", "counter",
+               "rows the capture plugins copied (as last reported by each capturing process)"),
+    MetricSpec("tensorverse_capture_plugin_rows_dropped", "counter",
+               "rows the capture plugins dropped before sending (no free buffer, sink failure, "
+               "encoding error), as last reported by each capturing process", ("reason",)),
+    MetricSpec("tensorverse_capture_rows_missing", "counter",
+               "rows a shadow run expected but that were not in the store when it was compared",
+               (_B, _M)),
+    # -- store -----------------------------------------------------------------------------------
+    MetricSpec("tensorverse_store_size_bytes", "gauge", "bytes used in the store's LMDB map"),
+    MetricSpec("tensorverse_store_map_size_bytes", "gauge", "current LMDB map size"),
+    MetricSpec("tensorverse_store_max_size_bytes", "gauge", "the store's size cap (0 = none)"),
+    MetricSpec("tensorverse_store_free_bytes", "gauge",
+               "bytes the store can still grow by: the lesser of filesystem free space and the cap's headroom"),
+    MetricSpec("tensorverse_store_filesystem_free_bytes", "gauge",
+               "free bytes on the store's filesystem"),
+    MetricSpec("tensorverse_store_full", "gauge", "1 when the store refuses writes (cap or disk full)"),
+    MetricSpec("tensorverse_store_writes_refused", "counter", "writes refused because the store was full"),
+    MetricSpec("tensorverse_store_records", "gauge", "records per store table", ("table",)),
+    # -- sessions --------------------------------------------------------------------------------
+    MetricSpec("tensorverse_sessions_created", "counter", "sessions created"),
+    MetricSpec("tensorverse_sessions_tracked", "gauge", "sessions held in memory for prefix matching"),
+)
+
+#: The proxy core's and recorder's plain counters, exported as ``tensorverse_proxy_<key>_total``
+#: and ``tensorverse_recorder_<key>_total`` (any further key they gain is exported the same way).
+PROXY_COUNTERS: tuple[str, ...] = ("requests", "turns", "streams", "aborted", "upstream_unreachable",
+                                   "upstream_cut", "upstream_status_4xx", "upstream_status_5xx",
+                                   "body_too_large", "retried_without_injection", "addon_errors")
+RECORDER_COUNTERS: tuple[str, ...] = ("recorded", "store_full", "store_errors", "unparsed_requests",
+                                      "unparsed_events")
+
+
+def exported_names() -> set[str]:
+    """Every sample name ``/metrics`` can expose (families and their ``_total``/``_bucket``...)."""
+    out: set[str] = set()
+    for spec in METRICS:
+        out.update(spec.sample_names())
+    out.update(f"tensorverse_proxy_{k}_total" for k in PROXY_COUNTERS)
+    out.update(f"tensorverse_recorder_{k}_total" for k in RECORDER_COUNTERS)
+    return out
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class _Counter:
+    __slots__ = ("spec", "values")
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def init(self, key: tuple[str, ...]) -> None:
+        self.values.setdefault(key, 0.0)
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        v = self.values
+        v[key] = v.get(key, 0.0) + amount
+
+    def family(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        f = CounterMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        for key, value in self.values.items():
+            f.add_metric(key, value)
+        return f
+
+
+class _Histogram:
+    __slots__ = ("spec", "bounds", "_bounds_list", "counts", "sums", "_le")
+
+    def __init__(self, spec: MetricSpec) -> None:
+        assert spec.buckets is not None
+        self.spec = spec
+        self.bounds = np.asarray(spec.buckets, dtype=np.float64)
+        self._bounds_list = list(spec.buckets)
+        self.counts: dict[tuple[str, ...], np.ndarray] = {}
+        self.sums: dict[tuple[str, ...], float] = {}
+        self._le = [_le(b) for b in spec.buckets] + ["+Inf"]
+
+    def _slot(self, key: tuple[str, ...]) -> np.ndarray:
+        c = self.counts.get(key)
+        if c is None:
+            c = self.counts[key] = np.zeros(len(self.bounds) + 1, dtype=np.int64)
+            self.sums[key] = 0.0
+        return c
+
+    def init(self, key: tuple[str, ...]) -> None:
+        self._slot(key)
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        if not math.isfinite(value):
+            return
+        c = self._slot(key)
+        c[bisect.bisect_left(self._bounds_list, value)] += 1  # le: value <= bound
+        self.sums[key] += value
+
+    def observe_many(self, key: tuple[str, ...], values: np.ndarray) -> None:
+        """Observe an array of values at once (non-finite values are left out)."""
+        if values.size == 0:
+            return
+        finite = np.isfinite(values)
+        if not finite.all():
+            values = values[finite]
+            if values.size == 0:
+                return
+        c = self._slot(key)
+        idx = np.searchsorted(self.bounds, values, side="left")
+        c += np.bincount(idx, minlength=c.size)
+        self.sums[key] += float(values.sum())
+
+    def family(self) -> Any:
+        from prometheus_client.core import HistogramMetricFamily
+
+        f = HistogramMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
+        les = self._le
+        for key, counts in self.counts.items():
+            cum = np.cumsum(counts).tolist()
+            f.add_metric(list(key), list(zip(les, cum)), sum_value=self.sums[key])
+        return f
+
+
+def _le(b: float) -> str:
+    from prometheus_client.utils import floatToGoString
+
+    return floatToGoString(b)
+
+
+def region_at(pieces: Sequence[str] | None, position: int | None) -> str:
+    """The region of an output position, from the primary's decoded pieces (``unknown`` if none)."""
+    if not pieces or position is None or not 0 <= position < len(pieces):
+        return UNKNOWN
+    from tensorverse.analysis.regions import tag_regions
+
+    try:
+        return tag_regions(list(pieces))[position]
+    except Exception:  # noqa: BLE001 - a label is never worth an exception
+        return UNKNOWN
+
+
+# --------------------------------------------------------------------------- Metrics
+
+
+class Metrics:
+    """The process's event-driven metrics (see the module docstring).
+
+    ``backends``: shadow backend name -> role; ``modes``: backend name -> its modes;
+    ``refs``: backend name -> the reference roles its forced runs will be compared against
+    (used only to create the series at 0). :meth:`from_config` fills all three from the config.
+    Updates and scrapes may come from different threads: one lock guards the storage.
+    """
+
+    def __init__(self, *, primary: str = "primary", backends: Mapping[str, str] | None = None,
+                 modes: Mapping[str, Sequence[str]] | None = None,
+                 refs: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.primary = primary
+        self.backends = dict(backends or {})
+        self._lock = threading.Lock()
+        self._counters: dict[str, _Counter] = {}
+        self._histograms: dict[str, _Histogram] = {}
+        for spec in METRICS:
+            if spec.type == "counter" and spec.name in _EVENT_FAMILIES:
+                self._counters[spec.name] = _Counter(spec)
+            elif spec.type == "histogram":
+                self._histograms[spec.name] = _Histogram(spec)
+        c, h = self._counters, self._histograms
+        self.requests = c["tensorverse_requests"]
+        self.comparisons = c["tensorverse_comparisons"]
+        self.compared_tokens = c["tensorverse_compared_tokens"]
+        self.flips = c["tensorverse_flips"]
+        self.verdicts = c["tensorverse_tool_call_verdicts"]
+        self.noise = c["tensorverse_noise_verdicts"]
+        self.template = c["tensorverse_template_mismatches"]
+        self.runs = c["tensorverse_shadow_runs"]
+        self.rows_missing = c["tensorverse_capture_rows_missing"]
+        self.latency = h["tensorverse_proxy_added_latency_seconds"]
+        self.kl = h["tensorverse_kl_divergence_nats"]
+        self.first_flip = h["tensorverse_first_flip_position"]
+        self.run_duration = h["tensorverse_shadow_run_duration_seconds"]
+        self._preinit(modes or {}, refs or {})
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Metrics":
+        """Metrics whose series are those the configuration will produce, all at 0."""
+        selected = cfg.selected_backends() if cfg.capture.enabled else []
+        backends = {b.name: b.role for b in selected}
+        modes = {b.name: list(b.modes or cfg.capture.modes) for b in selected}
+        roles = set(backends.values())
+        pivot = "secondary" if "secondary" in roles else ("reference" if "reference" in roles else None)
+        refs: dict[str, list[str]] = {}
+        for b in selected:
+            r = []
+            if cfg.recording.top_logprobs > 0:
+                r.append("primary")
+            if pivot is not None and b.role != pivot:
+                r.append(pivot)
+            refs[b.name] = r
+        return cls(primary=cfg.primary.name, backends=backends, modes=modes, refs=refs)
+
+    def _preinit(self, modes: Mapping[str, Sequence[str]], refs: Mapping[str, Sequence[str]]) -> None:
+        for outcome in REQUEST_OUTCOMES:
+            self.requests.init((self.primary, "primary", outcome))
+        for ep in ENDPOINTS:
+            self.latency.init((ep,))
+        for b, role in self.backends.items():
+            bmodes = tuple(modes.get(b) or MODES)
+            for m in bmodes:
+                for outcome in RUN_OUTCOMES:
+                    self.runs.init((b, role, m, outcome))
+                self.run_duration.init((b, m))
+                self.rows_missing.init((b, m))
+                mrefs = ("primary",) if m == "free" else tuple(refs.get(b, ("primary",)))
+                for rr in mrefs:
+                    for outcome in COMPARISON_OUTCOMES:
+                        self.comparisons.init((b, role, m, rr, outcome))
+                    self.compared_tokens.init((b, role, m, rr))
+                    for reg in REGIONS:
+                        self.flips.init((b, role, m, rr, reg))
+                    self.first_flip.init((b, role, m, rr))
+                    if m == "forced":
+                        self.kl.init((b, role, rr))
+            if "free" in bmodes:
+                for v in VERDICTS:
+                    self.verdicts.init((b, role, v))
+            if "forced" in bmodes and role != "secondary" and "primary" in refs.get(b, ()):
+                for v in NOISE_VERDICTS:
+                    self.noise.init((b, role, v))
+            self.template.init((b, role))
+
+    def _role(self, backend: str, given: Any) -> str:
+        return self.backends.get(backend) or (given if isinstance(given, str) and given else "shadow")
+
+    # -- updates ----------------------------------------------------------------------------------
+    def observe_request(self, outcome: str, *, added_latency_s: float | None = None,
+                        endpoint: str | None = None) -> None:
+        """One agent request relayed to the primary (RequestMetrics calls this)."""
+        with self._lock:
+            self.requests.inc((self.primary, "primary", outcome))
+            if added_latency_s is not None and endpoint:
+                self.latency.observe((endpoint,), added_latency_s)
+
+    def observe_runs(self, runs: Iterable[Mapping[str, Any]]) -> None:
+        """Shadow run records as the runner stored them (the primary's ``recorded`` one is skipped)."""
+        with self._lock:
+            for r in runs:
+                mode = r.get("mode")
+                if mode not in MODES or not isinstance(r.get("backend"), str):
+                    continue
+                b = r["backend"]
+                role = self._role(b, r.get("role"))
+                status = r.get("status")
+                self.runs.inc((b, role, mode, status if status in RUN_OUTCOMES else "failed"))
+                total = (r.get("timings") or {}).get("total_s")
+                if isinstance(total, (int, float)):
+                    self.run_duration.observe((b, mode), float(total))
+
+    def observe_comparisons(self, results: Iterable[Mapping[str, Any]], *,
+                            pieces: Sequence[str] | None = None) -> None:
+        """Comparisons as `tensorverse.shadow.compare.compare_turn` returned (and stored) them.
+
+        ``pieces``: the primary's decoded output pieces, for the region of free-mode flips
+        (a result's own ``region`` wins)."""
+        with self._lock:
+            for r in results:
+                self._observe(r, pieces)
+
+    def observe_comparison(self, result: Mapping[str, Any], *, pieces: Sequence[str] | None = None) -> None:
+        with self._lock:
+            self._observe(result, pieces)
+
+    def _observe(self, r: Mapping[str, Any], pieces: Sequence[str] | None) -> None:
+        b = r.get("backend")
+        mode = r.get("mode")
+        if not isinstance(b, str) or mode not in MODES:
+            return
+        role = self._role(b, r.get("role"))
+        rr = r.get("ref_role")
+        if rr not in REF_ROLES:
+            rr = "primary" if (mode == "free" or r.get("ref_backend") == self.primary) else \
+                (self.backends.get(r.get("ref_backend") or "", "reference"))
+        if r.get("status") != "ok":
+            self.comparisons.inc((b, role, mode, rr, "error"))
+            return
+        self.comparisons.inc((b, role, mode, rr, "ok"))
+        if r.get("template_mismatch"):
+            self.template.inc((b, role))
+        key = (b, role, mode, rr)
+        if mode == "forced":
+            self._observe_forced(r, key)
+        else:
+            self._observe_free(r, key, pieces)
+
+    def _observe_forced(self, r: Mapping[str, Any], key: tuple[str, str, str, str]) -> None:
+        b, role, mode, rr = key
+        summary = r.get("summary") or {}
+        n = int(r.get("n") or summary.get("n") or 0)
+        self.compared_tokens.inc(key, n)
+        by_region = summary.get("flips_by_region")
+        n_flips = int(summary.get("flips", len(r.get("flips") or ())))
+        if isinstance(by_region, Mapping) and by_region:
+            counted = 0
+            for reg, k in by_region.items():
+                if k:
+                    self.flips.inc((*key, reg if reg in REGIONS else UNKNOWN), int(k))
+                    counted += int(k)
+            if n_flips > counted:
+                self.flips.inc((*key, UNKNOWN), n_flips - counted)
+        elif n_flips:
+            self.flips.inc((*key, UNKNOWN), n_flips)
+        ff = r.get("first_flip")
+        if isinstance(ff, int):
+            self.first_flip.observe(key, float(ff))
+        kl = (r.get("metrics") or {}).get("kl")
+        if kl:
+            self.kl.observe_many((b, role, rr), np.asarray(kl, dtype=np.float64))
+        noise = r.get("noise")
+        if isinstance(noise, Mapping) and noise.get("verdict"):
+            v = str(noise["verdict"]).replace(" ", "_")
+            if v in NOISE_VERDICTS:
+                self.noise.inc((b, role, v))
+
+    def _observe_free(self, r: Mapping[str, Any], key: tuple[str, str, str, str],
+                      pieces: Sequence[str] | None) -> None:
+        b, role, mode, rr = key
+        d = r.get("divergence") or {}
+        diverged = bool(r.get("diverged", d.get("position") is not None))
+        prefix = r.get("common_prefix", d.get("common_prefix"))
+        prefix = int(prefix) if isinstance(prefix, int) else 0
+        self.compared_tokens.inc(key, prefix + (1 if diverged else 0))
+        if diverged:
+            pos = r.get("first_flip", d.get("position"))
+            reg = r.get("region")
+            if reg not in REGIONS:
+                reg = region_at(pieces, pos if isinstance(pos, int) else None)
+            self.flips.inc((*key, reg))
+            if isinstance(pos, int):
+                self.first_flip.observe(key, float(pos))
+        verdict = r.get("verdict")
+        if verdict is not None:
+            if verdict == "match" and not r.get("ref_tool_calls") and not r.get("cand_tool_calls"):
+                verdict = "none"
+            self.verdicts.inc((b, role, verdict if verdict in VERDICTS else "malformed"))
+
+    def observe_missing_rows(self, runs: Iterable[Mapping[str, Any]]) -> None:
+        """Rows expected by full-capture runs that never reached the store."""
+        with self._lock:
+            for r in runs:
+                rows = r.get("rows")
+                if r.get("mode") not in MODES or not isinstance(rows, Mapping):
+                    continue
+                exp, have = rows.get("expected"), rows.get("present")
+                if isinstance(exp, int) and isinstance(have, int) and exp > have:
+                    self.rows_missing.inc((r["backend"], r["mode"]), exp - have)
+
+    # -- exposition -------------------------------------------------------------------------------
+    def families(self) -> list[Any]:
+        """The event-driven families, copied under the lock."""
+        with self._lock:
+            return [c.family() for c in self._counters.values()] + \
+                [h.family() for h in self._histograms.values()]
+
+    def collector(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None) -> "MetricsCollector":
+        return MetricsCollector(self, stats, store)
+
+    def registry(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None) -> Any:
+        """A prometheus_client registry serving these metrics (plus ``stats`` and the store)."""
+        from prometheus_client import CollectorRegistry
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(self.collector(stats, store))  # type: ignore[arg-type]
+        return reg
+
+
+#: Families held (and updated) by `Metrics`; the others are read at scrape time.
+_EVENT_FAMILIES = frozenset({
+    "tensorverse_requests", "tensorverse_comparisons", "tensorverse_compared_tokens", "tensorverse_flips",
+    "tensorverse_tool_call_verdicts", "tensorverse_noise_verdicts", "tensorverse_template_mismatches",
+    "tensorverse_shadow_runs", "tensorverse_capture_rows_missing",
+})
+
+
+# --------------------------------------------------------------------------- scrape-time families
+
+
+class MetricsCollector:
+    """prometheus_client collector: the `Metrics` families, then the proxy's own counters (from
+    ``stats()``, the proxy's `/stats` object) and the store's gauges, read at scrape time."""
+
+    def __init__(self, metrics: Metrics | None, stats: Callable[[], Mapping[str, Any]] | None = None,
+                 store: Any = None) -> None:
+        self.metrics = metrics
+        self.stats = stats
+        self.store = store
+
+    def collect(self) -> Iterator[Any]:  # noqa: C901 - one family after another
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if self.metrics is not None:
+            yield from self.metrics.families()
+        s: Mapping[str, Any] = self.stats() if self.stats is not None else {}
+        spec = {m.name: m for m in METRICS}
+
+        def counter(name: str, value: float = 0.0, labels: Sequence[str] = ()) -> Any:
+            sp = spec.get(name)
+            help_ = sp.help if sp else name
+            return CounterMetricFamily(name, help_, value=None if labels else value,
+                                       labels=labels or None)
+
+        def gauge(name: str, value: float) -> Any:
+            return GaugeMetricFamily(name, spec[name].help, value=value)
+
+        proxy = s.get("proxy") or {}
+        for key in dict.fromkeys([*PROXY_COUNTERS, *proxy]):
+            v = proxy.get(key, 0)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield CounterMetricFamily(f"tensorverse_proxy_{key}", f"proxy: {key.replace('_', ' ')}", value=v)
+        rec = s.get("recorder")
+        if rec is not None:
+            for key in dict.fromkeys([*RECORDER_COUNTERS, *rec]):
+                v = rec.get(key, 0)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    yield CounterMetricFamily(f"tensorverse_recorder_{key}", f"recorder: {key.replace('_', ' ')}",
+                                              value=v)
+
+        # shadow tee
+        sh = s.get("shadow") or {}
+        yield counter("tensorverse_shadow_queued", sh.get("queued", 0))
+        yield counter("tensorverse_shadow_dropped", sh.get("dropped_queue_full", 0))
+        yield gauge("tensorverse_shadow_queue_depth", sh.get("queue_depth", 0))
+        yield gauge("tensorverse_shadow_queue_capacity", sh.get("queue_size", 0))
+        skipped = counter("tensorverse_shadow_skipped", labels=("reason",))
+        got = sh.get("skipped") or {}
+        for reason in dict.fromkeys([*SKIP_REASONS, *got]):
+            skipped.add_metric([reason], got.get(reason, 0))
+        yield skipped
+        turns = counter("tensorverse_shadow_turns", labels=("backend", "role", "outcome"))
+        roles = self.metrics.backends if self.metrics is not None else {}
+        per_backend = sh.get("backend") or {}
+        for b in dict.fromkeys([*roles, *per_backend]):
+            outcomes = per_backend.get(b) or {}
+            for outcome in dict.fromkeys([*TEE_OUTCOMES, *outcomes]):
+                turns.add_metric([b, roles.get(b, "shadow"), outcome], outcomes.get(outcome, 0))
+        yield turns
+
+        # capture ingest
+        ing = s.get("ingest") or {}
+        yield counter("tensorverse_capture_rows", ing.get("rows", 0))
+        yield counter("tensorverse_capture_bytes", ing.get("bytes", 0))
+        yield counter("tensorverse_capture_duplicate_rows", ing.get("duplicates", 0))
+        batches = counter("tensorverse_capture_batches", labels=("outcome",))
+        batches.add_metric(["ok"], ing.get("batches", 0))
+        batches.add_metric(["rejected"], ing.get("rejected", 0))
+        batches.add_metric(["unauthorized"], ing.get("unauthorized", 0))
+        batches.add_metric(["store_full"], ing.get("store_full", 0))
+        batches.add_metric(["store_error"], ing.get("store_errors", 0))
+        yield batches
+        dropped = counter("tensorverse_capture_rows_dropped", labels=("reason",))
+        dropped.add_metric(["store_full"], ing.get("rows_dropped_store_full", 0))
+        dropped.add_metric(["store_error"], ing.get("rows_dropped_store_error", 0))
+        yield dropped
+        plugin = ing.get("plugins") or {}
+        yield counter("tensorverse_capture_plugin_rows_captured", plugin.get("rows_captured", 0))
+        pd = counter("tensorverse_capture_plugin_rows_dropped", labels=("reason",))
+        for reason in PLUGIN_DROP_REASONS:
+            pd.add_metric([reason], plugin.get(f"dropped_{reason}", 0))
+        yield pd
+
+        # sessions
+        ses = s.get("sessions") or {}
+        yield counter("tensorverse_sessions_created", ses.get("created", 0))
+        yield gauge("tensorverse_sessions_tracked", ses.get("tracked_sessions", 0))
+
+        # store
+        yield from self._store_families()
+
+    def _store_families(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        spec = {m.name: m for m in METRICS}
+        st: Mapping[str, Any] = {}
+        fs_free: float = 0.0
+        if self.store is not None:
+            try:
+                st = self.store.stats()
+            except Exception:  # noqa: BLE001 - a closed store: zeros
+                st = {}
+            try:
+                fs_free = float(shutil.disk_usage(str(self.store.path)).free)
+            except (OSError, AttributeError):
+                fs_free = 0.0
+        used = float(st.get("used_bytes") or 0)
+        cap = st.get("max_size")
+        free = fs_free if not cap else min(fs_free, max(0.0, float(cap) - used))
+
+        def g(name: str, value: float) -> Any:
+            return GaugeMetricFamily(name, spec[name].help, value=value)
+
+        yield g("tensorverse_store_size_bytes", used)
+        yield g("tensorverse_store_map_size_bytes", float(st.get("map_size") or 0))
+        yield g("tensorverse_store_max_size_bytes", float(cap or 0))
+        yield g("tensorverse_store_free_bytes", free)
+        yield g("tensorverse_store_filesystem_free_bytes", fs_free)
+        yield g("tensorverse_store_full", 1.0 if st.get("full") else 0.0)
+        yield CounterMetricFamily("tensorverse_store_writes_refused", spec["tensorverse_store_writes_refused"].help,
+                                  value=float(st.get("writes_refused") or 0))
+        rec = GaugeMetricFamily("tensorverse_store_records", spec["tensorverse_store_records"].help,
+                                labels=["table"])
+        for table in ("sessions", "turns", "runs", "rows", "comparisons"):
+            rec.add_metric([table], float((st.get("entries") or {}).get(table, 0)))
+        yield rec
+
+
+# --------------------------------------------------------------------------- the proxy addon
+
+
+class RequestMetrics(Addon):
+    """Proxy addon: each LLM request's outcome and the latency the proxy added.
+
+    Added latency = (upstream request about to be sent − request body read) + (client response
+    finished − upstream's last byte or event). It leaves out the relay of the events in the middle
+    of a stream (measured by ``benchmarks/proxy_overhead.py``). Put it last among the addons, so
+    its ``request`` hook runs after every other addon's."""
+
+    name = "metrics"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    async def request(self, flow: Any) -> None:
+        flow.meta["t_upstream_send"] = time.perf_counter()
+
+    def event(self, flow: Any, ev: Any) -> None:
+        flow.meta["t_upstream_last"] = time.perf_counter()
+
+    def response_body(self, flow: Any) -> None:
+        flow.meta["t_upstream_last"] = time.perf_counter()
+
+    def _added(self, flow: Any) -> float | None:
+        sent = flow.meta.get("t_upstream_send")
+        if sent is None:
+            return None
+        added = max(0.0, sent - flow.t0)
+        last = flow.meta.get("t_upstream_last")
+        if last is not None and flow.t_end is not None:
+            added += max(0.0, flow.t_end - last)
+        return added
+
+    async def response_done(self, flow: Any) -> None:
+        from tensorverse.proxy import flow as F
+
+        outcome = "ok" if flow.state == F.OK else "upstream_error"
+        self.metrics.observe_request(outcome, added_latency_s=self._added(flow) if outcome == "ok" else None,
+                                     endpoint=flow.kind)
+
+    async def error(self, flow: Any) -> None:
+        from tensorverse.proxy import flow as F
+
+        self.metrics.observe_request("aborted" if flow.state == F.ABORTED else "error")

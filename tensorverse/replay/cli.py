@@ -1,0 +1,116 @@
+"""Argument handling of ``tensorverse scrub`` / ``tensorverse replay`` and the results merge
+(``python -m tensorverse.replay.cli merge A.json B.json ... [--parquet OUT]``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["run_scrub", "add_replay_arguments", "run_replay_args", "main"]
+
+
+def run_scrub(args: argparse.Namespace, store: str) -> int:
+    from tensorverse.replay.corpus import CorpusError, render_scrub_report, scrub_store
+    from tensorverse.replay.tokenizers import HFTokenizer, TokenizerError, VLLMTokenizer
+    from tensorverse.store import RecordNotFound, StoreVersionError
+
+    try:
+        tok = HFTokenizer(args.tokenizer) if args.tokenizer else VLLMTokenizer(args.tokenizer_url)
+        report = scrub_store(store, args.out, tokenizer=tok, sessions=args.session, rules=args.rules,
+                             name=args.name)
+    except (TokenizerError, CorpusError, ValueError, FileNotFoundError, StoreVersionError,
+            RecordNotFound) as e:
+        print(f"tensorverse scrub: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_scrub_report(report))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("corpus", metavar="CORPUS", help="corpus directory (or one case file)")
+    p.add_argument("--backend", action="append", required=True, metavar="NAME=URL[#MODEL]",
+                   help="a backend to replay on (repeatable); API key from "
+                   "TENSORVERSE_BACKEND_API_KEY_<NAME> or TENSORVERSE_BACKEND_API_KEY")
+    p.add_argument("--reference", metavar="NAME",
+                   help="the backend whose forced runs are the reference distribution "
+                   "(default: the first --backend)")
+    p.add_argument("--mode", default="forced,free", help="forced, free or both (default forced,free)")
+    p.add_argument("--capture", choices=("full", "topk", "auto"), default="auto",
+                   help="full: the servers run the plugin with a sink into --store; topk: API "
+                   "logprobs only; auto: probe (default)")
+    p.add_argument("--concurrency", type=int, default=4, help="cases and requests per backend in flight (4)")
+    p.add_argument("--out", metavar="RESULTS", default="replay-results.json",
+                   help="results JSON (default replay-results.json); RESULTS.partial.jsonl keeps "
+                   "finished cases until the run completes")
+    p.add_argument("--store", metavar="DIR", help="keep runs and rows in this store (for "
+                   "`tensorverse view`, and the capture sink); default: a temporary one")
+    p.add_argument("--fail-on", action="append", default=[], metavar="RULE",
+                   help="[BACKEND:]METRIC OP NUMBER, e.g. 'flip_rate>0.01' or "
+                   "'toolcall_mismatch_rate>0' (repeatable): exit 1 when exceeded")
+    p.add_argument("--tool-simulator", metavar="SPEC",
+                   help="module:function or http(s) URL answering a diverged branch's tool calls")
+    p.add_argument("--case", action="append", default=None, metavar="ID", help="only this case (repeatable)")
+    p.add_argument("--retries", type=int, default=3, help="retries of a failed backend request (3)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
+    p.add_argument("--include-text", action="store_true",
+                   help="write output text and tool-call values into the results (off: shareable)")
+    p.add_argument("--no-resume", action="store_true", help="ignore RESULTS.partial.jsonl")
+    p.add_argument("--no-tokenizer-check", action="store_true",
+                   help="replay on backends whose tokenizer fingerprint differs from the corpus's")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run_replay_args(args: argparse.Namespace) -> int:
+    from tensorverse.replay.runner import ReplayOptions, parse_backend, run_replay
+    from tensorverse.replay.tools import load_simulator
+
+    try:
+        backends = [parse_backend(s, capture=args.capture, concurrency=max(1, args.concurrency),
+                                  timeout_s=args.timeout) for s in args.backend]
+        modes = tuple(m.strip() for m in args.mode.split(",") if m.strip())
+        opts = ReplayOptions(
+            backends=backends, reference=args.reference, modes=modes, concurrency=args.concurrency,
+            out=Path(args.out) if args.out else None, store=Path(args.store) if args.store else None,
+            retries=max(0, args.retries), simulator=load_simulator(args.tool_simulator),
+            include_text=args.include_text, check_tokenizer=not args.no_tokenizer_check,
+            progress=not args.no_progress and sys.stderr.isatty(), resume=not args.no_resume,
+            cases=args.case)
+    except ValueError as e:
+        print(f"tensorverse replay: {e}", file=sys.stderr)
+        return 2
+    return run_replay(args.corpus, opts, fail_on=args.fail_on, as_json=args.json)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tensorverse.replay.report import merge_results, render_merged, write_parquet
+
+    p = argparse.ArgumentParser(prog="python -m tensorverse.replay.cli")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="aggregate replay results of many rigs into one table")
+    m.add_argument("results", nargs="+", help="results JSON files")
+    m.add_argument("--out", help="write the merged JSON here")
+    m.add_argument("--parquet", help="write the merged rows as Parquet here")
+    args = p.parse_args(argv)
+    try:
+        merged = merge_results(args.results)
+    except (ValueError, OSError) as e:
+        print(f"merge: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+    if args.parquet:
+        write_parquet(merged, args.parquet)
+    print(render_merged(merged))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

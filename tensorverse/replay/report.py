@@ -1,0 +1,351 @@
+"""Replay results: the results file, the terminal summary, ``--fail-on`` gates, and merging the
+results of many rigs (``tensorverse report merge``).
+
+Results file (``format: tensorverse.replay-results``, version 1)::
+
+    {"format", "format_version", "created", "tensorverse_version",
+     "corpus": {"name", "cases", "manifest_sha256", "tokenizer"},
+     "rig": {"host": {...}, "backends": {NAME: doctor's view}},      # no URLs, no prompt text
+     "backends": [{"name", "model", "role", "capture"}], "reference", "modes",
+     "tokenizers": {NAME: {"fingerprint", "corpus", "same_dictionary"}}, "refused": {NAME: why},
+     "summary": {NAME: {... see summarize_backend ...}},
+     "cases": [{"id", "turns": [{"index", "positions", "backends": {NAME: {"forced", "free"}}}],
+                "branches": {NAME: {"status", "turn", ...}}}],
+     "thresholds": {"rules", "failed"}, "wall_s", "resumed"}
+
+No prompt or output text is written unless ``--include-text``.
+
+Summary per backend (vs the reference backend for forced metrics, vs the recorded output for
+free ones): ``positions``, ``flips``, ``flip_rate`` with a 95 % Wilson interval
+(``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over positions),
+``first_flip`` (median over turns with one), ``departures`` (forced top-1 != recorded token) and
+``departure_rate``, free ``turns``, ``diverged``, ``verdicts`` (counts), ``toolcall_mismatch_rate``
+(free turns whose verdict is not ``match``), branch outcomes (``completed``/``diverged``/
+``simulated``), ``errors`` and ``error_rate``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import operator
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["build_results", "summarize_backend", "render_summary", "parse_threshold",
+           "check_thresholds", "merge_results", "render_merged", "METRICS"]
+
+METRICS = ("flip_rate", "toolcall_mismatch_rate", "same_top_p", "kl_mean", "kl_max",
+           "departure_rate", "diverged_rate", "error_rate", "flips", "errors")
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
+        "==": operator.eq, "!=": operator.ne}
+_PCTS = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
+
+
+def _wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    if n <= 0:
+        return None
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [round(max(0.0, c - h), 6), round(min(1.0, c + h), 6)]
+
+
+def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_reference: bool) -> dict[str, Any]:
+    positions = flips = agree = dep = dep_n = 0
+    kl: list[float] = []
+    first: list[int] = []
+    free_turns = diverged = 0
+    verdicts: dict[str, int] = {}
+    errors = runs = 0
+    branches: dict[str, int] = {}
+    kinds: set[str] = set()
+    for c in cases:
+        b = (c.get("branches") or {}).get(name)
+        if b:
+            branches[b["status"]] = branches.get(b["status"], 0) + 1
+        for t in c.get("turns") or ():
+            r = (t.get("backends") or {}).get(name)
+            if not r:
+                continue
+            f = r.get("forced")
+            if f:
+                runs += 1
+                if f.get("status") != "ok":
+                    errors += 1
+                else:
+                    if f.get("departures") is not None:
+                        dep += len(f["departures"])
+                        dep_n += t.get("positions") or 0
+                    if f.get("n") is not None:
+                        positions += f["n"]
+                        flips += len(f.get("flips") or ())
+                        agree += f.get("top1_agree") or 0
+                        kl.extend(x for x in f.get("kl") or () if x is not None and math.isfinite(x))
+                        if f.get("kind"):
+                            kinds.add(f["kind"])
+                        if f.get("first_flip") is not None:
+                            first.append(f["first_flip"])
+            fr = r.get("free")
+            if fr:
+                runs += 1
+                if fr.get("status") != "ok":
+                    errors += 1
+                elif fr.get("verdict") is not None:
+                    free_turns += 1
+                    diverged += bool(fr.get("diverged"))
+                    verdicts[fr["verdict"]] = verdicts.get(fr["verdict"], 0) + 1
+    out: dict[str, Any] = {"backend": name, "reference": is_reference, "positions": positions,
+                           "flips": flips}
+    if positions:
+        p = agree / positions
+        out["flip_rate"] = flips / positions
+        out["flip_rate_ci"] = _wilson(flips, positions)
+        out["same_top_p"] = {"p": p, "se": math.sqrt(p * (1 - p) / (positions - 1)) if positions > 1 else None}
+    else:
+        out.update(flip_rate=None, flip_rate_ci=None, same_top_p=None)
+    if kl:
+        a = np.asarray(kl, dtype=np.float64)
+        out["kl"] = {"mean": float(a.mean()), "max": float(a.max()),
+                     **{f"p{str(q).replace('.', '_')}": float(np.percentile(a, q)) for q in _PCTS},
+                     "min": float(a.min()), "approximate": kinds != {"full"}}
+    else:
+        out["kl"] = None
+    out["first_flip"] = float(np.median(first)) if first else None
+    out["turns_with_flips"] = len(first)
+    out["departures"] = dep
+    out["departure_rate"] = dep / dep_n if dep_n else None
+    out["departure_rate_ci"] = _wilson(dep, dep_n)
+    out["free_turns"] = free_turns
+    out["diverged"] = diverged
+    out["diverged_rate"] = diverged / free_turns if free_turns else None
+    out["verdicts"] = dict(sorted(verdicts.items()))
+    mism = sum(v for k, v in verdicts.items() if k != "match")
+    out["toolcall_mismatch_rate"] = mism / free_turns if free_turns else None
+    out["toolcall_mismatch_rate_ci"] = _wilson(mism, free_turns)
+    out["branches"] = branches
+    out["errors"] = errors
+    out["error_rate"] = errors / runs if runs else None
+    return out
+
+
+def build_results(corpus: Any, opts: Any, cases: Sequence[Mapping[str, Any]], *, rig: Mapping[str, Any],
+                  tokenizers: Mapping[str, Any], refused: Mapping[str, str], wall_s: float,
+                  resumed: int = 0) -> dict[str, Any]:
+    from tensorverse.replay.corpus import _version
+
+    mpath = Path(corpus.path) / "corpus.json"
+    sha = hashlib.sha256(mpath.read_bytes()).hexdigest() if mpath.is_file() else None
+    summary = {b.name: summarize_backend(b.name, cases, is_reference=b.name == opts.reference)
+               for b in opts.backends}
+    return {
+        "format": "tensorverse.replay-results",
+        "format_version": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "tensorverse_version": _version(),
+        "corpus": {"name": corpus.manifest.get("name") or Path(corpus.path).name,
+                   "cases": len(corpus.cases), "manifest_sha256": sha,
+                   "tokenizer": (corpus.tokenizer or {}).get("fingerprint")},
+        "rig": dict(rig),
+        "backends": [{"name": b.name, "model": b.model, "role": b.role, "capture": b.capture}
+                     for b in opts.backends],
+        "reference": opts.reference,
+        "modes": list(opts.modes),
+        "tokenizers": dict(tokenizers),
+        "refused": dict(refused),
+        "include_text": bool(opts.include_text),
+        "summary": summary,
+        "cases": list(cases),
+        "wall_s": round(wall_s, 3),
+        "resumed": resumed,
+    }
+
+
+# ------------------------------------------------------------------------------------- terminal
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _summary_rows(summary: Mapping[str, Mapping[str, Any]], label: Callable | None = None) -> list[list[str]]:
+    rows = [["backend", "positions", "same_top_p", "flip_rate [95% CI]", "KL mean", "KL p99", "KL max",
+             "1st flip", "departures", "free", "verdicts", "branches", "errors"]]
+    for name, s in summary.items():
+        stp = s.get("same_top_p")
+        ci = s.get("flip_rate_ci")
+        kl = s.get("kl") or {}
+        rows.append([
+            (label(name) if label else name) + (" (ref)" if s.get("reference") else ""),
+            str(s.get("positions", 0)),
+            f"{stp['p'] * 100:.2f}% ± {stp['se'] * 100:.2f}" if stp and stp.get("se") is not None
+            else (f"{stp['p'] * 100:.2f}%" if stp else "-"),
+            f"{s['flip_rate']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if s.get("flip_rate") is not None and ci else "-",
+            _fmt(kl.get("mean"), ".2e"), _fmt(kl.get("p99"), ".2e"), _fmt(kl.get("max"), ".2e"),
+            _fmt(s.get("first_flip"), ".0f"),
+            f"{s.get('departures', 0)}" + (f" ({s['departure_rate']:.4f})" if s.get("departure_rate") is not None else ""),
+            f"{s.get('diverged', 0)}/{s.get('free_turns', 0)}",
+            " ".join(f"{k}={v}" for k, v in (s.get("verdicts") or {}).items()) or "-",
+            " ".join(f"{k}={v}" for k, v in (s.get("branches") or {}).items()) or "-",
+            str(s.get("errors", 0)),
+        ])
+    return rows
+
+
+def render_summary(results: Mapping[str, Any]) -> str:
+    s = results["summary"]
+    head = (f"replay of {results['corpus']['cases']} case(s) from {results['corpus']['name']} "
+            f"on {len(s)} backend(s); forced metrics vs {results['reference']}, free vs the recorded "
+            f"output; {results.get('wall_s', 0):.1f} s")
+    out = [head, _table(_summary_rows(s))]
+    if any((v or {}).get("kl", {}) and v["kl"].get("approximate") for v in s.values() if v.get("kl")):
+        out.append("KL from top-k logprobs (approximate); full rows need --capture full and a sink.")
+    for name, why in (results.get("refused") or {}).items():
+        out.append(f"{name}: {why}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- thresholds
+
+_THRESH = re.compile(r"^\s*(?:(?P<backend>[\w.-]+):)?(?P<metric>[a-z_]+)\s*(?P<op>>=|<=|==|!=|>|<)\s*"
+                     r"(?P<value>[-+0-9.eE]+)\s*$")
+
+
+def parse_threshold(spec: str) -> dict[str, Any]:
+    """``'flip_rate>0.01'``, ``'fp8:toolcall_mismatch_rate>0'`` -> a rule. Rules without a
+    backend apply to every backend except the reference."""
+    m = _THRESH.match(spec)
+    if not m:
+        raise ValueError(f"--fail-on {spec!r}: use [BACKEND:]METRIC OP NUMBER, e.g. 'flip_rate>0.01'")
+    if m["metric"] not in METRICS:
+        raise ValueError(f"--fail-on {spec!r}: unknown metric {m['metric']!r} (one of {', '.join(METRICS)})")
+    try:
+        value = float(m["value"])
+    except ValueError:
+        raise ValueError(f"--fail-on {spec!r}: {m['value']!r} is not a number") from None
+    return {"spec": spec.strip(), "backend": m["backend"], "metric": m["metric"], "op": m["op"], "value": value}
+
+
+def _metric(s: Mapping[str, Any], metric: str) -> float | None:
+    if metric == "same_top_p":
+        return (s.get("same_top_p") or {}).get("p")
+    if metric in ("kl_mean", "kl_max"):
+        return (s.get("kl") or {}).get(metric[3:])
+    v = s.get(metric)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def check_thresholds(results: Mapping[str, Any], rules: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rules that the results break (a metric that could not be measured breaks nothing,
+    but a named backend that is missing does)."""
+    failed = []
+    summary = results["summary"]
+    for rule in rules:
+        names = [rule["backend"]] if rule["backend"] else [n for n, s in summary.items() if not s.get("reference")]
+        for name in names:
+            s = summary.get(name)
+            if s is None:
+                failed.append({**rule, "backend": name, "actual": None,
+                               "message": f"{rule['spec']}: no backend {name!r} in the results"})
+                continue
+            v = _metric(s, rule["metric"])
+            if v is not None and _OPS[rule["op"]](v, rule["value"]):
+                failed.append({**rule, "backend": name, "actual": v,
+                               "message": f"{name}: {rule['metric']} = {v:.6g} ({rule['spec']})"})
+    return failed
+
+
+# ---------------------------------------------------------------------------------------- merge
+
+_SUMS = ("positions", "flips", "departures", "free_turns", "diverged", "errors", "turns_with_flips")
+
+
+def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """Aggregate results files from many rigs: one row per (rig, backend), plus the totals per
+    backend name. Counts add up exactly; KL keeps the mean (weighted by positions) and the max."""
+    rows = []
+    for p in paths:
+        r = json.loads(Path(p).read_text(encoding="utf-8"))
+        if r.get("format") != "tensorverse.replay-results":
+            raise ValueError(f"{p}: not a Tensorverse replay results file")
+        host = (r.get("rig") or {}).get("host") or {}
+        gpus = host.get("gpus") or {}
+        rig = (", ".join(gpus.get("models") or []) + f" x{gpus.get('count')}") if gpus else (host.get("machine") or "cpu")
+        for name, s in r["summary"].items():
+            binfo = ((r.get("rig") or {}).get("backends") or {}).get(name) or {}
+            rows.append({"file": str(p), "rig": rig, "backend": name, "vllm": binfo.get("version"),
+                         "model": binfo.get("model"), "reference": r.get("reference"),
+                         "corpus": (r.get("corpus") or {}).get("manifest_sha256"), **s})
+    totals: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        t = totals.setdefault(row["backend"], {"backend": row["backend"], "rigs": 0, "verdicts": {},
+                                               **{k: 0 for k in _SUMS}, "_klw": 0.0, "kl_max": None})
+        t["rigs"] += 1
+        for k in _SUMS:
+            t[k] += row.get(k) or 0
+        for v, n in (row.get("verdicts") or {}).items():
+            t["verdicts"][v] = t["verdicts"].get(v, 0) + n
+        kl = row.get("kl") or {}
+        if kl.get("mean") is not None:
+            t["_klw"] += kl["mean"] * (row.get("positions") or 0)
+            t["kl_max"] = kl["max"] if t["kl_max"] is None else max(t["kl_max"], kl["max"])
+    for t in totals.values():
+        n = t["positions"]
+        t["flip_rate"] = t["flips"] / n if n else None
+        t["flip_rate_ci"] = _wilson(t["flips"], n)
+        t["kl_mean"] = t.pop("_klw") / n if n else None
+        mism = sum(v for k, v in t["verdicts"].items() if k != "match")
+        t["toolcall_mismatch_rate"] = mism / t["free_turns"] if t["free_turns"] else None
+    corpora = {row["corpus"] for row in rows}
+    return {"format": "tensorverse.replay-merge", "format_version": 1, "files": [str(p) for p in paths],
+            "same_corpus": len(corpora) == 1, "rows": rows, "totals": totals}
+
+
+def render_merged(merged: Mapping[str, Any]) -> str:
+    rows = [["rig", "backend", "vllm", "positions", "flip_rate", "KL mean", "verdicts", "errors"]]
+    for r in merged["rows"]:
+        kl = r.get("kl") or {}
+        rows.append([r["rig"], r["backend"] + (" (ref)" if r.get("reference") == r["backend"] else ""),
+                     str(r.get("vllm") or "-"), str(r.get("positions", 0)), _fmt(r.get("flip_rate")),
+                     _fmt(kl.get("mean"), ".2e"),
+                     " ".join(f"{k}={v}" for k, v in (r.get("verdicts") or {}).items()) or "-",
+                     str(r.get("errors", 0))])
+    out = [_table(rows)]
+    if not merged.get("same_corpus"):
+        out.append("note: the files replayed different corpora (manifest hashes differ)")
+    return "\n".join(out)
+
+
+def write_parquet(merged: Mapping[str, Any], path: str | Path) -> Path:
+    """The merged rows as Parquet (pyarrow), nested values as JSON strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for r in merged["rows"]:
+        rows.append({k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in r.items()})
+    cols = sorted({k for r in rows for k in r})
+    table = pa.table({c: [r.get(c) for r in rows] for c in cols})
+    pq.write_table(table, str(path))
+    return Path(path)
+

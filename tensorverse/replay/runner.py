@@ -1,0 +1,572 @@
+"""``tensorverse replay``: run a corpus's cases on a set of backends and report the divergence.
+
+Replay is shadowing from a corpus instead of live traffic: every case turn becomes a
+:class:`~tensorverse.shadow.runner.TurnInput` (the case's prompt ids and reference output ids) and
+goes through the same :class:`~tensorverse.shadow.runner.ShadowRunner` (forced + free runs, the
+chat-template check, capture) and :func:`~tensorverse.shadow.compare.compare_turn` as live turns.
+Runs and rows land in a working store (``--store DIR`` keeps it for ``tensorverse view``).
+
+References. A corpus carries the reference's tokens, not its distributions (recorded top-k is
+not exported, see :mod:`tensorverse.replay.corpus`), so forced comparisons need a *reference
+backend* (``--reference NAME``, default the first ``--backend``): its forced run is the P of every
+other backend's forced run (``kind: full`` when both capture full rows, else ``topk``). Every
+backend is also checked against the recorded tokens: ``departures`` are forced positions where
+its top-1 is not the recorded token (zero for the recording's own config on a deterministic
+runtime). Free runs are compared with the recorded output (divergence point, tool-call verdict).
+
+Multi-turn cases. Forced runs always use the recorded context. A backend's free *branch* goes on
+to the next turn (on the recorded context and recorded tool results) while its tool calls match
+the recorded ones; at the first turn where they do not, the branch stops there (``diverged``),
+or, with a tool simulator (:mod:`tensorverse.replay.tools`), continues on its own conversation:
+the branch's answer and the simulator's results are rendered by the backend's chat template
+(``/tokenize``) and generated freely, up to the case's remaining turns (``simulated``).
+
+Robustness. Backend failures are retried with exponential backoff (``retries``), then recorded in
+the case's results, never aborting the run. Each finished case is appended to a journal
+(``RESULTS.partial.jsonl``); an interrupted run (Ctrl-C) keeps them, and rerunning the same
+command resumes with the cases not yet done. The results file is written at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from tensorverse.replay.corpus import Corpus, load_corpus
+from tensorverse.shadow.backend import Backend
+
+__all__ = ["ReplayOptions", "replay", "run_replay", "parse_backend", "RESULTS_FORMAT",
+           "case_turn_input", "rig_fingerprint"]
+
+RESULTS_FORMAT = "tensorverse.replay-results"
+RESULTS_VERSION = 1
+RECORDED = "recorded"
+
+
+def parse_backend(spec: str, *, capture: str = "auto", concurrency: int = 4,
+                  timeout_s: float = 300.0) -> Backend:
+    """``NAME=URL`` or ``NAME=URL#MODEL`` -> a Backend (its API key from
+    ``TENSORVERSE_BACKEND_API_KEY_<NAME>`` or ``TENSORVERSE_BACKEND_API_KEY``)."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url:
+        raise ValueError(f"--backend {spec!r}: use NAME=URL (e.g. fp32=http://127.0.0.1:8001/v1)")
+    url, _, model = url.partition("#")
+    key = (os.environ.get(f"TENSORVERSE_BACKEND_API_KEY_{name.upper().replace('-', '_')}")
+           or os.environ.get("TENSORVERSE_BACKEND_API_KEY"))
+    return Backend(name=name, url=url, model=model or None, api_key=key, capture=capture,
+                   concurrency=concurrency, timeout_s=timeout_s)
+
+
+@dataclass
+class ReplayOptions:
+    backends: list[Backend]
+    reference: str | None = None
+    modes: tuple[str, ...] = ("forced", "free")
+    concurrency: int = 4
+    out: Path | None = None
+    store: Path | None = None
+    retries: int = 3
+    backoff_s: float = 0.5
+    simulator: Any = None
+    include_text: bool = False
+    check_tokenizer: bool = True
+    check_template: bool = True
+    rows_timeout_s: float = 30.0
+    progress: bool = True
+    resume: bool = True
+    cases: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.backends]
+        if not names:
+            raise ValueError("replay needs at least one --backend")
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique: {names}")
+        if RECORDED in names:
+            raise ValueError(f"{RECORDED!r} names the corpus's reference output; pick another name")
+        if self.reference is None:
+            self.reference = names[0]
+        if self.reference not in names:
+            raise ValueError(f"--reference {self.reference!r} is not one of the backends {names}")
+        for m in self.modes:
+            if m not in ("forced", "free"):
+                raise ValueError(f"unknown mode {m!r} (forced, free)")
+        for b in self.backends:
+            b.role = "reference" if b.name == self.reference else "shadow"
+
+
+def case_turn_input(case: Mapping[str, Any], turn: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
+    """A case turn in the dict form :class:`~tensorverse.shadow.runner.TurnInput` reads."""
+    ref = turn.get("reference") or {}
+    req = None
+    if turn.get("messages"):
+        req = {"messages": turn["messages"]}
+        if turn.get("tools"):
+            req["tools"] = turn["tools"]
+    return {
+        "id": _turn_id(prefix, case["id"], turn["index"]),
+        "session_id": _safe(prefix + case["id"]),
+        "prompt_token_ids": turn["prompt_token_ids"],
+        "output_token_ids": ref.get("output_token_ids") or [],
+        "text": ref.get("text"),
+        "sampling": dict(turn.get("sampling") or {}),
+        "request": req,
+        "endpoint": turn.get("endpoint") or ("chat.completions" if req else None),
+        "tool_calls": None,  # the verdict compares text with text (both parsed the same way)
+        "primary": RECORDED,
+        "finish_reason": ref.get("finish_reason"),
+    }
+
+
+def _safe(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in s)[:120]
+
+
+def _turn_id(prefix: str, case_id: str, index: int) -> str:
+    return _safe(f"{prefix}{case_id}.t{index}")
+
+
+# ------------------------------------------------------------------------------ rig fingerprint
+
+
+def _gpus() -> dict[str, Any] | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        cuda = subprocess.run([exe], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [r.split(", ") for r in out.stdout.strip().splitlines() if r.strip()]
+    cv = None
+    for line in cuda.splitlines():
+        if "CUDA Version" in line:
+            cv = line.split("CUDA Version:")[1].split()[0]
+    return {"count": len(rows), "models": sorted({r[0] for r in rows}),
+            "driver": rows[0][1] if rows and len(rows[0]) > 1 else None, "cuda": cv}
+
+
+async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
+    """Where the replay ran: this machine (OS, Python, GPUs when ``nvidia-smi`` answers) and each
+    backend as ``tensorverse doctor`` sees it (vLLM version, model, capture, tokenizer)."""
+    from tensorverse.shadow.doctor import doctor
+
+    async def one(b: Backend) -> tuple[str, dict[str, Any]]:
+        try:
+            r = await doctor(b.url, b.model, api_key=b.api_key, timeout_s=min(b.timeout_s, 30))
+        except TypeError:  # an older doctor signature
+            r = await doctor(b.url, b.model)
+        except Exception as e:  # noqa: BLE001
+            return b.name, {"error": f"{type(e).__name__}: {e}"}
+        keep = ("version", "model", "max_model_len", "max_logprobs", "vocab_size", "plugin",
+                "forcing", "capture_sink", "capture", "problems")
+        info = {k: r.get(k) for k in keep}
+        info["tokenizer"] = (r.get("tokenizer") or {}).get("fingerprint")
+        info["launch_options"] = None  # not exposed by vLLM's API; see docs/replay.md
+        return b.name, info
+
+    got = dict(await asyncio.gather(*(one(b) for b in backends)))
+    try:
+        import vllm  # noqa: F401
+
+        local_vllm = getattr(sys.modules["vllm"], "__version__", None)
+    except Exception:  # noqa: BLE001
+        local_vllm = None
+    return {
+        "host": {"os": platform.platform(), "python": platform.python_version(),
+                 "machine": platform.machine(), "cpus": os.cpu_count(), "gpus": _gpus(),
+                 "vllm": local_vllm},
+        "backends": got,
+    }
+
+
+# ----------------------------------------------------------------------------------- the runner
+
+
+def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float | None, float | None]:
+    if n <= 0:
+        return None, None
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def _departures(run: Mapping[str, Any], tokens: Sequence[int]) -> list[int] | None:
+    """Forced positions where the run's top-1 is not the recorded token (None: no top-k)."""
+    tl = run.get("top_logprobs")
+    if not isinstance(tl, list) or len(tl) < len(tokens):
+        return None
+    out = []
+    for p, t in enumerate(tokens):
+        e = tl[p]
+        if not e:
+            return None
+        if int(e[0][0]) != int(t):
+            out.append(p)
+    return out
+
+
+class _Replay:
+    def __init__(self, corpus: Corpus, opts: ReplayOptions, store: Any, runner: Any) -> None:
+        self.corpus = corpus
+        self.opts = opts
+        self.store = store
+        self.runner = runner
+        self.refused: dict[str, str] = {}
+        self.prefix = ""
+
+    async def vet_backends(self) -> dict[str, Any]:
+        """Compare each backend's tokenizer fingerprint with the corpus's."""
+        want = (self.corpus.tokenizer or {}).get("fingerprint")
+        out: dict[str, Any] = {}
+        for b in self.opts.backends:
+            fp = await self.runner.fingerprint_of(b)
+            got = fp.get("fingerprint") if fp.get("available") else None
+            ok = (not self.opts.check_tokenizer or want is None or got is None or got == want)
+            out[b.name] = {"fingerprint": got, "corpus": want, "same_dictionary": ok if got else None}
+            if not ok:
+                self.refused[b.name] = (f"refused: {b.name}'s tokenizer ({got}) is not the corpus's "
+                                        f"({want}); token ids would mean different text")
+        return out
+
+    async def _run(self, t: dict[str, Any], modes: Sequence[str], backends: Sequence[Backend]) -> list[dict]:
+        """``run_turn`` with retries (backoff) for runs that failed or timed out."""
+        runs = await self.runner.run_turn(t, modes=modes, backends=list(backends))
+        latest = {(r["backend"], r["mode"]): r for r in runs if r["mode"] != RECORDED}
+        delay = self.opts.backoff_s
+        for attempt in range(self.opts.retries):
+            bad = [(b, m) for (b, m), r in latest.items() if r["status"] in ("failed", "timeout")]
+            if not bad:
+                break
+            await asyncio.sleep(delay)
+            delay *= 2
+            by_name = {b.name: b for b in backends}
+            for name, mode in bad:
+                again = await self.runner.run_turn(t, modes=[mode], backends=[by_name[name]])
+                for r in again:
+                    if r["mode"] != RECORDED:
+                        r["retries"] = attempt + 1
+                        latest[(r["backend"], r["mode"])] = r
+        return list(latest.values())
+
+    async def case(self, case: Mapping[str, Any]) -> dict[str, Any]:
+        from tensorverse.shadow.compare import compare_turn
+
+        opts = self.opts
+        live = [b for b in opts.backends if b.name not in self.refused]
+        active = {b.name for b in live}  # free branches still on the recorded path
+        branch: dict[str, dict[str, Any]] = {b.name: {"status": "completed", "turn": None} for b in live}
+        for name, why in self.refused.items():
+            branch[name] = {"status": "refused", "turn": None, "error": why}
+        turns_out: list[dict[str, Any]] = []
+        roles = {b.name: b.role for b in opts.backends}
+        for turn in case["turns"]:
+            t = case_turn_input(case, turn, prefix=self.prefix)
+            tokens = list(t["output_token_ids"])
+            runs: list[dict] = []
+            on_path = [b for b in live if b.name in active]
+            off_path = [b for b in live if b.name not in active]
+            if on_path:
+                runs += await self._run(t, opts.modes, on_path)
+            if off_path and "forced" in opts.modes:
+                runs += await self._run(t, ("forced",), off_path)
+            comps: list[dict] = []
+            if runs:
+                try:
+                    comps = await asyncio.to_thread(compare_turn, self.store, t["id"], roles=roles)
+                except Exception as e:  # noqa: BLE001 - recorded per run below, never fatal
+                    comps = [{"mode": m, "backend": b.name, "ref_backend": opts.reference,
+                              "status": "error", "error": f"{type(e).__name__}: {e}"}
+                             for b in live for m in opts.modes]
+            per: dict[str, Any] = {}
+            for b in live:
+                per[b.name] = self._turn_result(b, runs, comps, tokens)
+            for name in list(active):
+                free = per[name].get("free")
+                if free is None or "free" not in opts.modes:
+                    continue
+                if free.get("status") != "ok" or free.get("verdict") != "match":
+                    active.discard(name)
+                    branch[name] = {"status": "diverged" if free.get("status") == "ok" else "error",
+                                    "turn": turn["index"], "verdict": free.get("verdict"),
+                                    "error": free.get("error")}
+                    if opts.simulator is not None and free.get("status") == "ok" \
+                            and turn["index"] < len(case["turns"]) - 1:
+                        b = next(x for x in live if x.name == name)
+                        run = next(r for r in runs if r["backend"] == name and r["mode"] == "free")
+                        sim = await self._simulate(case, turn, b, run)
+                        branch[name].update(status="simulated", simulated=sim)
+            turns_out.append({"index": turn["index"], "positions": len(tokens), "backends": per})
+        return {"id": case["id"], "turns": turns_out, "branches": branch}
+
+    def _turn_result(self, b: Backend, runs: Sequence[Mapping], comps: Sequence[Mapping],
+                     tokens: Sequence[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for mode in self.opts.modes:
+            run = next((r for r in runs if r["backend"] == b.name and r["mode"] == mode), None)
+            if run is None:
+                continue
+            res: dict[str, Any] = {"status": run["status"], "capture": run.get("capture"),
+                                   "method": run.get("method"),
+                                   "template": (run.get("template") or {}).get("status")}
+            if run.get("retries"):
+                res["retries"] = run["retries"]
+            if run["status"] != "ok":
+                res["error"] = run.get("error")
+                out[mode] = res
+                continue
+            if mode == "forced":
+                res["departures"] = _departures(run, tokens)
+                c = next((c for c in comps if c.get("mode") == "forced" and c.get("backend") == b.name
+                          and c.get("ref_backend") == self.opts.reference), None)
+                if c is not None and c.get("status") == "ok":
+                    m = c.get("metrics") or {}
+                    res.update(kind=c.get("kind"), n=c.get("n"), flips=c.get("flips"),
+                               first_flip=c.get("first_flip"), approximate=c.get("approximate"),
+                               top1_agree=sum(1 for x in m.get("top1_agree") or () if x),
+                               kl=[round(float(x), 9) for x in m.get("kl") or ()],
+                               flip_tokens=c.get("flip_tokens") if self.opts.include_text else None,
+                               flip_regions=[f.get("region") for f in c.get("flip_tokens") or ()])
+                elif c is not None:
+                    res["compare_error"] = c.get("error")
+            else:
+                c = next((c for c in comps if c.get("mode") == "free" and c.get("backend") == b.name), None)
+                res.update(tokens=len(run.get("token_ids") or []), finish_reason=run.get("finish_reason"))
+                if self.opts.include_text:
+                    res["text"] = run.get("text")
+                if c is not None and c.get("status") == "ok":
+                    tc = c.get("tool_calls") or {}
+                    res.update(diverged=c.get("diverged"), first_flip=c.get("first_flip"),
+                               common_prefix=c.get("common_prefix"), verdict=c.get("verdict"),
+                               differences=[{k: v for k, v in d.items()
+                                             if self.opts.include_text or k in ("kind", "path")}
+                                            for d in tc.get("differences") or ()],
+                               confirms_forced=c.get("confirms_forced"))
+                elif c is not None:
+                    res["compare_error"] = c.get("error")
+            out[mode] = res
+        return out
+
+    async def _simulate(self, case: Mapping[str, Any], turn: Mapping[str, Any], b: Backend,
+                        run: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Continue a diverged branch with the tool simulator, up to the remaining turns."""
+        from tensorverse.analysis.toolcalls import extract_tool_calls
+        from tensorverse.shadow.client import BackendError
+        from tensorverse.shadow.tokenizer import render_chat
+
+        steps: list[dict[str, Any]] = []
+        messages = list(turn.get("messages") or [])
+        tools = turn.get("tools")
+        text = run.get("text") or ""
+        remaining = len(case["turns"]) - 1 - turn["index"]
+        for step in range(remaining):
+            x = extract_tool_calls(text)
+            if not x.calls:
+                steps.append({"step": step, "stopped": "no_tool_call"})
+                break
+            calls = [{"id": f"sim-{step}-{i}", "type": "function",
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                     for i, c in enumerate(x.calls)]
+            messages.append({"role": "assistant", "content": x.content or "", "tool_calls": calls})
+            ctx = {"case": case["id"], "turn": turn["index"] + step, "backend": b.name, "messages": messages}
+            for c, oc in zip(x.calls, calls):
+                try:
+                    content = await self.opts.simulator({"name": c.name, "arguments": c.arguments,
+                                                         "id": oc["id"]}, ctx)
+                except Exception as e:  # noqa: BLE001 - a simulator failure ends the branch
+                    steps.append({"step": step, "stopped": "simulator_error", "error": f"{type(e).__name__}: {e}"})
+                    return steps
+                messages.append({"role": "tool", "tool_call_id": oc["id"], "content": content})
+            req = {"messages": messages, **({"tools": tools} if tools else {})}
+            try:
+                prompt = await render_chat(self.runner._client(b), req)
+            except (BackendError, ValueError) as e:
+                steps.append({"step": step, "stopped": "render_error", "error": str(e)})
+                break
+            t = {"id": _turn_id(self.prefix, case["id"], turn["index"]) + f".sim{b.name}{step}",
+                 "prompt_token_ids": prompt, "output_token_ids": [],
+                 "sampling": dict(turn.get("sampling") or {}), "primary": RECORDED}
+            from tensorverse.shadow.runner import TurnInput
+
+            r = await self.runner.run_free(TurnInput.from_dict(t), b)
+            text = r.get("text") or ""
+            y = extract_tool_calls(text)
+            steps.append({"step": step, "status": r["status"], "tokens": len(r.get("token_ids") or []),
+                          "finish_reason": r.get("finish_reason"),
+                          "tool_calls": [c.name for c in y.calls], "malformed": len(y.malformed),
+                          **({"text": text} if self.opts.include_text else {})})
+            if r["status"] != "ok":
+                break
+        return steps
+
+
+def _journal_key(corpus: Corpus, opts: ReplayOptions) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([c["id"] for c in corpus.cases]).encode())
+    h.update(json.dumps([[b.name, b.model] for b in opts.backends]).encode())  # not URLs: ports move
+    h.update(json.dumps([opts.reference, list(opts.modes)]).encode())
+    return h.hexdigest()[:16]
+
+
+def _read_journal(path: Path, key: str) -> dict[str, dict[str, Any]]:
+    done: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return done
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the interruption
+            if rec.get("key") == key and isinstance(rec.get("case"), dict):
+                done[rec["case"]["id"]] = rec["case"]
+    return done
+
+
+class _Progress:
+    def __init__(self, total: int, done: int, enabled: bool) -> None:
+        self.total, self.done, self.t0 = total, done, time.monotonic()
+        self.start_done = done
+        self._p = None
+        if enabled:
+            try:
+                from rich.console import Console
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                           TimeElapsedColumn, TimeRemainingColumn)
+
+                self._p = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                   console=Console(stderr=True), transient=False)
+                self._task = self._p.add_task("cases", total=total, completed=done)
+                self._p.start()
+            except ImportError:
+                self._p = None
+        self.enabled = enabled
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._p is not None:
+            self._p.update(self._task, completed=self.done)
+        elif self.enabled:
+            el = time.monotonic() - self.t0
+            rate = (self.done - self.start_done) / el if el > 0 else 0
+            eta = (self.total - self.done) / rate if rate else float("nan")
+            print(f"replay: {self.done}/{self.total} cases, ETA {eta:.0f} s", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+async def replay(corpus: Corpus, opts: ReplayOptions) -> dict[str, Any]:
+    """Run the replay; return the results (also written to ``opts.out`` when set)."""
+    from tensorverse.replay.report import build_results
+    from tensorverse.shadow.runner import RunnerCache, ShadowRunner
+    from tensorverse.store import Store
+
+    cases = [c for c in corpus.cases if not opts.cases or c["id"] in set(opts.cases)]
+    tmp = None
+    store_path = opts.store
+    if store_path is None:
+        tmp = tempfile.mkdtemp(prefix="tensorverse-replay-")
+        store_path = Path(tmp)
+    key = _journal_key(corpus, opts)
+    journal = Path(str(opts.out) + ".partial.jsonl") if opts.out else None
+    done = _read_journal(journal, key) if (journal and opts.resume) else {}
+    results_cases: dict[str, dict[str, Any]] = {cid: c for cid, c in done.items()}
+    started = time.time()
+    try:
+        with Store.open(store_path, durable=False) as store:
+            async with ShadowRunner(store, opts.backends, cache=RunnerCache(),
+                                    rows_timeout_s=opts.rows_timeout_s,
+                                    check_tokenizer=False, check_template=opts.check_template) as runner:
+                r = _Replay(corpus, opts, store, runner)
+                r.prefix = f"r{int(started)}-"
+                tokenizers = await r.vet_backends()
+                rig = await rig_fingerprint(opts.backends)
+                todo = [c for c in cases if c["id"] not in done]
+                prog = _Progress(len(cases), len(cases) - len(todo), opts.progress)
+                sem = asyncio.Semaphore(max(1, opts.concurrency))
+                jf = journal.open("a", encoding="utf-8") if journal else None
+
+                async def one(c: Mapping[str, Any]) -> None:
+                    async with sem:
+                        try:
+                            res = await r.case(c)
+                        except Exception as e:  # noqa: BLE001 - a case never aborts the run
+                            res = {"id": c["id"], "error": f"{type(e).__name__}: {e}", "turns": [],
+                                   "branches": {}}
+                    results_cases[c["id"]] = res
+                    if jf is not None:
+                        jf.write(json.dumps({"key": key, "case": res}, ensure_ascii=False) + "\n")
+                        jf.flush()
+                    prog.advance()
+
+                try:
+                    await asyncio.gather(*(one(c) for c in todo))
+                finally:
+                    prog.close()
+                    if jf is not None:
+                        jf.close()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    ordered = [results_cases[c["id"]] for c in cases if c["id"] in results_cases]
+    results = build_results(corpus, opts, ordered, rig=rig, tokenizers=tokenizers,
+                            refused=r.refused, wall_s=time.time() - started, resumed=len(done))
+    if opts.out:
+        tmpf = Path(str(opts.out) + ".tmp")
+        tmpf.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmpf, opts.out)
+        if journal is not None and journal.exists():
+            journal.unlink()
+    return results
+
+
+def run_replay(corpus_path: str, opts: ReplayOptions, *, fail_on: Sequence[str] = (),
+               as_json: bool = False) -> int:
+    """The CLI: load, replay, print the summary, apply ``--fail-on``. Exit status: 0 ok, 1 a
+    threshold exceeded, 2 usage or corpus error, 130 interrupted (finished cases kept)."""
+    from tensorverse.replay.corpus import CorpusError
+    from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary
+
+    try:
+        thresholds = [parse_threshold(s) for s in fail_on]
+        corpus = load_corpus(corpus_path)
+    except (CorpusError, ValueError, FileNotFoundError) as e:
+        print(f"tensorverse replay: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = asyncio.run(replay(corpus, opts))
+    except KeyboardInterrupt:
+        print("tensorverse replay: interrupted; finished cases are kept in "
+              f"{opts.out}.partial.jsonl — rerun the same command to resume" if opts.out else
+              "tensorverse replay: interrupted (no --out: nothing kept)", file=sys.stderr)
+        return 130
+    failures = check_thresholds(results, thresholds)
+    results["thresholds"] = {"rules": list(fail_on), "failed": failures}
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        print(json.dumps(results["summary"], indent=1))
+    else:
+        print(render_summary(results))
+    for f in failures:
+        print(f"FAIL {f['message']}", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,38 @@
+"""Fixtures of the exporter tests (helpers in exporters_support.py)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+from pathlib import Path
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # `import exporters_support` under --import-mode=importlib
+
+from exporters_support import LoopThread, Pipeline  # noqa: E402
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture
+def make_pipeline(loop, tmp_path):
+    made: list[Pipeline] = []
+
+    def make(**config: Any) -> Pipeline:
+        p = Pipeline(loop, tmp_path / f"p{len(made)}", **config)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+

@@ -1,0 +1,239 @@
+"""The metrics: definitions, series at 0 from the start, updates from stored comparisons, the
+histogram bulk path, and what a real proxy exposes on /metrics."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from exporters_support import store_comparisons  # type: ignore[import-not-found]
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tensorverse.config import parse_config
+from tensorverse.exporters.metrics import (
+    KL_BUCKETS,
+    METRICS,
+    REGIONS,
+    VERDICTS,
+    Metrics,
+    exported_names,
+    region_at,
+)
+
+LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "verdict", "reason", "outcome", "endpoint", "table"}
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+def cfg(**extra):
+    return parse_config({
+        "primary": {"url": "http://p:8000", "name": "prim"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "shadows": [{"name": "fi", "url": "http://a:1"}, {"name": "kv", "url": "http://b:1", "modes": ["forced"]},
+                    {"name": "sec", "url": "http://c:1", "role": "secondary"}],
+        **extra,
+    })
+
+
+def test_names_follow_prometheus_practice():
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    for m in METRICS:
+        assert re.fullmatch(r"tensorverse_[a-z0-9_]+", m.name), m.name
+        assert not m.name.endswith("_total"), "counters are named without _total (the exposition adds it)"
+        assert set(m.labels) <= LABEL_OK, (m.name, m.labels)  # bounded labels only
+        assert not {"session", "session_id", "turn_id", "prompt"} & set(m.labels)
+        if m.type == "histogram":
+            assert list(m.buckets) == sorted(m.buckets)
+        if "seconds" in m.name or "bytes" in m.name:
+            assert m.name.endswith(("_seconds", "_bytes")), m.name  # base units, as a suffix
+    assert "tensorverse_flips_total" in exported_names()
+    assert "tensorverse_kl_divergence_nats_bucket" in exported_names()
+
+
+def test_series_exist_at_zero_from_the_start():
+    text = generate_latest(Metrics.from_config(cfg()).registry()).decode()
+    s = samples(text)
+    # every (backend, mode, reference, region) that the configuration implies
+    for b, role in (("fi", "shadow"), ("kv", "shadow")):
+        for rr in ("primary", "secondary"):
+            for region in REGIONS:
+                assert s[("tensorverse_flips_total", tuple(sorted(
+                    {"backend": b, "role": role, "mode": "forced", "ref_role": rr, "region": region}.items())))] == 0
+            assert value(text, "tensorverse_kl_divergence_nats_count", backend=b, role=role, ref_role=rr) == 0
+    assert value(text, "tensorverse_compared_tokens_total", backend="fi", role="shadow", mode="free",
+                 ref_role="primary") == 0
+    # kv runs forced only: no free series; the secondary is never compared with itself
+    assert not any(k[0] == "tensorverse_compared_tokens_total" and ("backend", "kv") in k[1] and ("mode", "free") in k[1]
+                   for k in s)
+    assert not any(("backend", "sec") in k[1] and ("ref_role", "secondary") in k[1] for k in s)
+    for v in VERDICTS:
+        assert value(text, "tensorverse_tool_call_verdicts_total", backend="fi", role="shadow", verdict=v) == 0
+    assert value(text, "tensorverse_requests_total", backend="prim", role="primary", outcome="ok") == 0
+    assert value(text, "tensorverse_shadow_turns_total", backend="sec", role="secondary", outcome="timed_out") == 0
+    assert value(text, "tensorverse_shadow_skipped_total", reason="over_budget") == 0
+    assert value(text, "tensorverse_capture_plugin_rows_dropped_total", reason="no_buffer") == 0
+    assert value(text, "tensorverse_store_free_bytes") == 0  # no store: 0, still present
+
+
+def test_no_secondary_and_no_topk_means_fewer_series():
+    c = parse_config({"primary": {"url": "http://p:1"}, "recording": {"top_logprobs": 0},
+                      "shadows": [{"name": "a", "url": "http://a:1"}]})
+    text = generate_latest(Metrics.from_config(c).registry()).decode()
+    refs = {dict(k[1]).get("ref_role") for k in samples(text) if k[0] == "tensorverse_compared_tokens_total"}
+    assert refs == {"primary"}  # the free mode's; forced has no reference to compare with
+
+
+def forced(backend="fi", role="shadow", ref_role="primary", kl=(0.0, 0.5, 2e-5, 20.0), flips=(1, 3),
+           by_region=None, noise=None):
+    n = len(kl)
+    return {"mode": "forced", "backend": backend, "role": role, "ref_role": ref_role, "status": "ok", "n": n,
+            "kind": "topk", "flips": list(flips), "first_flip": flips[0] if flips else None,
+            "summary": {"n": n, "flips": len(flips), "flips_by_region": by_region},
+            "metrics": {"kl": list(kl)}, **({"noise": noise} if noise else {})}
+
+
+def test_forced_comparison_updates():
+    m = Metrics.from_config(cfg())
+    m.observe_comparisons([
+        forced(by_region={"content": 1, "tool_args": 1}, noise={"verdict": "regression"}),
+        forced(kl=(float("nan"), 1e-7), flips=(), by_region=None),
+        forced(ref_role="secondary", flips=(2,), by_region=None),
+        {"mode": "forced", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "error", "error": "x"},
+    ])
+    text = generate_latest(m.registry()).decode()
+    lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
+    assert value(text, "tensorverse_compared_tokens_total", **lab) == 6
+    assert value(text, "tensorverse_flips_total", **lab, region="content") == 1
+    assert value(text, "tensorverse_flips_total", **lab, region="tool_args") == 1
+    assert value(text, "tensorverse_flips_total", backend="fi", role="shadow", mode="forced", ref_role="secondary",
+                 region="unknown") == 1
+    assert value(text, "tensorverse_comparisons_total", **lab, outcome="ok") == 2
+    assert value(text, "tensorverse_comparisons_total", **lab, outcome="error") == 1
+    assert value(text, "tensorverse_noise_verdicts_total", backend="fi", role="shadow", verdict="regression") == 1
+    kl = dict(backend="fi", role="shadow", ref_role="primary")
+    assert value(text, "tensorverse_kl_divergence_nats_count", **kl) == 5  # the NaN left out
+    assert value(text, "tensorverse_kl_divergence_nats_sum", **kl) == pytest.approx(20.5 + 2e-5 + 1e-7)
+    assert value(text, "tensorverse_kl_divergence_nats_bucket", **kl, le="1e-06") == 2  # 0 and 1e-7
+    assert value(text, "tensorverse_kl_divergence_nats_bucket", **kl, le="3e-05") == 3
+    assert value(text, "tensorverse_kl_divergence_nats_bucket", **kl, le="10.0") == 4
+    assert value(text, "tensorverse_kl_divergence_nats_bucket", **kl, le="+Inf") == 5
+    assert value(text, "tensorverse_first_flip_position_count", **lab) == 1
+    assert value(text, "tensorverse_first_flip_position_bucket", **lab, le="1.0") == 1
+
+
+def test_free_comparison_updates():
+    m = Metrics.from_config(cfg())
+    pieces = ["Hi", " there", "<tool_call>", '{"name": "', "get", '"}', "</tool_call>"]
+    base = {"mode": "free", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "ok"}
+    m.observe_comparisons([
+        {**base, "diverged": True, "common_prefix": 4, "first_flip": 4, "verdict": "wrong_func_name",
+         "ref_tool_calls": 1, "cand_tool_calls": 1},
+        {**base, "diverged": False, "common_prefix": 7, "first_flip": None, "verdict": "match",
+         "ref_tool_calls": 0, "cand_tool_calls": 0},
+        {**base, "diverged": True, "common_prefix": 0, "first_flip": 0, "verdict": "match",
+         "ref_tool_calls": 1, "cand_tool_calls": 1, "region": "thinking"},
+    ], pieces=pieces)
+    text = generate_latest(m.registry()).decode()
+    lab = dict(backend="fi", role="shadow", mode="free", ref_role="primary")
+    assert value(text, "tensorverse_compared_tokens_total", **lab) == 5 + 7 + 1
+    assert value(text, "tensorverse_flips_total", **lab, region=region_at(pieces, 4)) == 1
+    assert region_at(pieces, 4) == "tool_name"
+    assert value(text, "tensorverse_flips_total", **lab, region="thinking") == 1  # the result's own region wins
+    v = dict(backend="fi", role="shadow")
+    assert value(text, "tensorverse_tool_call_verdicts_total", **v, verdict="wrong_func_name") == 1
+    assert value(text, "tensorverse_tool_call_verdicts_total", **v, verdict="none") == 1  # no call either side
+    assert value(text, "tensorverse_tool_call_verdicts_total", **v, verdict="match") == 1
+    assert value(text, "tensorverse_first_flip_position_sum", **lab) == 4
+
+
+def test_runs_and_requests():
+    m = Metrics.from_config(cfg())
+    m.observe_runs([{"mode": "recorded", "backend": "prim"},
+                    {"mode": "forced", "backend": "fi", "status": "ok", "timings": {"total_s": 0.3}},
+                    {"mode": "free", "backend": "fi", "status": "timeout"},
+                    {"mode": "free", "backend": "kv", "status": "weird"}])
+    m.observe_missing_rows([{"mode": "forced", "backend": "fi", "rows": {"expected": 10, "present": 7}}])
+    m.observe_request("ok", added_latency_s=0.0004, endpoint="chat.completions")
+    m.observe_request("aborted")
+    text = generate_latest(m.registry()).decode()
+    assert value(text, "tensorverse_shadow_runs_total", backend="fi", role="shadow", mode="forced", outcome="ok") == 1
+    assert value(text, "tensorverse_shadow_runs_total", backend="fi", role="shadow", mode="free", outcome="timeout") == 1
+    assert value(text, "tensorverse_shadow_runs_total", backend="kv", role="shadow", mode="free", outcome="failed") == 1
+    assert value(text, "tensorverse_shadow_run_duration_seconds_count", backend="fi", mode="forced") == 1
+    assert value(text, "tensorverse_capture_rows_missing_total", backend="fi", mode="forced") == 3
+    assert value(text, "tensorverse_requests_total", backend="prim", role="primary", outcome="aborted") == 1
+    assert value(text, "tensorverse_proxy_added_latency_seconds_bucket", endpoint="chat.completions", le="0.0005") == 1
+    assert value(text, "tensorverse_proxy_added_latency_seconds_bucket", endpoint="chat.completions", le="0.00025") == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.floats(0, 50, allow_nan=False), st.sampled_from(list(KL_BUCKETS))), max_size=80))
+def test_bulk_histogram_matches_prometheus_client(values):
+    """The numpy bulk path puts each value in the same bucket as prometheus_client's Histogram."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    reg = CollectorRegistry()
+    ref = Histogram("h", "h", buckets=KL_BUCKETS, registry=reg)
+    for v in values:
+        ref.observe(v)
+    m = Metrics()
+    m.kl.observe_many(("b", "shadow", "primary"), np.asarray(values, dtype=np.float64))
+    want = {s.labels["le"]: s.value for fam in reg.collect() for s in fam.samples if s.name == "h_bucket"}
+    got = {dict(k[1])["le"]: v for k, v in samples(generate_latest(m.registry()).decode()).items()
+           if k[0] == "tensorverse_kl_divergence_nats_bucket" and dict(k[1]).get("backend") == "b"}
+    if values:
+        assert got == want
+        total = value(generate_latest(m.registry()).decode(), "tensorverse_kl_divergence_nats_sum",
+                      backend="b", role="shadow", ref_role="primary")
+        assert total == pytest.approx(sum(values))
+
+
+def test_proxy_exposes_every_declared_metric(make_pipeline):
+    """A fresh proxy's /metrics has every family of METRICS, already at 0; after a few turns the
+    counters agree with the comparisons in the store."""
+    p = make_pipeline()
+    fresh = p.scrape()
+    names = {s[0] for s in samples(fresh)}
+    assert exported_names() <= names, sorted(exported_names() - names)
+    assert {n for n in names if n.startswith("tensorverse_")} <= exported_names()
+    p.send(4)
+    text = p.scrape()
+    comps = store_comparisons(p.store)
+    for backend in ("cand", "fp8-kv", "secondary"):
+        for mode in ("forced", "free"):
+            mine = [c for c in comps if c["backend"] == backend and c["mode"] == mode and c.get("ref_role") == "primary"]
+            assert mine
+            if mode == "forced":
+                flips, n = sum(len(c["flips"]) for c in mine), sum(c["n"] for c in mine)
+            else:
+                flips = sum(bool(c["diverged"]) for c in mine)
+                n = sum(c["common_prefix"] + bool(c["diverged"]) for c in mine)
+            role = "secondary" if backend == "secondary" else "shadow"
+            lab = dict(backend=backend, role=role, mode=mode, ref_role="primary")
+            assert value(text, "tensorverse_compared_tokens_total", **lab) == n
+            got = sum(v for (name, labels), v in samples(text).items() if name == "tensorverse_flips_total"
+                      and {k: v2 for k, v2 in labels if k != "region"} == lab)
+            assert got == flips
+    assert value(text, "tensorverse_requests_total", backend="primary", role="primary", outcome="ok") == 4
+    assert value(text, "tensorverse_proxy_added_latency_seconds_count", endpoint="completions") == 4
+    assert value(text, "tensorverse_shadow_runs_total", backend="cand", role="shadow", mode="forced", outcome="ok") == 4
+    assert value(text, "tensorverse_store_size_bytes") > 0
+    assert value(text, "tensorverse_store_records", table="comparisons") == len(comps)
+    # the old names of the proxy's counters are still there
+    assert value(text, "tensorverse_proxy_requests_total") == 4
+    assert value(text, "tensorverse_shadow_queued_total") == 4

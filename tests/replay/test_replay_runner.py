@@ -1,0 +1,233 @@
+"""The replay runner against fake vLLM servers (no model): flips found and reported, determinism,
+the multi-turn branch policy, --fail-on exit codes, retries, resume, tokenizer refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shadow"))
+from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+
+from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
+from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary  # noqa: E402
+from tensorverse.replay.runner import ReplayOptions, replay, run_replay  # noqa: E402
+from tensorverse.shadow import Backend  # noqa: E402
+
+N = 8
+
+
+def greedy(fake: FakeVLLM, prompt: list[int], n: int = N) -> list[int]:
+    out: list[int] = []
+    for i in range(n):
+        out.append(int(np.argmax(fake.logits(prompt + out, i))))
+    return out
+
+
+def make_case(fake: FakeVLLM, cid: str, prompts: list[list[int]], *, fingerprint=None) -> dict:
+    turns = []
+    for i, p in enumerate(prompts):
+        out = greedy(fake, p)
+        turns.append({
+            "index": i, "endpoint": "completions", "messages": None, "tools": None,
+            "sampling": {"temperature": 0, "max_tokens": N}, "prompt_token_ids": p,
+            "reference": {"backend": "prim", "output_token_ids": out,
+                          "text": "".join(fake.decode_one(t) for t in out), "tool_calls": None,
+                          "finish_reason": "length"},
+            "tool_results": [],
+        })
+    return {"format": "tensorverse.case", "format_version": 1, "id": cid,
+            "tokenizer": {"fingerprint": fingerprint}, "turns": turns,
+            "provenance": {"source": "test", "reference_backend": "prim", "scrubbed": True}}
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    fake = FakeVLLM()
+    cases = [make_case(fake, "c1", [[5, 6, 7, 8]]),
+             make_case(fake, "c2", [[9, 10, 11], [9, 10, 11, 12, 13]]),
+             make_case(fake, "c3", [[20, 21, 22, 23, 24]])]
+    return write_corpus(tmp_path / "corpus", cases, tokenizer={"fingerprint": None}, name="fake")
+
+
+async def _servers(*fakes: FakeVLLM):
+    for f in fakes:
+        await f.start()
+    return fakes
+
+
+def _opts(fakes: dict[str, FakeVLLM], **kw) -> ReplayOptions:
+    backends = [Backend(name, f.url, f.model, capture="topk", logprobs=5) for name, f in fakes.items()]
+    kw.setdefault("progress", False)
+    kw.setdefault("backoff_s", 0.01)
+    return ReplayOptions(backends=backends, **kw)
+
+
+def _replay(corpus_path, fakes: dict[str, FakeVLLM], **kw) -> dict:
+    async def main():
+        await _servers(*fakes.values())
+        try:
+            return await replay(load_corpus(corpus_path), _opts(fakes, **kw))
+        finally:
+            for f in fakes.values():
+                await f.close()
+
+    return asyncio.run(main())
+
+
+def _strip(results: dict) -> dict:
+    r = json.loads(json.dumps(results))
+    for k in ("created", "wall_s", "rig"):
+        r.pop(k, None)
+    return r
+
+
+def test_flips_are_found_and_the_reference_has_none(corpus_dir):
+    res = _replay(corpus_dir, {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)}, reference="ref")
+    s = res["summary"]
+    assert s["ref"]["reference"] and s["ref"]["departures"] == 0 and s["ref"]["errors"] == 0
+    assert s["ref"]["diverged"] == 0 and s["ref"]["verdicts"] == {"match": 4}
+    assert s["ref"]["branches"] == {"completed": 3}
+    cand = s["cand"]
+    assert cand["positions"] == 4 * N  # every forced position compared with the reference
+    assert cand["flips"] > 0 and 0 < cand["flip_rate"] <= 1
+    lo, hi = cand["flip_rate_ci"]
+    assert lo <= cand["flip_rate"] <= hi
+    assert cand["same_top_p"]["p"] == pytest.approx(1 - cand["flip_rate"])
+    assert cand["kl"]["mean"] > 0 and cand["kl"]["approximate"] is True
+    assert cand["departures"] > 0 and cand["diverged"] > 0
+    table = render_summary(res)
+    assert "cand" in table and "ref (ref)" in table and "flip_rate" in table
+    # shareable by default: no text anywhere in the results
+    dumped = json.dumps(res)
+    assert '"text"' not in dumped and "http://" not in dumped
+
+
+def test_two_identical_runs_give_identical_results(corpus_dir):
+    a = _replay(corpus_dir, {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)})
+    b = _replay(corpus_dir, {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)})
+    assert _strip(a)["summary"] == _strip(b)["summary"]
+    assert _strip(a)["cases"] == _strip(b)["cases"]
+
+
+def test_diverged_branch_stops_or_continues_with_a_simulator(corpus_dir):
+    # cand writes a (malformed) tool call at position 0: its tool calls no longer match the
+    # recorded ones (none) in turn 0 of c2, so its free branch stops there.
+    fakes = {"ref": FakeVLLM(), "cand": FakeVLLM(flip_at={0: 62})}
+    res = _replay(corpus_dir, fakes, cases=["c2"])
+    case = res["cases"][0]
+    assert case["branches"]["ref"]["status"] == "completed"
+    br = case["branches"]["cand"]
+    assert br["status"] == "diverged" and br["turn"] == 0 and br["verdict"] != "match"
+    t1 = case["turns"][1]["backends"]["cand"]
+    assert "forced" in t1 and "free" not in t1  # forced still runs on the recorded context
+    assert "free" in case["turns"][1]["backends"]["ref"]
+
+    calls = []
+
+    def sim(call, ctx):
+        calls.append((call, ctx["backend"]))
+        return {"content": "ok"}
+
+    from tensorverse.replay.tools import ToolSimulator
+
+    fakes = {"ref": FakeVLLM(), "cand": FakeVLLM(flip_at={0: 62})}
+    res = _replay(corpus_dir, fakes, cases=["c2"], simulator=ToolSimulator(sim))
+    br = res["cases"][0]["branches"]["cand"]
+    assert br["status"] == "simulated" and br["turn"] == 0
+    assert br["simulated"] and br["simulated"][0]["step"] == 0
+    # the fake's call is malformed (no JSON body): no call to answer, so the branch ends
+    assert br["simulated"][0].get("stopped") == "no_tool_call" or calls
+
+
+def test_fail_on_sets_the_exit_code(corpus_dir, tmp_path, capsys):
+    async def up(fakes):
+        await _servers(*fakes)
+
+    fakes = {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)}
+    # run_replay owns its event loop: serve the fakes from a thread with its own loop
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(up(fakes.values()), loop).result(10)
+    try:
+        out = tmp_path / "res.json"
+        code = run_replay(str(corpus_dir), _opts(fakes, out=out), fail_on=["flip_rate>0"])
+        assert code == 1
+        r = json.loads(out.read_text())
+        assert r["thresholds"]["failed"][0]["backend"] == "cand"
+        assert "FAIL cand: flip_rate" in capsys.readouterr().err
+        assert run_replay(str(corpus_dir), _opts(fakes, out=out), fail_on=["flip_rate>1"]) == 0
+        assert run_replay(str(corpus_dir), _opts(fakes, out=out),
+                          fail_on=["ref:departure_rate>0", "toolcall_mismatch_rate>=0"]) == 1
+        assert run_replay(str(corpus_dir), _opts(fakes, out=out), fail_on=["bogus>1"]) == 2
+    finally:
+        for f in fakes.values():
+            asyncio.run_coroutine_threadsafe(f.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_thresholds_parse_and_apply():
+    r = parse_threshold("fp8:toolcall_mismatch_rate >= 0.5")
+    assert r == {"spec": "fp8:toolcall_mismatch_rate >= 0.5", "backend": "fp8",
+                 "metric": "toolcall_mismatch_rate", "op": ">=", "value": 0.5}
+    for bad in ("flip_rate", "flip_rate>>1", "nope>1", "flip_rate>x"):
+        with pytest.raises(ValueError):
+            parse_threshold(bad)
+    results = {"summary": {"a": {"reference": True, "flip_rate": 0.5},
+                           "b": {"reference": False, "flip_rate": 0.02, "kl": {"mean": 1e-3, "max": 0.2}},
+                           "c": {"reference": False, "flip_rate": None}}}
+    failed = check_thresholds(results, [parse_threshold("flip_rate>0.01"), parse_threshold("kl_max>0.1"),
+                                        parse_threshold("zz:flip_rate>0")])
+    assert [(f["backend"], f["metric"]) for f in failed] == [("b", "flip_rate"), ("b", "kl_max"),
+                                                            ("zz", "flip_rate")]
+
+
+def test_backend_errors_are_retried_then_recorded(corpus_dir):
+    fakes = {"ref": FakeVLLM(), "bad": FakeVLLM(fail_status=500)}
+    res = _replay(corpus_dir, fakes, retries=2, cases=["c1"])
+    t = res["cases"][0]["turns"][0]["backends"]["bad"]
+    assert t["forced"]["status"] == "failed" and t["forced"]["retries"] == 2
+    assert res["summary"]["bad"]["errors"] == 2 and res["summary"]["ref"]["errors"] == 0
+    assert res["cases"][0]["branches"]["bad"]["status"] == "error"
+
+
+def test_interrupted_run_resumes_with_the_cases_not_done(corpus_dir, tmp_path):
+    fakes = {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)}
+    out = tmp_path / "res.json"
+    first = _replay(corpus_dir, fakes, out=out, cases=None)
+    journal = Path(str(out) + ".partial.jsonl")
+    assert out.is_file() and not journal.exists()
+    # fake an interruption after c1: the journal holds c1 only
+    from tensorverse.replay.runner import _journal_key
+
+    opts = _opts(fakes, out=out)
+    key = _journal_key(load_corpus(corpus_dir), opts)
+    c1 = next(c for c in first["cases"] if c["id"] == "c1")
+    journal.write_text(json.dumps({"key": key, "case": c1}) + "\n" + '{"key": "cut in ha')
+    fakes2 = {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)}
+    second = _replay(corpus_dir, fakes2, out=out)
+    assert second["resumed"] == 1
+    ran = {json.dumps(b.get("prompt")) for f in fakes2.values() for p, b in f.requests
+           if p == "/v1/completions" and isinstance(b.get("prompt"), list) and len(b["prompt"]) > 1}
+    assert json.dumps([5, 6, 7, 8]) not in ran  # c1 was not replayed again
+    assert [c["id"] for c in second["cases"]] == ["c1", "c2", "c3"]
+    assert second["summary"]["cand"]["flips"] == first["summary"]["cand"]["flips"]
+    assert not journal.exists()
+
+
+def test_a_backend_with_another_tokenizer_is_refused(tmp_path):
+    fake = FakeVLLM()
+    write_corpus(tmp_path / "c", [make_case(fake, "c1", [[5, 6, 7]], fingerprint="0123456789abcdef")],
+                 tokenizer={"fingerprint": "0123456789abcdef"})
+    res = _replay(tmp_path / "c", {"ref": FakeVLLM()})
+    assert "ref" in res["refused"] and "tokenizer" in res["refused"]["ref"]
+    assert res["cases"][0]["branches"]["ref"]["status"] == "refused"
+    res = _replay(tmp_path / "c", {"ref": FakeVLLM()}, check_tokenizer=False)
+    assert not res["refused"] and res["summary"]["ref"]["free_turns"] == 1
