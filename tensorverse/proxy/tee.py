@@ -28,6 +28,9 @@ from tensorverse.proxy.flow import Addon, Flow
 
 log = logging.getLogger("tensorverse.proxy.tee")
 
+# The shadow runner waits up to this long for captured rows to land (its `rows_timeout_s`).
+ROWS_WAIT_S = 30.0
+
 
 class ShadowRunner(Protocol):
     def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Awaitable[Any]: ...
@@ -88,9 +91,15 @@ class TeeBackend:
     name: str
     backend: Any  # passed to the runner as is (tensorverse.shadow.backend.Backend)
     concurrency: int = 2
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # per request to this backend (the runner's own timeout)
     modes: tuple[str, ...] | None = None
     _sem: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    def turn_deadline_s(self, modes: Sequence[str]) -> float:
+        """The whole turn on this backend: a probe and one request per mode, each bounded by
+        `timeout_s`, plus the wait for captured rows (at most the runner's, at most `timeout_s`).
+        Cancelling earlier would lose run records."""
+        return self.timeout_s * (len(modes) + 1) + min(ROWS_WAIT_S, self.timeout_s)
 
 
 class ShadowTee(Addon):
@@ -223,9 +232,9 @@ class ShadowTee(Addon):
         assert b._sem is not None and self.runner is not None
         async with b._sem:
             try:
-                runs = await asyncio.wait_for(
-                    self.runner(turn, [b.backend], self.store, modes=b.modes or self.modes), b.timeout_s
-                )
+                modes = b.modes or self.modes
+                deadline = b.turn_deadline_s(modes)
+                runs = await asyncio.wait_for(self.runner(turn, [b.backend], self.store, modes=modes), deadline)
                 c["ok"] += 1
                 if self.metrics is not None and isinstance(runs, list):
                     try:
@@ -234,7 +243,7 @@ class ShadowTee(Addon):
                         log.exception("shadow tee: metrics of %s runs", b.name)
             except asyncio.TimeoutError:
                 c["timed_out"] += 1
-                log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.get("id"), b.timeout_s)
+                log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.get("id"), deadline)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - shadow failures never surface
