@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -40,9 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.shadow.backend import Backend
@@ -195,16 +194,6 @@ async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- the runner
-
-
-def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float | None, float | None]:
-    if n <= 0:
-        return None, None
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
 
 
 def _departures(run: Mapping[str, Any], tokens: Sequence[int]) -> list[int] | None:

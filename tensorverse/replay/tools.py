@@ -19,13 +19,12 @@ configured, which answers the branch's own calls so it can go on (``simulated``)
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import json
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 __all__ = ["ToolSimulator", "load_simulator", "echo_simulator"]
 

@@ -4,7 +4,6 @@ scrubbed text (the chat template's rendering of the scrubbed messages)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
