@@ -27,11 +27,13 @@ test-fast: setup
 	$(PY) -m pytest -m 'not vllm' $(PYTEST_ARGS)
 
 bench: setup
+	command -v nginx >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light)  # proxy baseline
 	@for b in benchmarks/*.py; do case $$b in */_*|*_cuda.py) continue;; esac; \
 		echo "== $$b"; $(PY) $$b || exit 1; done
 
+## The one-command demo (docs/demo.md): DEMO_ARGS="--turns 3 --no-view" etc.
 demo: setup
-	@echo "make demo: the one-command demo has not landed yet (issue: demo)." >&2; exit 2
+	$(PY) -m tensorverse.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
