@@ -17,6 +17,15 @@ the same environment):
     dropped and counted, never waited for.
 ``TENSORVERSE_CAPTURE_LEVEL``
     zstd level of the codec (default 1).
+``TENSORVERSE_CAPTURE_NICE``
+    How much to lower the encoder thread's CPU priority (Linux, per thread; default 19, the
+    lowest priority; 0 keeps the engine's). Encoding then runs mostly when the engine waits, so
+    capture costs the engine little CPU; rows wait in the buffer pool meanwhile.
+``TENSORVERSE_CAPTURE_DEFER_MS``
+    While captured rows keep arriving less than this many milliseconds apart (a request being
+    decoded), the encoder thread only queues them and encodes when they pause, i.e. between
+    requests, or as soon as half the buffer pool is queued (default 50; 0 encodes at once).
+    Trades a little latency until rows are stored for decode speed during capture.
 
 The tap and its encoder thread are created on the first captured row, in the process that runs
 the model (never in the API frontend, never at import).
@@ -33,14 +42,19 @@ from typing import Any, Mapping
 from tensorverse.capture.sink import ENV_SINK, sink_from_env
 from tensorverse.capture.tap import Tap, log_once
 
-__all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_LEVEL", "enabled", "sink_configured", "get_tap",
-           "stats", "close", "is_capture_rank", "note_error"]
+__all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "enabled",
+           "sink_configured", "get_tap", "stats", "close", "is_capture_rank", "note_error"]
 
 log = logging.getLogger("tensorverse.capture")
 
 ENV_ENABLE = "TENSORVERSE_CAPTURE"
 ENV_MAX_ROWS = "TENSORVERSE_CAPTURE_MAX_ROWS"
 ENV_LEVEL = "TENSORVERSE_CAPTURE_LEVEL"
+ENV_NICE = "TENSORVERSE_CAPTURE_NICE"
+ENV_DEFER_MS = "TENSORVERSE_CAPTURE_DEFER_MS"
+
+DEFAULT_NICE = 19
+DEFAULT_DEFER_MS = 50
 
 _OFF = {"0", "off", "false", "no", "disable", "disabled"}
 
@@ -80,7 +94,9 @@ def get_tap() -> Tap:
             except Exception as e:  # noqa: BLE001 - a bad sink spec must not break vLLM
                 log_once("sink-env", "bad %s: %s; captured rows will be dropped", ENV_SINK, e)
                 sink = None
-            _tap = Tap(sink, max_rows=_int_env(ENV_MAX_ROWS, 256), level=_int_env(ENV_LEVEL, 1))
+            _tap = Tap(sink, max_rows=_int_env(ENV_MAX_ROWS, 256), level=_int_env(ENV_LEVEL, 1),
+                       nice=_int_env(ENV_NICE, DEFAULT_NICE),
+                       defer_s=_int_env(ENV_DEFER_MS, DEFAULT_DEFER_MS) / 1000)
             log.info("tensorverse capture: tap started (sink: %s)", getattr(sink, "name", None))
         return _tap
 

@@ -187,3 +187,86 @@ def test_force_tokens(n):
         assert p[t] == 1.0
     untouched = [r for r in range(10) if r not in rows]
     assert torch.equal(logits[untouched], raw[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_numpy_copy_is_bit_exact_including_odd_values(dtype):
+    """The CPU copy goes through numpy for float32/bf16/f16 (torch for other dtypes): NaN
+    payloads, -0.0, infinities and subnormals survive bit for bit, and strided rows too."""
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=8)
+    base = _logits(3, torch.float32, seed=5)
+    base[0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), float("-inf")])
+    base[0, 4] = 1e-40  # subnormal in float32
+    logits = base.to(dtype)
+    strided = logits.t().contiguous().t()  # same values, non-contiguous rows
+    assert tap.capture(logits, [(0, "c", 0)]) == 1
+    assert tap.capture(strided, [(0, "s", 0)]) == 1
+    assert tap.flush(10)
+    want = logits[0].to(torch.float32) if dtype is torch.float64 else logits[0]
+    if want.dtype is torch.bfloat16:
+        want_bits = want.view(torch.int16).numpy().view(np.uint16)
+    else:
+        want_bits = want.numpy().view(np.uint32 if want.dtype is torch.float32 else np.uint16)
+    for f in sink.frames:
+        got = decode_row(f.blob)
+        got_bits = got.view(np.uint32) if got.dtype == np.float32 else got.view(np.uint16)
+        assert np.array_equal(got_bits, want_bits), f.capture_id
+    tap.close()
+
+
+def test_deferred_encoding_waits_for_a_pause_and_flush_covers_it():
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=64, defer_s=0.3, poll_s=0.005)
+    logits = _logits()
+    for pos in range(5):  # rows arriving back to back: a request being decoded
+        assert tap.capture(logits, [(pos % 4, "r", pos)]) == 1
+        time.sleep(0.02)
+    assert tap.stats()["rows_encoded"] == 0  # still arriving: nothing encoded yet
+    deadline = time.monotonic() + 10
+    while tap.stats()["rows_encoded"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the pause: everything gets encoded without a flush
+    assert tap.stats()["rows_encoded"] == 5
+    # flush does not wait for a pause
+    assert tap.capture(logits, [(1, "r", 5)]) == 1
+    t0 = time.monotonic()
+    assert tap.flush(10)
+    assert time.monotonic() - t0 < 0.25
+    assert sorted(f.position for f in sink.frames) == list(range(6))
+    tap.close()
+
+
+def test_deferred_encoding_drains_from_half_the_pool():
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=8, defer_s=60.0, poll_s=0.005)
+    logits = _logits()
+    for pos in range(4):  # high water = 4
+        assert tap.capture(logits, [(0, "r", pos)]) == 1
+    deadline = time.monotonic() + 10
+    while tap.stats()["rows_encoded"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tap.stats()["rows_encoded"] >= 1  # encoded although rows "keep arriving"
+    assert tap.stats()["rows_dropped"] == 0
+    tap.close()
+    assert len(sink.frames) == 4  # close ships what is queued
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="needs setpriority")
+def test_encoder_thread_runs_at_lower_priority_than_the_engine():
+    import os
+
+    seen = {}
+
+    def enc(arr, dtype):
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        from tensorverse.store.codec import encode_row
+        return encode_row(arr, dtype=dtype)
+
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    tap = Tap(MemorySink(), encoder=enc, nice=5)
+    tap.capture(_logits(), [(0, "r", 0)])
+    assert tap.flush(10)
+    assert seen["nice"] == min(19, me + 5)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me  # caller untouched
+    tap.close()
