@@ -8,6 +8,7 @@ atomic record (with its index entries), so a crash never exposes half of one.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -407,6 +408,36 @@ class Store:
         if raw is None:
             raise RecordNotFound(f"no row {position} of run {run_id!r} in {self.path}")
         return raw
+
+    def turn_stamp(self, turn_id: str) -> bytes | None:
+        """A cheap version token of a turn and everything hanging off it: a hash of the raw bytes
+        of the turn, its runs, their comparisons and the backends, read in one transaction and
+        none parsed. Any run added, replaced or deleted, comparison stored or backend changed
+        gives a new stamp; readers (the viewer) use it to know a cached view is still current.
+        None when the turn does not exist."""
+        tkey = S.check_id(turn_id, "turn")
+        h = hashlib.sha1(usedforsecurity=False)  # a change detector, not a security boundary
+
+        def feed(tag: bytes, key: bytes, value: bytes | None) -> None:
+            h.update(b"%s%d:%d:" % (tag, len(key), -1 if value is None else len(value)))
+            h.update(key)
+            if value is not None:
+                h.update(value)
+
+        with self._read() as txn:
+            raw = txn.get(tkey, db=self._dbs[S.TURNS])
+            if raw is None:
+                return None
+            feed(b"T", tkey, raw)
+            prefix = tkey + S.SEP
+            for key, _ in list(self._scan(txn, S.RUNS_BY_TURN, prefix)):
+                rid = key[len(prefix) :]
+                feed(b"R", rid, txn.get(rid, db=self._dbs[S.RUNS]))
+                for ckey, cval in self._scan(txn, S.COMPARISONS, rid + S.SEP):
+                    feed(b"C", ckey, cval)
+            for bkey, bval in self._scan(txn, S.BACKENDS, b""):
+                feed(b"B", bkey, bval)
+        return h.digest()
 
     # -- health ---------------------------------------------------------------------------
 

@@ -26,7 +26,10 @@ A turn view has two modes:
 Top-k panels need every backend's row at a position. For short turns (or an export) they are
 built with the view; for long ones the view says ``lazy_panels`` and each panel is built on
 request (:meth:`ViewData.panel`), a handful of rows at a time. Views are cached per turn and
-rebuilt when its runs change.
+rebuilt when anything they are built from changes: whether they are current is checked with a
+stamp (a hash of the raw bytes of the turn, its runs, their comparisons and the backends, read
+through the store's indexes in one read transaction, nothing parsed), so a request for a cached
+view or a panel costs a few milliseconds however long the turn.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import logging
 
 import numpy as np
 
@@ -63,6 +68,8 @@ from tensorverse.viz.records import (
 )
 
 __all__ = ["ViewData", "NotFound", "VERDICT_ORDER", "SORT_KEYS"]
+
+log = logging.getLogger("tensorverse.viz")
 
 #: Worst first. ``error``: a run failed; ``none``: no shadow run to judge.
 VERDICT_ORDER: tuple[str, ...] = ("error",) + tuple(SEVERITY) + ("none",)
@@ -513,8 +520,19 @@ class ViewData:
     # ---- turn briefs (cheap: tokens and text only) -> timeline and session summaries
 
     def _turn_brief(self, turn: dict, backends: Mapping[str, dict]) -> dict:
+        tid = str(turn.get("id"))
+        stamp = self._stamp(tid)
+        if stamp is not None:
+            with self._lock:
+                hit = self._briefs.get(tid)
+            if hit and hit[0] == stamp:
+                return hit[1]
+            try:  # read after the stamp, so the brief is at least as new as it
+                turn = self.store.get_turn(tid)
+            except (KeyError, ValueError):
+                pass
         inp = self._inputs(turn, backends)
-        fp = inp.fingerprint()
+        fp = stamp if stamp is not None else inp.fingerprint()
         with self._lock:
             hit = self._briefs.get(inp.turn.id)
         if hit and hit[0] == fp:
@@ -668,11 +686,32 @@ class ViewData:
 
     # ---- a turn
 
+    def _stamp(self, tid: str) -> bytes | None:
+        """The store's version token of everything a turn's view and brief are built from
+        (`Store.turn_stamp`); None for a store object without it or an absent turn: then the
+        caller reads and parses the records (the slower path)."""
+        stamp = getattr(self.store, "turn_stamp", None)
+        if stamp is None:
+            return None
+        try:
+            return stamp(tid)
+        except (ValueError, TypeError):  # not a valid turn id
+            return None
+
     def _builder(self, tid: str) -> tuple[tuple, _TurnBuilder]:
+        stamp = self._stamp(tid)
+        if stamp is not None:
+            with self._lock:
+                hit = self._builders.get(tid)
+                if hit and hit[0] == stamp:
+                    self._builders.move_to_end(tid)
+                    return hit
+        # Read after the stamp: the records are at least as new as it (a write in between
+        # only costs a rebuild on the next request, never a stale view).
         turn = self._turn_record(tid)
         backends = self._backend_records()
         inp = self._inputs(turn, backends)
-        fp = inp.fingerprint()
+        fp = stamp if stamp is not None else inp.fingerprint()
         with self._lock:
             hit = self._builders.get(tid)
             if hit and hit[0] == fp:
@@ -681,6 +720,7 @@ class ViewData:
         b = (fp, _TurnBuilder(self, inp, backends))
         with self._lock:
             self._builders[tid] = b
+            self._builders.move_to_end(tid)
             while len(self._builders) > 4:  # each holds a few decoded rows
                 self._builders.popitem(last=False)
         return b

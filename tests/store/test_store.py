@@ -305,3 +305,21 @@ def test_map_grown_by_another_process_is_adopted(tmp_path: Path) -> None:
         assert len(store.read_rows("other")) == 100  # reader adopts the grown map
         store.write_rows("mine", [(1, os.urandom(100_000))]).result()  # so does the writer
         assert [p for p, _ in store.read_rows("mine")] == [0, 1]
+
+
+def test_turn_stamp_changes_with_everything_below_the_turn(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        (tid,) = _session_with_turn(store, "s", 1)
+        first = store.turn_stamp(tid)
+        assert first is not None and store.turn_stamp(tid) == first  # stable while unchanged
+        assert store.turn_stamp("missing") is None
+        store.write_rows(f"{tid}-fp32", [(9, b"row")]).result()
+        assert store.turn_stamp(tid) == first  # rows are not part of a view's inputs
+        store.put_run({"id": f"{tid}-fp32", "turn_id": tid, "backend": "fp32", "mode": "free"}).result()
+        second = store.turn_stamp(tid)
+        assert second != first  # a run replaced in place
+        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"kl_mean": 0.2}).result()
+        third = store.turn_stamp(tid)
+        assert third != second
+        store.put_backend("fp16", {"url": "http://x/v1"}).result()
+        assert store.turn_stamp(tid) != third

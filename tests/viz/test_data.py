@@ -226,6 +226,55 @@ def test_rebuilt_when_a_run_lands(tmp_path, vz):
         assert view.session_view("s-00")["turns"][0]["backends"]["late"]["divergence"] == 2
 
 
+def test_cached_view_checked_without_parsing_runs(tmp_path, vz, monkeypatch):
+    """A cached view (and a panel) is known to be current from the stamp alone: the run records
+    are not read and parsed again while nothing changed."""
+    built = vz.build_store(tmp_path / "s")
+    with Store.open(built.path) as store:
+        view = ViewData(store, inline_rows=0)
+        tid = built.turns["net"]
+        first = view.turn_view(tid)
+        view.session_view("s-net")
+        calls = []
+        real = store.iter_runs
+        monkeypatch.setattr(store, "iter_runs", lambda t: calls.append(t) or real(t))
+        assert view.turn_view(tid) is first
+        if first["forced"]["available"]:
+            view.panel(tid, "forced", 0)
+        view.session_view("s-net")
+        assert calls == []
+        # the cache is still checked: a run stored now is read and shown
+        ids = vz.VOCAB.encode(["Hello", "!"])
+        store.put_run({"id": "late2", "turn_id": tid, "backend": "late", "mode": "free",
+                       "token_ids": ids, "status": "ok"}).result()
+        again = view.turn_view(tid)
+        assert again is not first and calls
+        assert "late" in [b["name"] for b in again["backends"]]
+
+
+def test_replaced_run_and_new_comparison_rebuild(tmp_path, vz):
+    """A run replaced in place (same id and created_ns) or a comparison stored later changes
+    the stamp; a read-only handle on the same store sees a write made through another."""
+    built = vz.build_store(tmp_path / "s")
+    with Store.open(built.path) as store, Store.open(built.path, readonly=True) as ro:
+        view = ViewData(ro)
+        ids = vz.VOCAB.encode(["Hello", "!", " Bye"])
+        run = {"id": "swap", "turn_id": "s-00-t0", "backend": "late", "mode": "free",
+               "token_ids": ids, "status": "error", "error": "boom", "created_ns": 5}
+        store.put_run(run).result()
+        first = view.turn_view("s-00-t0")
+        brief = view.session_view("s-00")["turns"][0]["backends"]["late"]
+        assert brief["status"] == "error"
+        store.put_run({**run, "status": "ok", "error": None}).result()
+        second = view.turn_view("s-00-t0")
+        assert second is not first
+        assert [b["position"] for b in second["free"]["branch_points"]] == [2]
+        assert view.session_view("s-00")["turns"][0]["backends"]["late"]["status"] == "ok"
+        assert view.turn_view("s-00-t0") is second
+        store.put_comparison("swap", "s-00-t0~primary", {"mode": "forced", "status": "ok"}).result()
+        assert view.turn_view("s-00-t0") is not second
+
+
 def test_failed_runs_and_bad_rows_are_reported(tmp_path, vz):
     built = vz.build_store(tmp_path / "s")
     with Store.open(built.path) as store:
