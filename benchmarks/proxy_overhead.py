@@ -49,7 +49,7 @@ asyncio.run(main())
 PROXY = """
 import asyncio, json, sys
 from tensorverse.config import parse_config
-from tensorverse.proxy.server import Proxy
+from tensorverse.proxy.server import Proxy, tune_runtime
 from tensorverse.proxy.tee import TeeBackend
 cfg = parse_config(json.loads(sys.argv[1]))
 shadows = int(sys.argv[2])
@@ -60,6 +60,7 @@ async def main():
     backends = [TeeBackend(f"shadow{i}", f"shadow{i}", concurrency=8, timeout_s=5) for i in range(shadows)]
     p = Proxy(cfg, runner=SlowShadow() if shadows else None, tee_backends=backends)
     await p.start()
+    tune_runtime()  # as `tensorverse proxy` (tensorverse.proxy.server.serve) does
     print("ready", flush=True)
     try:
         await asyncio.Event().wait()

@@ -723,9 +723,6 @@ class RequestMetrics(Addon):
     async def request(self, flow: Any) -> None:
         flow.meta["t_upstream_send"] = time.perf_counter()
 
-    def event(self, flow: Any, ev: Any) -> None:
-        flow.meta["t_upstream_last"] = time.perf_counter()
-
     def response_body(self, flow: Any) -> None:
         flow.meta["t_upstream_last"] = time.perf_counter()
 
@@ -734,7 +731,7 @@ class RequestMetrics(Addon):
         if sent is None:
             return None
         added = max(0.0, sent - flow.t0)
-        last = flow.meta.get("t_upstream_last")
+        last = flow.meta.get("t_upstream_last", flow.t_last_event)  # a stream's: set by the core
         if last is not None and flow.t_end is not None:
             added += max(0.0, flow.t_end - last)
         return added

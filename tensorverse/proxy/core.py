@@ -31,7 +31,7 @@ from yarl import URL
 
 from tensorverse.proxy import flow as F
 from tensorverse.proxy.flow import Addon, Flow, overrides
-from tensorverse.proxy.protocol import SSEParser, endpoint_kind, error_body
+from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body
 
 log = logging.getLogger("tensorverse.proxy")
 
@@ -128,7 +128,8 @@ class ProxyCore:
         self._tasks: set[asyncio.Task] = set()
         self._hooks = {
             h: [a for a in self.addons if overrides(a, h)]
-            for h in ("request", "response_start", "event", "response_body", "response_done", "error")
+            for h in ("request", "response_start", "stream_rewrite", "event", "stream_data", "response_body",
+                      "response_done", "error")
         }
         self.counters: dict[str, int] = {
             "requests": 0,
@@ -400,33 +401,57 @@ class ProxyCore:
         headers["X-Accel-Buffering"] = "no"
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         await resp.prepare(request)
-        parser = SSEParser()
+        splitter = SSESplitter()
+        rewriters = self._hooks["stream_rewrite"]
         event_hooks = self._hooks["event"]
+        observers = self._hooks["stream_data"]
+        perf_counter = time.perf_counter
         try:
             async for chunk in up.content.iter_any():
-                events = parser.feed(chunk)
-                if not events:
+                data = splitter.feed(chunk)  # complete events only; the rest waits for more
+                if not data:
                     continue
+                t = perf_counter()
                 if flow.t_first_event is None:
-                    flow.t_first_event = time.perf_counter()
-                for ev in events:
-                    for a in event_hooks:
-                        try:
-                            a.event(flow, ev)
-                        except Exception:  # noqa: BLE001
-                            self._hook_failed(a, "event")
-                await resp.write(events[0].raw if len(events) == 1 else b"".join(ev.raw for ev in events))
+                    flow.t_first_event = t
+                flow.t_last_event = t
+                out = data
+                for a in rewriters:
+                    try:
+                        out = a.stream_rewrite(flow, out)
+                    except Exception:  # noqa: BLE001
+                        self._hook_failed(a, "stream_rewrite")
+                if event_hooks:
+                    out = self._event_hooks(flow, event_hooks, out)
+                await resp.write(out)
+                # The client has the bytes: now whatever records them.
+                for a in observers:
+                    try:
+                        a.stream_data(flow, data, t)
+                    except Exception:  # noqa: BLE001
+                        self._hook_failed(a, "stream_data")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._cut(request, flow, resp, e)
         except ConnectionResetError:
             return self._client_gone(flow, resp)
-        tail = parser.tail()
+        tail = splitter.tail()
         if tail:
             flow.sse_tail = tail
             await resp.write(tail)
         await resp.write_eof()
         self._finish(flow)
         return resp
+
+    def _event_hooks(self, flow: Flow, hooks: list[Addon], data: bytes) -> bytes:
+        """Addons that override `Addon.event` see (and may change) each event."""
+        events = SSEParser().feed(data)
+        for ev in events:
+            for a in hooks:
+                try:
+                    a.event(flow, ev)
+                except Exception:  # noqa: BLE001
+                    self._hook_failed(a, "event")
+        return b"".join(ev.raw for ev in events)
 
     async def _relay_bytes(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
         keep_length = up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "")

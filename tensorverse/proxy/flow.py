@@ -5,7 +5,14 @@ are addons, in the manner of mitmproxy. The core calls, in this order:
 
 ``request(flow)`` (async, before the request is forwarded; may rewrite ``flow.upstream_body``)
     ``response_start(flow)`` (status and headers are known)
-    ``event(flow, ev)`` for each SSE event of a stream, in order (sync; may change ``ev``)
+    for each run of complete SSE events that arrives (one read from the upstream):
+        ``stream_rewrite(flow, data)`` (sync, before the relay; returns the bytes to relay in
+        place of ``data``: stripping of injected fields),
+        ``event(flow, ev)`` for each event, in order (sync; may change ``ev``; only for addons
+        that override it: the core then parses the events, which the fast path avoids),
+        the bytes are written to the client, then
+        ``stream_data(flow, data, t)`` (sync, after the relay: the upstream's own bytes and the
+        time they arrived; the recorder keeps them and parses them later, off the relay path)
     or ``response_body(flow)`` for a whole JSON body (sync; may replace ``flow.response_body``)
 ``response_done(flow)`` or ``error(flow)`` (async, in the background, after the client has the
     last byte: nothing done there can slow or break the agent)
@@ -73,6 +80,7 @@ class Flow:
     t_headers: float | None = None
     t_first_event: float | None = None
     t_first_token: float | None = None
+    t_last_event: float | None = None  # arrival of the last complete events of a stream
     t_end: float | None = None
 
     state: str = PENDING
@@ -166,7 +174,13 @@ class Addon:
     def response_start(self, flow: Flow) -> None:
         pass
 
+    def stream_rewrite(self, flow: Flow, data: bytes) -> bytes:
+        return data
+
     def event(self, flow: Flow, ev: SSEEvent) -> None:
+        pass
+
+    def stream_data(self, flow: Flow, data: bytes, t: float) -> None:
         pass
 
     def response_body(self, flow: Flow) -> None:

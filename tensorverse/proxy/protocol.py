@@ -139,6 +139,81 @@ class SSEParser:
         return tail
 
 
+class SSESplitter:
+    """Cuts a byte stream at event boundaries without parsing the events: `feed` returns the
+    complete events received so far (exactly those `SSEParser.feed` would return, as bytes),
+    and keeps the rest for the next chunk. The relay's fast path: nothing is allocated per event.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" not in buf:
+            end = buf.rfind(b"\n\n")
+            if end < 0:
+                self._buf = buf
+                return b""
+            if end > 0 and buf[end - 1] == 10:  # a run of 3+ newlines: scan as SSEParser does
+                start = 0
+                while True:
+                    end = buf.find(b"\n\n", start)
+                    if end < 0:
+                        break
+                    start = end + 2
+                stop = start
+            else:
+                stop = end + 2
+        else:
+            stop = 0
+            while True:
+                nxt = _find_blank_line(buf, stop)
+                if nxt < 0:
+                    break
+                stop = nxt
+        if stop == len(buf):
+            self._buf = b""
+            return buf
+        self._buf = buf[stop:]
+        return buf[:stop]
+
+    def tail(self) -> bytes:
+        """Bytes after the last complete event (a stream cut mid-event)."""
+        tail, self._buf = self._buf, b""
+        return tail
+
+
+def iter_event_data(data: bytes):
+    """(data, event name) of each event in ``data`` (complete events, as `SSESplitter.feed`
+    returns them); data is None for an event without a data field (a comment)."""
+    if b"\r" in data:
+        for ev in SSEParser().feed(data):
+            yield ev.data, ev.event
+        return
+    for block in data.split(b"\n\n"):
+        if block[:6] == b"data: " and b"\n" not in block:
+            yield block[6:], None
+        elif block:
+            yield _parse_block(block)
+
+
+def _parse_events(data: bytes) -> list[Any]:
+    """The parsed data of each event with data (``[DONE]`` left out); None where not JSON."""
+    out: list[Any] = []
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    for payload, _name in iter_event_data(data):
+        if payload is None or payload == b"[DONE]":
+            continue
+        try:
+            out.append(loads(payload) if payload else None)
+        except decode_error:
+            out.append(None)
+    return out
+
+
 def _find_blank_line(buf: bytes, start: int) -> int:
     """End offset (exclusive) of the first event terminator at or after ``start``, or -1."""
     best = -1
@@ -175,7 +250,41 @@ def _token_key(token: str) -> int | str:
     return token
 
 
+class _TokenKeys(dict):
+    """token (as vLLM writes it) -> `_token_key` of its ``str``; a cache, as every token of every
+    response goes through it (at most a vocabulary's worth of entries, then it starts over)."""
+
+    LIMIT = 1 << 19
+
+    def __missing__(self, token: Any) -> int | str:
+        key = _token_key(str(token))
+        if token.__class__ is str:
+            if len(self) >= self.LIMIT:
+                self.clear()
+            self[token] = key
+        return key
+
+
+_TOKEN_KEYS = _TokenKeys()
+
+
 def _chat_logprobs(content: list[dict] | None) -> list[dict]:
+    keys = _TOKEN_KEYS
+    try:
+        return [
+            {
+                "token": keys[item.get("token", "")],
+                "logprob": item.get("logprob"),
+                "top": [[keys[t.get("token", "")], t.get("logprob")]
+                        for t in item.get("top_logprobs") or () if isinstance(t, dict)],
+            }
+            for item in content or () if isinstance(item, dict)
+        ]
+    except TypeError:  # an unhashable token: not vLLM's shape, take the long way
+        return _chat_logprobs_slow(content)
+
+
+def _chat_logprobs_slow(content: list[dict] | None) -> list[dict]:
     out = []
     for item in content or ():
         if not isinstance(item, dict):
@@ -291,6 +400,35 @@ class Accumulator:
         self.model: str | None = None
         self.events = 0
         self.first_token_seen = False  # set by add_event when an event carries output
+        # Raw stream bytes not parsed yet (`feed_raw`), with their arrival times.
+        self._raw: list[bytes] = []
+        self._raw_t: list[float] = []
+        self.raw_bytes = 0
+        self.first_token_t: float | None = None  # arrival of the first event that carried output
+        self.unparsed_events = 0  # events whose data is not JSON
+        self._result: dict | None = None
+
+    def feed_raw(self, data: bytes, t: float, parsed: list[Any] | None = None) -> None:
+        """Keep complete events (bytes, as relayed from the upstream; or ``parsed``, their data
+        already parsed: None for data that is not JSON) to fold in later (`flush`)."""
+        self._raw.append(data if parsed is None else parsed)
+        self._raw_t.append(t)
+        self.raw_bytes += len(data)
+        self._result = None
+
+    def flush(self) -> None:
+        """Parse and fold in the events given to `feed_raw`."""
+        if not self._raw:
+            return
+        chunks, times = self._raw, self._raw_t
+        self._raw, self._raw_t, self.raw_bytes = [], [], 0
+        add = self.add_event
+        for chunk, t in zip(chunks, times):
+            for obj in (_parse_events(chunk) if isinstance(chunk, bytes) else chunk):
+                if obj is None:
+                    self.unparsed_events += 1
+                elif add(obj) and self.first_token_t is None:
+                    self.first_token_t = t
 
     def choice(self, index: Any) -> _Choice:
         if not isinstance(index, int):
@@ -316,6 +454,13 @@ class Accumulator:
             self.usage = obj["usage"]
 
     def result(self) -> dict:
+        """The recorded response (computed once; `add_*`/`feed_raw` afterwards recompute it)."""
+        self.flush()
+        if self._result is None:
+            self._result = self._compute()
+        return self._result
+
+    def _compute(self) -> dict:
         choices = [self.choices[k].record() for k in sorted(self.choices)]
         first = choices[0] if choices else None
         return {
@@ -336,6 +481,7 @@ class ChatAccumulator(Accumulator):
     kind = CHAT
 
     def add_body(self, body: Any) -> None:
+        self._result = None
         if not isinstance(body, dict):
             return
         self._head(body)
@@ -364,43 +510,64 @@ class ChatAccumulator(Accumulator):
             c.stop_reason = ch.get("stop_reason")
 
     def add_event(self, obj: Any) -> bool:
+        self._result = None
         if not isinstance(obj, dict):
             return False
         self.events += 1
-        self._head(obj)
-        if isinstance(obj.get("prompt_token_ids"), list):
-            self.prompt_token_ids = obj["prompt_token_ids"]
+        get = obj.get
+        if self.response_id is None or self.model is None:
+            self._head(obj)
+        elif get("usage").__class__ is dict:  # what _head does once id and model are known
+            self.usage = obj["usage"]
+        pt = get("prompt_token_ids")
+        if isinstance(pt, list):
+            self.prompt_token_ids = pt
         output = False
-        for ch in obj.get("choices") or ():
+        choices = self.choices
+        for ch in get("choices") or ():
             if not isinstance(ch, dict):
                 continue
-            c = self.choice(ch.get("index", 0))
-            delta = ch.get("delta") or {}
+            cget = ch.get
+            index = cget("index", 0)
+            c = choices.get(index) if index.__class__ is int else None
+            if c is None:
+                c = self.choice(index)
+            delta = cget("delta") or {}
             if isinstance(delta, dict):
-                if delta.get("role"):
-                    c.role = delta["role"]
-                content = delta.get("content")
-                if isinstance(content, str) and content:
-                    c.text.append(content)
-                    output = True
-                r = delta.get("reasoning_content") or delta.get("reasoning")
-                if isinstance(r, str) and r:
-                    c.reasoning.append(r)
-                    output = True
-                for i, tc in enumerate(delta.get("tool_calls") or ()):
-                    if isinstance(tc, dict):
-                        c.add_tool_delta(tc, i)
+                if delta:
+                    dget = delta.get
+                    if dget("role"):
+                        c.role = delta["role"]
+                    content = dget("content")
+                    if content and isinstance(content, str):
+                        c.text.append(content)
                         output = True
-            ids = ch.get("token_ids")
+                    r = dget("reasoning_content") or dget("reasoning")
+                    if r and isinstance(r, str):
+                        c.reasoning.append(r)
+                        output = True
+                    calls = dget("tool_calls")
+                    if calls:
+                        for i, tc in enumerate(calls):
+                            if isinstance(tc, dict):
+                                c.add_tool_delta(tc, i)
+                                output = True
+            ids = cget("token_ids")
             if ids:
                 output = True
-            c.add_token_ids(ids)
-            lp = ch.get("logprobs")
-            if isinstance(lp, dict) and lp.get("content"):
+                if isinstance(ids, list):
+                    if c.token_ids is None:
+                        c.token_ids = []
+                    c.token_ids.extend(ids)
+            elif c.token_ids is None and isinstance(ids, list):
+                c.token_ids = []
+            lp = cget("logprobs")
+            if lp and isinstance(lp, dict) and lp.get("content"):
                 c.raw_chat_logprobs.append(lp["content"])
-            if ch.get("finish_reason") is not None:
-                c.finish_reason = ch["finish_reason"]
-                c.stop_reason = ch.get("stop_reason")
+            fr = cget("finish_reason")
+            if fr is not None:
+                c.finish_reason = fr
+                c.stop_reason = cget("stop_reason")
         return output
 
 
@@ -427,6 +594,7 @@ class CompletionAccumulator(Accumulator):
         return output
 
     def add_body(self, body: Any) -> None:
+        self._result = None
         if not isinstance(body, dict):
             return
         self._head(body)
@@ -435,6 +603,7 @@ class CompletionAccumulator(Accumulator):
                 self._fold(ch)
 
     def add_event(self, obj: Any) -> bool:
+        self._result = None
         if not isinstance(obj, dict):
             return False
         self.events += 1
@@ -480,6 +649,7 @@ class MessagesAccumulator(Accumulator):
             self.usage = {**(self.usage or {}), **usage}
 
     def add_body(self, body: Any) -> None:
+        self._result = None
         if not isinstance(body, dict):
             return
         if isinstance(body.get("id"), str):
@@ -495,6 +665,7 @@ class MessagesAccumulator(Accumulator):
         c.stop_reason = body.get("stop_sequence")
 
     def add_event(self, obj: Any) -> bool:
+        self._result = None
         if not isinstance(obj, dict):
             return False
         self.events += 1
@@ -529,7 +700,7 @@ class MessagesAccumulator(Accumulator):
             self._usage(obj.get("usage"))
         return output
 
-    def result(self) -> dict:
+    def _compute(self) -> dict:
         c = self.choice(0)
         c.text = []
         c.reasoning = []
@@ -542,7 +713,7 @@ class MessagesAccumulator(Accumulator):
                 c.reasoning.append(b["thinking"])
             else:
                 c.text.append(b["text"])
-        return super().result()
+        return super()._compute()
 
 
 ACCUMULATORS: dict[str, type[Accumulator]] = {

@@ -11,12 +11,11 @@ request path; a full store (`StoreFullError`) is counted and proxying goes on.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from tensorverse.proxy import flow as F
 from tensorverse.proxy.flow import Addon, Flow
-from tensorverse.proxy.protocol import ACCUMULATORS, SSEEvent
+from tensorverse.proxy.protocol import ACCUMULATORS
 
 log = logging.getLogger("tensorverse.proxy.recorder")
 
@@ -50,22 +49,36 @@ class Recorder(Addon):
     def stats(self) -> dict[str, Any]:
         return dict(self.counters)
 
-    # -- accumulation (on the relay path: cheap, synchronous) ----------------------------------
+    # -- accumulation ----------------------------------------------------------------------------
+    # A stream's events are kept as the upstream's bytes (after they were relayed) and parsed
+    # once the client has the whole response (`response_done`, in the background), or every
+    # FLUSH_BYTES for a long stream, so nothing of recording sits between an event and the client.
+    FLUSH_BYTES = 256 << 10
+
     def response_start(self, flow: Flow) -> None:
         if (flow.status or 500) < 400:
             flow.meta["acc"] = ACCUMULATORS[flow.kind]()  # type: ignore[index]
 
-    def event(self, flow: Flow, ev: SSEEvent) -> None:
+    def stream_data(self, flow: Flow, data: bytes, t: float) -> None:
         acc = flow.meta.get("acc")
-        if acc is None or ev.done or ev.data is None:
+        if acc is not None:
+            parsed = flow.meta.pop("parsed", None)  # the injector parsed these events already
+            acc.feed_raw(data, t, parsed[1] if parsed is not None and parsed[0] is data else None)
+            if acc.raw_bytes > self.FLUSH_BYTES:
+                acc.flush()
+
+    def _settle(self, flow: Flow) -> None:
+        """Parse what is left of a stream; first-token time and unparsed events from it."""
+        acc = flow.meta.get("acc")
+        if acc is None or "settled" in flow.meta:
             return
-        obj = ev.json
-        if obj is None:
-            self.counters["unparsed_events"] += 1
-            flow.meta["unparsed_events"] = flow.meta.get("unparsed_events", 0) + 1
-            return
-        if acc.add_event(obj) and flow.t_first_token is None:
-            flow.t_first_token = time.perf_counter()
+        flow.meta["settled"] = True
+        acc.flush()
+        if flow.t_first_token is None and acc.first_token_t is not None:
+            flow.t_first_token = acc.first_token_t
+        if acc.unparsed_events:
+            self.counters["unparsed_events"] += acc.unparsed_events
+            flow.meta["unparsed_events"] = acc.unparsed_events
 
     def response_body(self, flow: Flow) -> None:
         acc = flow.meta.get("acc")
@@ -83,6 +96,7 @@ class Recorder(Addon):
         return out
 
     def build_turn(self, flow: Flow) -> dict[str, Any]:
+        self._settle(flow)
         req = flow.request_json
         turn: dict[str, Any] = {
             "id": flow.meta.get("turn_id") or f"{flow.start_ns:016x}{flow.id}",
@@ -138,6 +152,7 @@ class Recorder(Addon):
         return turn
 
     async def _record(self, flow: Flow) -> None:
+        self._settle(flow)
         if flow.session_id is None:
             return
         turn = self.build_turn(flow)

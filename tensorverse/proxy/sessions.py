@@ -210,7 +210,10 @@ class Sessions(Addon):
             tags = {**self.tags, **parse_tags(flow.headers.get(self.tags_header))}
             record = {"id": sid, "created_ns": flow.start_ns, "tags": tags, "grouping": source,
                       "endpoint": flow.kind}
-            self._put(record)
+            # Stored once the turn is over (`response_done`/`error`, in the background), just
+            # before the recorder stores the turn: nothing reaches the store's writer thread
+            # while the request is on its way.
+            flow.meta["session_record"] = record
         return s
 
     def _put(self, record: dict) -> None:
@@ -272,7 +275,16 @@ class Sessions(Addon):
         self._touch(s)
 
     async def response_done(self, flow: Flow) -> None:
+        self._put_pending(flow)
         self._remember(flow)
+
+    async def error(self, flow: Flow) -> None:
+        self._put_pending(flow)
+
+    def _put_pending(self, flow: Flow) -> None:
+        record = flow.meta.pop("session_record", None)
+        if record is not None:
+            self._put(record)
 
     def _remember(self, flow: Flow) -> None:
         tip = flow.meta.get("chain_tip")

@@ -207,12 +207,15 @@ class ShadowTee(Addon):
                 self._queue.task_done()
 
     async def _process(self, turn: dict, fut: Any) -> None:
-        if fut is not None:  # the turn must be committed before runs refer to it
+        if fut is not None and not fut.done():  # the turn must be committed before runs refer to it
             try:
                 await asyncio.wait_for(asyncio.wrap_future(fut), self.wait_for_turn_s)
             except Exception:  # noqa: BLE001 - store full/failed: shadow anyway, results may not store
                 pass
-        await asyncio.gather(*(self._run_one(turn, b) for b in self.backends))
+        if len(self.backends) == 1:
+            await self._run_one(turn, self.backends[0])
+        else:
+            await asyncio.gather(*(self._run_one(turn, b) for b in self.backends))
         finish = getattr(self.runner, "finish", None)
         if finish is not None:  # e.g. compare the turn's runs once all backends are done
             try:
@@ -234,7 +237,8 @@ class ShadowTee(Addon):
             try:
                 modes = b.modes or self.modes
                 deadline = b.turn_deadline_s(modes)
-                runs = await asyncio.wait_for(self.runner(turn, [b.backend], self.store, modes=modes), deadline)
+                async with asyncio.timeout(deadline):  # no extra task, unlike wait_for
+                    runs = await self.runner(turn, [b.backend], self.store, modes=modes)
                 c["ok"] += 1
                 if self.metrics is not None and isinstance(runs, list):
                     try:
