@@ -726,19 +726,8 @@ class ShadowRunner:
                                    token_logprobs=got["token_logprobs"])
                         run["timings"]["request_s"] = round(dt, 4)
                         if KEY_CAPTURE in (body.get("vllm_xargs") or {}):
-                            positions = list(range(n))
-                            if self.forced_positions is not None:
-                                from tensorverse.capture.optin import Positions
-
-                                ps = Positions.parse(self.forced_positions)
-                                positions = [p for p in positions if p in ps]
-                            rows = await self.wait_rows(run["id"], positions)
-                            run["rows"] = rows
-                            run["timings"]["rows_wait_s"] = rows["waited_s"]
-                            if rows["present"]:
-                                run["capture"] = "full"
-                                run["approximate"] = False
-                            else:
+                            rows = await self._collect_rows(run, n, self.forced_positions)
+                            if not rows["present"]:
                                 run["attempts"].append({
                                     "method": "capture",
                                     "error": f"no captured row arrived in {self.rows_timeout_s:g} s "
@@ -804,20 +793,26 @@ class ShadowRunner:
                    top_logprobs=got["top_logprobs"], token_logprobs=got["token_logprobs"])
         run["timings"]["request_s"] = round(dt, 4)
         if "vllm_xargs" in body and got["token_ids"]:
-            positions = list(range(len(got["token_ids"])))
-            if self.free_positions is not None:
-                from tensorverse.capture.optin import Positions
-
-                ps = Positions.parse(self.free_positions)
-                positions = [p for p in positions if p in ps]
-            rows = await self.wait_rows(run["id"], positions)
-            run["rows"] = rows
-            run["timings"]["rows_wait_s"] = rows["waited_s"]
-            if rows["present"]:
-                run["capture"] = "full"
-                run["approximate"] = False
+            await self._collect_rows(run, len(got["token_ids"]), self.free_positions)
         run["timings"]["total_s"] = round(_now() - t_start, 4)
         return run
+
+    async def _collect_rows(self, run: dict, n: int, position_spec: Any) -> dict:
+        """Wait for the captured rows of a run's `n` output positions (those `position_spec`
+        selects) and record what arrived; a run with its rows becomes exact (`capture: full`)."""
+        positions = list(range(n))
+        if position_spec is not None:
+            from tensorverse.capture.optin import Positions
+
+            ps = Positions.parse(position_spec)
+            positions = [p for p in positions if p in ps]
+        rows = await self.wait_rows(run["id"], positions)
+        run["rows"] = rows
+        run["timings"]["rows_wait_s"] = rows["waited_s"]
+        if rows["present"]:
+            run["capture"] = "full"
+            run["approximate"] = False
+        return rows
 
     async def _pieces(self, t: TurnInput, allowed: Sequence[Backend]) -> list[str] | None:
         """Decoded text of each output token (``/detokenize`` per distinct id), for regions."""

@@ -90,7 +90,11 @@ def _digest(obj: Any) -> str:
 
 
 async def _tokenize(client: BackendClient, text: str, add_special: bool) -> list[int]:
-    body = {"prompt": text, "add_special_tokens": add_special}
+    return await _post_tokenize(client, {"prompt": text, "add_special_tokens": add_special})
+
+
+async def _post_tokenize(client: BackendClient, body: dict) -> list[int]:
+    """vLLM's `/tokenize` (text or chat messages) for the backend's model: the token ids."""
     if client.backend.model:
         body["model"] = client.backend.model
     out = await client.post("/tokenize", body, root=True)
@@ -247,13 +251,7 @@ async def render_chat(client: BackendClient, request: Mapping[str, Any]) -> list
         body["add_generation_prompt"] = False
     body.setdefault("add_generation_prompt", True)
     body["add_special_tokens"] = False
-    if client.backend.model:
-        body["model"] = client.backend.model
-    out = await client.post("/tokenize", body, root=True)
-    toks = out.get("tokens") if isinstance(out, dict) else None
-    if not isinstance(toks, list):
-        raise BackendError("protocol", "/tokenize answer without tokens", path="/tokenize")
-    return [int(t) for t in toks]
+    return await _post_tokenize(client, body)
 
 
 def template_difference(expected: Sequence[int], rendered: Sequence[int]) -> dict[str, Any]:
