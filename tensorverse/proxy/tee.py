@@ -25,11 +25,9 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from tensorverse.proxy import flow as F
 from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.shadow.runner import ROWS_TIMEOUT_S
 
 log = logging.getLogger("tensorverse.proxy.tee")
-
-# The shadow runner waits up to this long for captured rows to land (its `rows_timeout_s`).
-ROWS_WAIT_S = 30.0
 
 
 class ShadowRunner(Protocol):
@@ -99,7 +97,7 @@ class TeeBackend:
         """The whole turn on this backend: a probe and one request per mode, each bounded by
         `timeout_s`, plus the wait for captured rows (at most the runner's, at most `timeout_s`).
         Cancelling earlier would lose run records."""
-        return self.timeout_s * (len(modes) + 1) + min(ROWS_WAIT_S, self.timeout_s)
+        return self.timeout_s * (len(modes) + 1) + min(ROWS_TIMEOUT_S, self.timeout_s)
 
 
 class ShadowTee(Addon):

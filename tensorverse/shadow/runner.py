@@ -60,6 +60,9 @@ from tensorverse.shadow.client import BackendClient, BackendError
 from tensorverse.shadow.doctor import probe_capabilities
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
 
+# How long a run waits for its captured rows to land in the store (the tee budgets for it).
+ROWS_TIMEOUT_S = 30.0
+
 __all__ = ["TurnInput", "ShadowRunner", "RunnerCache", "SHARED_CACHE", "shadow_turn", "primary_run_id", "forced_body",
            "free_body", "scoring_body", "parse_completion", "parse_prompt_logprobs",
            "normalize_topk", "RECORDED", "MODES"]
@@ -436,7 +439,7 @@ class ShadowRunner:
     backend to ``backend.concurrency``. Use ``async with ShadowRunner(store, backends) as r``.
     """
 
-    def __init__(self, store: Any, backends: Iterable[Backend], *, rows_timeout_s: float = 30.0,
+    def __init__(self, store: Any, backends: Iterable[Backend], *, rows_timeout_s: float = ROWS_TIMEOUT_S,
                  rows_poll_s: float = 0.1, check_tokenizer: bool = True,
                  strict_tokenizer: bool = False, check_template: bool = True,
                  free_margin: int = 64, forced_positions: str | Sequence[int] | None = None,
