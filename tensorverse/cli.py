@@ -7,10 +7,7 @@ import sys
 from typing import Callable, Sequence
 
 # Subcommands whose issue has not landed yet: they say so and exit 2 rather than pretend.
-PLANNED: dict[str, str] = {
-    "matrix": "the settings matrix (issue: Matrix)",
-    "bisect": "flip bisection (issue: Matrix)",
-}
+PLANNED: dict[str, str] = {}
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
@@ -331,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scrub(sub)
     _add_replay(sub)
     _add_demo(sub)
+    from tensorverse.matrix.cli import register as register_matrix
+    from tensorverse.replay.cli import register_report
+
+    register_report(sub)  # tensorverse report ...
+    register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"(not built yet) {what}")
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

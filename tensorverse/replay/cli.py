@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["run_scrub", "add_replay_arguments", "run_replay_args", "main"]
+__all__ = ["run_scrub", "add_replay_arguments", "run_replay_args", "register_report", "main"]
 
 
 def run_scrub(args: argparse.Namespace, store: str) -> int:
@@ -87,6 +87,13 @@ def run_replay_args(args: argparse.Namespace) -> int:
         print(f"tensorverse replay: {e}", file=sys.stderr)
         return 2
     return run_replay(args.corpus, opts, fail_on=args.fail_on, as_json=args.json)
+
+
+def register_report(sub: argparse._SubParsersAction) -> None:
+    """``tensorverse report ...`` (wired by :mod:`tensorverse.cli`)."""
+    p = sub.add_parser("report", help="work with replay results: merge rigs' results")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="merge A.json B.json ... [--out F] [--parquet F]")
+    p.set_defaults(func=lambda a: main(a.rest))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
