@@ -6,5 +6,7 @@
                 and ``tensorverse scrub``
 ``runner``      ``tensorverse replay``: cases through the shadow runner, resumable
 ``report``      results file, summary table, ``--fail-on`` gates, ``report merge``
+``html``        the HTML report: an index and the viewer's multiverse page of each diverging case
 ``tools``       tool simulators for diverged multi-turn branches
+``sample``      the generator of the sample corpus (``corpus/netops-sample/``)
 """

@@ -1,5 +1,6 @@
-"""Argument handling of ``tensorverse scrub`` / ``tensorverse replay`` and the results merge
-(``python -m tensorverse.replay.cli merge A.json B.json ... [--parquet OUT]``)."""
+"""Argument handling of ``tensorverse scrub``, ``tensorverse replay`` and ``tensorverse report``
+(``merge A.json B.json ... [--out F] [--parquet F]``: many rigs' results in one table;
+``html RESULTS --store DIR --out DIR``: the HTML report of a finished replay)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tokenizer-check", action="store_true",
                    help="replay on backends whose tokenizer fingerprint differs from the corpus's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--html", metavar="DIR", help="write the HTML report here: DIR/index.html and the "
+                   "multiverse view of each diverging case (DIR/cases/*.html)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -82,7 +85,7 @@ def run_replay_args(args: argparse.Namespace) -> int:
             retries=max(0, args.retries), simulator=load_simulator(args.tool_simulator),
             include_text=args.include_text, check_tokenizer=not args.no_tokenizer_check,
             progress=not args.no_progress and sys.stderr.isatty(), resume=not args.no_resume,
-            cases=args.case)
+            cases=args.case, html=Path(args.html) if args.html else None)
     except ValueError as e:
         print(f"tensorverse replay: {e}", file=sys.stderr)
         return 2
@@ -91,21 +94,38 @@ def run_replay_args(args: argparse.Namespace) -> int:
 
 def register_report(sub: argparse._SubParsersAction) -> None:
     """``tensorverse report ...`` (wired by :mod:`tensorverse.cli`)."""
-    p = sub.add_parser("report", help="work with replay results: merge rigs' results")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="merge A.json B.json ... [--out F] [--parquet F]")
+    p = sub.add_parser("report", help="work with replay results: merge rigs' results, HTML report")
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="merge A.json B.json ... [--out F] [--parquet F] | html RESULTS --store DIR --out DIR")
     p.set_defaults(func=lambda a: main(a.rest))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``tensorverse report merge|html``. Exit status: 0 done, 2 unreadable input."""
     from tensorverse.replay.report import merge_results, render_merged, write_parquet
 
-    p = argparse.ArgumentParser(prog="python -m tensorverse.replay.cli")
+    p = argparse.ArgumentParser(prog="tensorverse report")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="aggregate replay results of many rigs into one table")
     m.add_argument("results", nargs="+", help="results JSON files")
     m.add_argument("--out", help="write the merged JSON here")
     m.add_argument("--parquet", help="write the merged rows as Parquet here")
+    h = sub.add_parser("html", help="the HTML report of a replay from its results and --store")
+    h.add_argument("results", help="the replay's results JSON")
+    h.add_argument("--store", required=True, help="the store the replay kept (replay --store DIR)")
+    h.add_argument("--out", required=True, help="the report directory (index.html, cases/)")
     args = p.parse_args(argv)
+    if args.cmd == "html":
+        from tensorverse.replay.html import report_from_files
+        from tensorverse.store import StoreVersionError
+
+        try:
+            index = report_from_files(args.results, args.store, args.out)
+        except (ValueError, OSError, StoreVersionError) as e:
+            print(f"report html: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {index}")
+        return 0
     try:
         merged = merge_results(args.results)
     except (ValueError, OSError) as e:

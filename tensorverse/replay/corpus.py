@@ -175,10 +175,12 @@ def _dump(obj: Any) -> bytes:
 
 def write_corpus(path: str | os.PathLike, cases: Sequence[Mapping[str, Any]], *,
                  tokenizer: Mapping[str, Any] | None = None, scrub: Mapping[str, Any] | None = None,
-                 name: str | None = None, description: str | None = None) -> Path:
+                 name: str | None = None, description: str | None = None,
+                 created: str | None = None, with_version: bool = True) -> Path:
     """Write a corpus directory (cases, manifest, schemas, scrub report). Case files are written
     first and the manifest last (through a temporary file), so a reader never sees a manifest
-    naming cases that are not there."""
+    naming cases that are not there. ``created`` (a UTC timestamp) and ``with_version=False``
+    (no ``tensorverse_version``) make the bytes reproducible, for a corpus kept in git."""
     p = Path(path)
     (p / "cases").mkdir(parents=True, exist_ok=True)
     (p / "schema").mkdir(exist_ok=True)
@@ -195,8 +197,8 @@ def write_corpus(path: str | os.PathLike, cases: Sequence[Mapping[str, Any]], *,
     manifest: dict[str, Any] = {
         "format": CORPUS_FORMAT,
         "format_version": FORMAT_VERSION,
-        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "tensorverse_version": _version(),
+        "created": created or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "tensorverse_version": _version() if with_version else None,
         "tokenizer": dict(tokenizer) if tokenizer else None,
         "scrub": dict(scrub) if scrub else None,
         "cases": entries,

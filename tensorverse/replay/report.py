@@ -9,16 +9,19 @@ Results file (``format: tensorverse.replay-results``, version 1)::
      "backends": [{"name", "model", "role", "capture"}], "reference", "modes",
      "tokenizers": {NAME: {"fingerprint", "corpus", "same_dictionary"}}, "refused": {NAME: why},
      "summary": {NAME: {... see summarize_backend ...}},
-     "cases": [{"id", "turns": [{"index", "positions", "backends": {NAME: {"forced", "free"}}}],
+     "cases": [{"id", "session", "turns": [{"index", "positions", "basis": {"source", "backend",
+                "tokens", "vs_recorded"}, "backends": {NAME: {"forced", "free"}}}],
                 "branches": {NAME: {"status", "turn", ...}}}],
      "thresholds": {"rules", "failed"}, "wall_s", "resumed"}
 
 No prompt or output text is written unless ``--include-text``.
 
-Summary per backend (vs the reference backend for forced metrics, vs the recorded output for
-free ones): ``positions``, ``flips``, ``flip_rate`` with a 95 % Wilson interval
-(``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over positions),
-``first_flip`` (median over turns with one), ``departures`` (forced top-1 != recorded token) and
+Summary per backend (vs the reference's forced run for forced metrics, vs the basis for free
+ones; the reference's own free row is vs the recorded output, see
+:mod:`tensorverse.replay.runner`): ``positions``, ``flips``, ``flip_rate`` with a 95 % Wilson
+interval (``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over
+positions), ``first_flip`` (median over turns with one), ``departures`` (forced top-1 != the basis
+token) and
 ``departure_rate``, free ``turns``, ``diverged``, ``verdicts`` (counts), ``toolcall_mismatch_rate``
 (free turns whose verdict is not ``match``), branch outcomes (``completed``/``diverged``/
 ``simulated``), ``errors`` and ``error_rate``.
@@ -215,11 +218,19 @@ def _summary_rows(summary: Mapping[str, Mapping[str, Any]], label: Callable | No
 def render_summary(results: Mapping[str, Any]) -> str:
     s = results["summary"]
     head = (f"replay of {results['corpus']['cases']} case(s) from {results['corpus']['name']} "
-            f"on {len(s)} backend(s); forced metrics vs {results['reference']}, free vs the recorded "
-            f"output; {results.get('wall_s', 0):.1f} s")
+            f"on {len(s)} backend(s); forced metrics vs {results['reference']}'s forced run, free vs the "
+            f"basis ({results['reference']}'s own run; its own free row: vs the recorded output); "
+            f"{results.get('wall_s', 0):.1f} s")
     out = [head, _table(_summary_rows(s))]
     if any((v or {}).get("kl", {}) and v["kl"].get("approximate") for v in s.values() if v.get("kl")):
         out.append("KL from top-k logprobs (approximate); full rows need --capture full and a sink.")
+    turns = [t for c in results.get("cases") or () for t in c.get("turns") or ()]
+    basis = [t.get("basis") or {} for t in turns]
+    if basis:
+        changed = sum(1 for b in basis if (b.get("vs_recorded") or {}).get("diverged"))
+        fallback = sum(1 for b in basis if b.get("source") == "recorded")
+        out.append(f"basis: {changed}/{len(basis)} turn(s) differ from the recorded output"
+                   + (f"; {fallback} fell back to the recorded output" if fallback else ""))
     for name, why in (results.get("refused") or {}).items():
         out.append(f"{name}: {why}")
     return "\n".join(out)
@@ -293,9 +304,13 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
         rig = (", ".join(gpus.get("models") or []) + f" x{gpus.get('count')}") if gpus else (host.get("machine") or "cpu")
         for name, s in r["summary"].items():
             binfo = ((r.get("rig") or {}).get("backends") or {}).get(name) or {}
-            rows.append({"file": str(p), "rig": rig, "backend": name, "vllm": binfo.get("version"),
-                         "model": binfo.get("model"), "reference": r.get("reference"),
-                         "corpus": (r.get("corpus") or {}).get("manifest_sha256"), **s})
+            # ``reference``: this backend was the file's reference (the summary's flag);
+            # ``reference_backend``: the file's reference backend's name
+            rows.append({**s, "file": str(p), "rig": rig, "backend": name, "vllm": binfo.get("version"),
+                         "model": binfo.get("model"), "reference": name == r.get("reference"),
+                         "reference_backend": r.get("reference"),
+                         "corpus": (r.get("corpus") or {}).get("manifest_sha256"),
+                         "corpus_name": (r.get("corpus") or {}).get("name")})
     totals: dict[str, dict[str, Any]] = {}
     for row in rows:
         t = totals.setdefault(row["backend"], {"backend": row["backend"], "rigs": 0, "verdicts": {},
@@ -322,10 +337,11 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
 
 
 def render_merged(merged: Mapping[str, Any]) -> str:
-    rows = [["rig", "backend", "vllm", "positions", "flip_rate", "KL mean", "verdicts", "errors"]]
+    rows = [["rig", "corpus", "backend", "vllm", "positions", "flip_rate", "KL mean", "verdicts", "errors"]]
     for r in merged["rows"]:
         kl = r.get("kl") or {}
-        rows.append([r["rig"], r["backend"] + (" (ref)" if r.get("reference") == r["backend"] else ""),
+        rows.append([r["rig"], str(r.get("corpus_name") or "-"),
+                     r["backend"] + (" (ref)" if r.get("reference") is True else ""),
                      str(r.get("vllm") or "-"), str(r.get("positions", 0)), _fmt(r.get("flip_rate")),
                      _fmt(kl.get("mean"), ".2e"),
                      " ".join(f"{k}={v}" for k, v in (r.get("verdicts") or {}).items()) or "-",

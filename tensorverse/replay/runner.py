@@ -6,17 +6,24 @@ goes through the same :class:`~tensorverse.shadow.runner.ShadowRunner` (forced +
 chat-template check, capture) and :func:`~tensorverse.shadow.compare.compare_turn` as live turns.
 Runs and rows land in a working store (``--store DIR`` keeps it for ``tensorverse view``).
 
-References. A corpus carries the reference's tokens, not its distributions (recorded top-k is
-not exported, see :mod:`tensorverse.replay.corpus`), so forced comparisons need a *reference
-backend* (``--reference NAME``, default the first ``--backend``): its forced run is the P of every
-other backend's forced run (``kind: full`` when both capture full rows, else ``topk``). Every
-backend is also checked against the recorded tokens: ``departures`` are forced positions where
-its top-1 is not the recorded token (zero for the recording's own config on a deterministic
-runtime). Free runs are compared with the recorded output (divergence point, tool-call verdict).
+The basis of each turn. Scrubbing changes the prompt, so the corpus's recorded output is not
+the reference runtime's own continuation of the *scrubbed* prompt. Each case turn therefore
+starts with the *reference backend* (``--reference NAME``, default the first ``--backend``)
+generating freely on the scrubbed prompt (the case's sampling: greedy unless seeded). Its output
+is the turn's **basis**: every backend's forced run (the reference's included) decodes the basis
+ids, and every other backend's free run is compared with it. The reference's forced run is the P
+of the others' forced runs (``kind: full`` when both capture full rows, else ``topk``);
+``departures`` are forced positions where a backend's top-1 is not the basis token (zero for the
+reference on a deterministic runtime with greedy sampling). The recorded output is kept as what
+the session actually did: the reference's free run is compared with it (``basis.vs_recorded``,
+and the reference's own free row), which shows what scrubbing changed. When the reference cannot
+run (refused, or failed after the retries) the recorded output is the basis
+(``basis.source: recorded``).
 
 Multi-turn cases. Forced runs always use the recorded context. A backend's free *branch* goes on
 to the next turn (on the recorded context and recorded tool results) while its tool calls match
-the recorded ones; at the first turn where they do not, the branch stops there (``diverged``),
+the *recorded* ones (the recorded tool results answer only those); at the first turn where they
+do not, the branch stops there (``diverged``),
 or, with a tool simulator (:mod:`tensorverse.replay.tools`), continues on its own conversation:
 the branch's answer and the simulator's results are rendered by the backend's chat template
 (``/tokenize``) and generated freely, up to the case's remaining turns (``simulated``).
@@ -24,7 +31,9 @@ the branch's answer and the simulator's results are rendered by the backend's ch
 Robustness. Backend failures are retried with exponential backoff (``retries``), then recorded in
 the case's results, never aborting the run. Each finished case is appended to a journal
 (``RESULTS.partial.jsonl``); an interrupted run (Ctrl-C) keeps them, and rerunning the same
-command resumes with the cases not yet done. The results file is written at the end.
+command resumes with the cases not yet done. The results file is written at the end, then the
+HTML report (``--html DIR``, :mod:`tensorverse.replay.html`) from the working store, whose session
+and turn records (the basis as each turn's answer) are what ``tensorverse view`` shows.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -41,13 +51,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.shadow.backend import Backend
 
 __all__ = ["ReplayOptions", "replay", "run_replay", "parse_backend", "RESULTS_FORMAT",
            "case_turn_input", "rig_fingerprint"]
+
+log = logging.getLogger("tensorverse.replay")
 
 RESULTS_FORMAT = "tensorverse.replay-results"
 RESULTS_VERSION = 1
@@ -86,6 +98,7 @@ class ReplayOptions:
     progress: bool = True
     resume: bool = True
     cases: Sequence[str] | None = None
+    html: Path | None = None  # write the HTML report into this directory
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
@@ -179,11 +192,11 @@ async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
         return b.name, info
 
     got = dict(await asyncio.gather(*(one(b) for b in backends)))
-    try:
-        import vllm  # noqa: F401
+    try:  # the installed version, without importing vllm (that costs seconds)
+        import importlib.metadata as md
 
-        local_vllm = getattr(sys.modules["vllm"], "__version__", None)
-    except Exception:  # noqa: BLE001
+        local_vllm: str | None = md.version("vllm")
+    except Exception:  # noqa: BLE001 - not installed
         local_vllm = None
     return {
         "host": {"os": platform.platform(), "python": platform.python_version(),
@@ -196,8 +209,17 @@ async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- the runner
 
 
+def _vs_recorded(run: Mapping[str, Any] | None, rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A free run against the case's recorded output: divergence and tool-call verdict."""
+    from tensorverse.shadow.compare import compare_free
+
+    recorded = {"backend": RECORDED, "token_ids": rec.get("output_token_ids") or [],
+                "text": rec.get("text") or "", "finish_reason": rec.get("finish_reason")}
+    return compare_free(dict(run or {}, backend=(run or {}).get("backend") or "?"), recorded)
+
+
 def _departures(run: Mapping[str, Any], tokens: Sequence[int]) -> list[int] | None:
-    """Forced positions where the run's top-1 is not the recorded token (None: no top-k)."""
+    """Forced positions where the run's top-1 is not the forced (basis) token (None: no top-k)."""
     tl = run.get("top_logprobs")
     if not isinstance(tl, list) or len(tl) < len(tokens):
         return None
@@ -219,6 +241,35 @@ class _Replay:
         self.runner = runner
         self.refused: dict[str, str] = {}
         self.prefix = ""
+        self._pieces: dict[int, asyncio.Future[str]] = {}  # token id -> its text, for the whole run
+
+    async def token_pieces(self, ids: Sequence[int], backend: Backend) -> list[str] | None:
+        """The text of each token (``/detokenize`` once per distinct id for the whole replay, not
+        once per turn as live shadowing does: a corpus shares one dictionary). None on failure
+        (the shadow runner then fetches them itself)."""
+        from tensorverse.shadow.client import BackendError
+
+        client = self.runner._client(backend)  # noqa: SLF001 - the runner's pooled client
+        sem = asyncio.Semaphore(8)
+
+        async def fetch(tid: int) -> str:
+            async with sem:
+                body: dict[str, Any] = {"tokens": [tid], **({"model": backend.model} if backend.model else {})}
+                out = await client.post("/detokenize", body, root=True)
+                return (out.get("prompt") if isinstance(out, dict) else "") or ""
+
+        for tid in set(ids):
+            if tid not in self._pieces:
+                self._pieces[tid] = asyncio.ensure_future(fetch(tid))
+        try:
+            got = {tid: await self._pieces[tid] for tid in set(ids)}
+        except (BackendError, OSError, asyncio.TimeoutError):
+            for tid in set(ids):
+                f = self._pieces.get(tid)
+                if f is not None and f.done() and f.exception() is not None:
+                    del self._pieces[tid]
+            return None
+        return [got[t] for t in ids]
 
     async def vet_backends(self) -> dict[str, Any]:
         """Compare each backend's tokenizer fingerprint with the corpus's."""
@@ -254,27 +305,90 @@ class _Replay:
                         latest[(r["backend"], r["mode"])] = r
         return list(latest.values())
 
+    async def _basis(self, rec: dict[str, Any], ref: Backend | None) -> tuple[dict[str, Any], dict | None, dict]:
+        """The turn's basis: the reference backend's free run on the scrubbed prompt (retried
+        like any run), stored under the turn. Returns ``(turn input, that run, basis info)``;
+        the recorded output stands in when the reference cannot run."""
+        from tensorverse.shadow.runner import TurnInput
+
+        run: dict[str, Any] | None = None
+        if ref is not None:
+            ti = TurnInput.from_dict(rec)
+            run = await self.runner.run_free(ti, ref)
+            delay = self.opts.backoff_s
+            for attempt in range(self.opts.retries):
+                if run["status"] not in ("failed", "timeout"):
+                    break
+                await asyncio.sleep(delay)
+                delay *= 2
+                run = await self.runner.run_free(ti, ref)
+                run["retries"] = attempt + 1
+            run["role"] = ref.role
+            await asyncio.to_thread(lambda: self.store.put_run(run).result())
+        if run is None or run["status"] != "ok":
+            info = {"source": RECORDED, "tokens": len(rec["output_token_ids"]),
+                    "why": "reference refused" if run is None else f"reference free run {run['status']}"}
+            return dict(rec, primary=RECORDED), run, info
+        t = dict(rec, output_token_ids=list(run.get("token_ids") or []), text=run.get("text"),
+                 finish_reason=run.get("finish_reason"), primary=ref.name)
+        vs = _vs_recorded(run, rec)
+        return t, run, {"source": "reference", "backend": ref.name, "tokens": len(t["output_token_ids"]),
+                        "vs_recorded": {k: vs[k] for k in ("diverged", "first_flip", "verdict")}}
+
+    async def _put_case_records(self, case: Mapping[str, Any], turn: Mapping[str, Any],
+                                t: Mapping[str, Any], first: bool) -> None:
+        """The session and turn records that ``tensorverse view`` and the HTML report read (the
+        turn's answer is the basis)."""
+        def put() -> None:
+            if first:
+                self.store.put_session({"id": t["session_id"], "tags": {
+                    "case": str(case["id"]), **({"title": str(case["title"])} if case.get("title") else {})}}).result()
+            self.store.put_turn({"id": t["id"], "session_id": t["session_id"], "index": turn["index"],
+                                 "state": "ok", "endpoint": t.get("endpoint"), "primary": t["primary"],
+                                 "request": t.get("request"), "prompt_token_ids": t["prompt_token_ids"],
+                                 "output_token_ids": t["output_token_ids"], "text": t.get("text"),
+                                 "finish_reason": t.get("finish_reason"), "sampling": t.get("sampling"),
+                                 "reference": self.opts.reference}).result()
+
+        try:
+            await asyncio.to_thread(put)
+        except Exception as e:  # noqa: BLE001 - the view records are a convenience, never fatal
+            log.warning("tensorverse replay: case %s: view records not stored: %s", case.get("id"), e)
+
     async def case(self, case: Mapping[str, Any]) -> dict[str, Any]:
         from tensorverse.shadow.compare import compare_turn
 
         opts = self.opts
         live = [b for b in opts.backends if b.name not in self.refused]
+        ref_b = next((b for b in live if b.name == opts.reference), None)
         active = {b.name for b in live}  # free branches still on the recorded path
         branch: dict[str, dict[str, Any]] = {b.name: {"status": "completed", "turn": None} for b in live}
         for name, why in self.refused.items():
             branch[name] = {"status": "refused", "turn": None, "error": why}
         turns_out: list[dict[str, Any]] = []
         roles = {b.name: b.role for b in opts.backends}
+        session_id = _safe(self.prefix + case["id"])
         for turn in case["turns"]:
-            t = case_turn_input(case, turn, prefix=self.prefix)
+            rec = case_turn_input(case, turn, prefix=self.prefix)
+            t, ref_run, basis = await self._basis(rec, ref_b)
+            if live and t["output_token_ids"]:
+                pieces = await self.token_pieces(t["output_token_ids"], ref_b or live[0])
+                if pieces is not None:
+                    t["pieces"] = pieces
+            await self._put_case_records(case, turn, t, first=turn["index"] == case["turns"][0]["index"])
             tokens = list(t["output_token_ids"])
-            runs: list[dict] = []
-            on_path = [b for b in live if b.name in active]
-            off_path = [b for b in live if b.name not in active]
+            runs: list[dict] = [ref_run] if ref_run is not None else []
+            # on the recorded path: every mode; off it (and the reference, whose free run is the
+            # basis): forced only, on the recorded context
+            on_path = [b for b in live if b.name in active and b is not ref_b]
+            forced_only = [b for b in live if b.name not in active or b is ref_b]
+            jobs = []
             if on_path:
-                runs += await self._run(t, opts.modes, on_path)
-            if off_path and "forced" in opts.modes:
-                runs += await self._run(t, ("forced",), off_path)
+                jobs.append(self._run(t, opts.modes, on_path))
+            if forced_only and "forced" in opts.modes:
+                jobs.append(self._run(t, ("forced",), forced_only))
+            for got in await asyncio.gather(*jobs):
+                runs += got
             comps: list[dict] = []
             if runs:
                 try:
@@ -286,14 +400,19 @@ class _Replay:
             per: dict[str, Any] = {}
             for b in live:
                 per[b.name] = self._turn_result(b, runs, comps, tokens)
+            if ref_b is not None:
+                self._reference_free_row(per[ref_b.name], ref_run, rec,
+                                         on_path=ref_b.name in active and "free" in opts.modes)
             for name in list(active):
                 free = per[name].get("free")
                 if free is None or "free" not in opts.modes:
                     continue
-                if free.get("status") != "ok" or free.get("verdict") != "match":
+                run = next((r for r in runs if r["backend"] == name and r["mode"] == "free"), None)
+                path = _vs_recorded(run, rec)["verdict"] if free.get("status") == "ok" and run else None
+                if free.get("status") != "ok" or path != "match":
                     active.discard(name)
                     branch[name] = {"status": "diverged" if free.get("status") == "ok" else "error",
-                                    "turn": turn["index"], "verdict": free.get("verdict"),
+                                    "turn": turn["index"], "verdict": path,
                                     "error": free.get("error")}
                     if opts.simulator is not None and free.get("status") == "ok" \
                             and turn["index"] < len(case["turns"]) - 1:
@@ -301,8 +420,35 @@ class _Replay:
                         run = next(r for r in runs if r["backend"] == name and r["mode"] == "free")
                         sim = await self._simulate(case, turn, b, run)
                         branch[name].update(status="simulated", simulated=sim)
-            turns_out.append({"index": turn["index"], "positions": len(tokens), "backends": per})
-        return {"id": case["id"], "turns": turns_out, "branches": branch}
+            turns_out.append({"index": turn["index"], "positions": len(tokens), "basis": basis,
+                              "backends": per})
+        return {"id": case["id"], "session": session_id, "turns": turns_out, "branches": branch}
+
+    def _reference_free_row(self, row: dict[str, Any], run: Mapping[str, Any] | None,
+                            rec: Mapping[str, Any], *, on_path: bool) -> None:
+        """The reference's free row: its basis run against the recorded output (what the
+        scrubbing changed), only while its branch is on the recorded path."""
+        if not on_path or run is None:
+            row.pop("free", None)
+            return
+        res: dict[str, Any] = {"status": run["status"], "capture": run.get("capture"),
+                               "method": run.get("method"), "template": None, "basis": True}
+        if run.get("retries"):
+            res["retries"] = run["retries"]
+        if run["status"] != "ok":
+            res["error"] = run.get("error")
+        else:
+            c = _vs_recorded(run, rec)
+            res.update(tokens=len(run.get("token_ids") or []), finish_reason=run.get("finish_reason"),
+                       diverged=c["diverged"], first_flip=c["first_flip"],
+                       common_prefix=c["common_prefix"], verdict=c["verdict"],
+                       differences=[{k: v for k, v in d.items()
+                                     if self.opts.include_text or k in ("kind", "path")}
+                                    for d in (c.get("tool_calls") or {}).get("differences") or ()],
+                       vs="recorded")
+            if self.opts.include_text:
+                res["text"] = run.get("text")
+        row["free"] = res
 
     def _turn_result(self, b: Backend, runs: Sequence[Mapping], comps: Sequence[Mapping],
                      tokens: Sequence[int]) -> dict[str, Any]:
@@ -463,8 +609,11 @@ class _Progress:
             self._p.stop()
 
 
-async def replay(corpus: Corpus, opts: ReplayOptions) -> dict[str, Any]:
-    """Run the replay; return the results (also written to ``opts.out`` when set)."""
+async def replay(corpus: Corpus, opts: ReplayOptions, *,
+                 finalize: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the replay; return the results (also written to ``opts.out`` when set).
+    ``finalize`` completes the results (the ``--fail-on`` verdicts) before they are written and
+    before the HTML report (``opts.html``) is made from the working store."""
     from tensorverse.replay.report import build_results
     from tensorverse.shadow.runner import RunnerCache, ShadowRunner
     from tensorverse.store import Store
@@ -513,18 +662,24 @@ async def replay(corpus: Corpus, opts: ReplayOptions) -> dict[str, Any]:
                     prog.close()
                     if jf is not None:
                         jf.close()
+        ordered = [results_cases[c["id"]] for c in cases if c["id"] in results_cases]
+        results = build_results(corpus, opts, ordered, rig=rig, tokenizers=tokenizers,
+                                refused=r.refused, wall_s=time.time() - started, resumed=len(done))
+        if finalize is not None:
+            finalize(results)
+        if opts.out:
+            tmpf = Path(str(opts.out) + ".tmp")
+            tmpf.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmpf, opts.out)
+            if journal is not None and journal.exists():
+                journal.unlink()
+        if opts.html is not None:
+            from tensorverse.replay.html import write_html_report
+
+            results["html"] = str(write_html_report(results, store_path, opts.html))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    ordered = [results_cases[c["id"]] for c in cases if c["id"] in results_cases]
-    results = build_results(corpus, opts, ordered, rig=rig, tokenizers=tokenizers,
-                            refused=r.refused, wall_s=time.time() - started, resumed=len(done))
-    if opts.out:
-        tmpf = Path(str(opts.out) + ".tmp")
-        tmpf.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmpf, opts.out)
-        if journal is not None and journal.exists():
-            journal.unlink()
     return results
 
 
@@ -541,21 +696,23 @@ def run_replay(corpus_path: str, opts: ReplayOptions, *, fail_on: Sequence[str] 
     except (CorpusError, ValueError, FileNotFoundError) as e:
         print(f"tensorverse replay: {e}", file=sys.stderr)
         return 2
+    def finalize(results: dict[str, Any]) -> None:
+        results["thresholds"] = {"rules": list(fail_on), "failed": check_thresholds(results, thresholds)}
+
     try:
-        results = asyncio.run(replay(corpus, opts))
+        results = asyncio.run(replay(corpus, opts, finalize=finalize))
     except KeyboardInterrupt:
         print("tensorverse replay: interrupted; finished cases are kept in "
               f"{opts.out}.partial.jsonl — rerun the same command to resume" if opts.out else
               "tensorverse replay: interrupted (no --out: nothing kept)", file=sys.stderr)
         return 130
-    failures = check_thresholds(results, thresholds)
-    results["thresholds"] = {"rules": list(fail_on), "failed": failures}
-    if opts.out:
-        Path(opts.out).write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    failures = results["thresholds"]["failed"]
     if as_json:
         print(json.dumps(results["summary"], indent=1))
     else:
         print(render_summary(results))
+    if results.get("html"):
+        print(f"HTML report: {results['html']}", file=sys.stderr)
     for f in failures:
         print(f"FAIL {f['message']}", file=sys.stderr)
     return 1 if failures else 0

@@ -175,7 +175,9 @@ _CONFIG_RES: list[tuple[re.Pattern[str], str]] = [
      "secret"),
     (re.compile(rf"{_KW}(?:key-string|pre-shared-key|authentication-key|key|md5)[ \t]+(?P<type>[0-9])[ \t]+{_VAL}"),
      "secret"),
-    (re.compile(rf"{_KW}(?:key-string|pre-shared-key|authentication-key|md5|isakmp[ \t]+key)[ \t]+(?![0-9][ \t]){_VAL}"),
+    # ``authentication md5 key-string 7 X``: a keyword after ``md5`` is structure, not the secret
+    (re.compile(rf"{_KW}(?:key-string|pre-shared-key|authentication-key|md5|isakmp[ \t]+key)[ \t]+(?![0-9][ \t])"
+                rf"(?!(?:key-string|key-chain|key)(?![\w-])){_VAL}"),
      "secret"),
     (re.compile(rf"{_KW}(?:auth[ \t]+(?:md5|sha\d*)|priv[ \t]+(?:des|3des|aes(?:[ \t]+\d+)?))[ \t]+{_VAL}"), "secret"),
     (re.compile(r"(?i)(?P<key>[\w.-]*(?:password|passwd|pwd|secret|token|api[_-]?key|apikey|access[_-]?key"

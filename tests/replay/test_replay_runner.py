@@ -84,6 +84,8 @@ def _strip(results: dict) -> dict:
     r = json.loads(json.dumps(results))
     for k in ("created", "wall_s", "rig"):
         r.pop(k, None)
+    for c in r.get("cases") or ():
+        c.pop("session", None)  # the run's own session id in its working store (time-stamped)
     return r
 
 

@@ -285,3 +285,18 @@ def test_many_networks_overflow_into_the_benchmark_range_and_say_so():
                any(ipaddress.ip_address(o) in n for n in _DOC4) for o in outs)
     rep = s.report()
     assert rep["ipv4_overflow"] == 6 and rep["warnings"]
+
+
+def test_keywords_after_md5_are_structure_not_the_secret():
+    # `authentication md5 key-string 7 X`: the secret is X (a valid type 7 placeholder), and
+    # `key-string` / `key-chain` stay; `md5 <clear text>` is still replaced
+    s = Scrubber()
+    out = s.scrub_text("standby 1 authentication md5 key-string 7 0822455D0A16\n"
+                       " ip ospf message-digest-key 1 md5 Ospf-Clear-42\n"
+                       " authentication md5 key-chain KC-EDGE\n")
+    assert "standby 1 authentication md5 key-string 7 " in out and "0822455D0A16" not in out
+    enc = out.split("key-string 7 ")[1].split()[0]
+    assert re.fullmatch(r"redacted\d+", cisco7_decode(enc) or ""), enc
+    assert "Ospf-Clear-42" not in out and "message-digest-key 1 md5 REDACTED-SECRET-" in out
+    assert "authentication md5 key-chain KC-EDGE" in out
+    assert leaks(out) == []
