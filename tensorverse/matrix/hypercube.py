@@ -1,0 +1,67 @@
+"""Per-axis marginal effects over the hypercube: pure functions of the points' summaries.
+
+For an axis (a setting that varies) and each of its values: the points that have that value,
+with the other axes averaged over. Two averages are given, since they answer different
+questions: ``flip_rate`` pools positions (every position weighs the same: "how often does a
+token flip under FP8 KV") and ``mean_point_flip_rate`` averages the points' own rates (every
+configuration weighs the same: a full grid's classic marginal). ``effect`` is a value's pooled
+flip rate minus the axis's first (base) value's. Points that failed, and the reference point
+itself (which is compared with nothing), are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+__all__ = ["marginals", "wilson"]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    """95 % Wilson score interval of k successes in n trials."""
+    if n <= 0:
+        return None
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [round(max(0.0, c - h), 6), round(min(1.0, c + h), 6)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def marginals(points: Sequence[Mapping[str, Any]], axes: Mapping[str, Sequence[Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``points``: dicts with ``effective`` (settings), ``status``, ``reference`` and ``summary``
+    (replay's summary). Returns, per axis, one row per value."""
+    usable = [p for p in points if p.get("status") == "ok" and not p.get("reference")
+              and p.get("summary")]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for axis, values in axes.items():
+        rows = []
+        base_rate = None
+        for i, v in enumerate(values):
+            sel = [p for p in usable if _same(p["effective"].get(axis), v)]
+            pos = sum(p["summary"].get("positions") or 0 for p in sel)
+            flips = sum(p["summary"].get("flips") or 0 for p in sel)
+            rates = [p["summary"]["flip_rate"] for p in sel if p["summary"].get("flip_rate") is not None]
+            klw = sum(((p["summary"].get("kl") or {}).get("mean") or 0.0) * (p["summary"].get("positions") or 0)
+                      for p in sel)
+            free = sum(p["summary"].get("free_turns") or 0 for p in sel)
+            mism = sum(sum(n for k, n in (p["summary"].get("verdicts") or {}).items() if k != "match")
+                       for p in sel)
+            rate = flips / pos if pos else None
+            if i == 0:
+                base_rate = rate
+            rows.append({
+                "value": v, "points": [p["name"] for p in sel], "positions": pos, "flips": flips,
+                "flip_rate": rate, "flip_rate_ci": wilson(flips, pos),
+                "mean_point_flip_rate": sum(rates) / len(rates) if rates else None,
+                "kl_mean": klw / pos if pos else None,
+                "toolcall_mismatch_rate": mism / free if free else None,
+                "effect": (rate - base_rate) if rate is not None and base_rate is not None else None,
+            })
+        out[axis] = rows
+    return out

