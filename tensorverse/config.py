@@ -322,7 +322,9 @@ class Config(_Section):
         return [b for b in self.shadows if b.name in self.capture.backends]
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def format_validation_errors(err: ValidationError, source: str, what: str = "configuration") -> str:
+    """One line per bad key (``shadows[1].url: required key is missing``), for every file format
+    validated with pydantic (the proxy's configuration, the matrix spec)."""
     lines = []
     for e in err.errors():
         loc = ""
@@ -335,10 +337,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = "required key is missing"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        if e["type"] not in ("extra_forbidden", "missing", "value_error") and "input" in e and not isinstance(e["input"], dict):
+        if e["type"] not in ("extra_forbidden", "missing", "value_error") and "input" in e and not isinstance(e["input"], (dict, list)):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {loc or '(top level)'}: {msg}")
-    return f"invalid configuration{' ' + source if source else ''}:\n" + "\n".join(lines)
+    return f"invalid {what}{' ' + source if source else ''}:\n" + "\n".join(lines)
 
 
 def parse_config(data: dict[str, Any], source: str = "") -> Config:
@@ -346,7 +348,7 @@ def parse_config(data: dict[str, Any], source: str = "") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(format_validation_errors(e, source)) from None
 
 
 def load_config(path: str | os.PathLike) -> Config:

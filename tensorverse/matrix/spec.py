@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tensorverse.config import format_validation_errors
+
 __all__ = ["MatrixSpec", "Point", "SpecError", "load_spec", "parse_spec", "settings_key",
            "point_label", "is_option", "render_value"]
 
@@ -265,32 +267,12 @@ def settings_key(spec: MatrixSpec, settings: Mapping[str, Any], corpus_sha: str 
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ""
-        for part in e["loc"]:
-            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        if e["type"] not in ("extra_forbidden", "missing", "value_error") and "input" in e \
-                and not isinstance(e["input"], (dict, list)):
-            msg += f" (got {e['input']!r})"
-        lines.append(f"  {loc or '(top level)'}: {msg}")
-    return f"invalid matrix spec{' ' + source if source else ''}:\n" + "\n".join(lines)
-
-
 def parse_spec(data: Mapping[str, Any], source: str = "") -> MatrixSpec:
     """Validate an already-parsed mapping; raises :class:`SpecError` naming every bad key."""
     try:
         return MatrixSpec.model_validate(dict(data))
     except ValidationError as e:
-        raise SpecError(_format_errors(e, source)) from None
+        raise SpecError(format_validation_errors(e, source, "matrix spec")) from None
 
 
 def load_spec(path: str | Path) -> MatrixSpec:
