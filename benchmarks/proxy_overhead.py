@@ -5,12 +5,14 @@
 A fast fake OpenAI-protocol streaming upstream (`tensorverse.proxy.fake`, its own process)
 is called, in the same run:
   direct              the upstream itself
-  proxy               through the Tensorverse proxy (its own process; recording on, store on
-                      disk, 3 shadows attached whose runner sleeps 50 ms per turn)
+  proxy               through the Tensorverse proxy (its own process, on uvloop through
+                      `tensorverse.proxy.loop.run`; recording on, store on disk, 3 shadows
+                      attached whose runner sleeps 50 ms per turn)
   proxy-no-shadows    the same proxy without shadows (for shadow_slowdown_ratio)
   nginx               through nginx (Debian nginx-light; proxy_buffering off, upstream
                       keepalive), when installed; skipped otherwise
-at concurrency 1 (TTFT and total latency p50/p99) and 200 (throughput). The load generator is
+at concurrency 1 (TTFT and total latency p50/p99; the targets take turns in rounds, so that a
+change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
 aiohttp in this process. On a small machine the generator, the upstream and the proxy share the
 CPU: compare ratios, not absolute numbers. The last line is one JSON object.
 """
@@ -49,6 +51,7 @@ asyncio.run(main())
 PROXY = """
 import asyncio, json, sys
 from tensorverse.config import parse_config
+from tensorverse.proxy.loop import run
 from tensorverse.proxy.server import Proxy, tune_runtime
 from tensorverse.proxy.tee import TeeBackend
 cfg = parse_config(json.loads(sys.argv[1]))
@@ -66,7 +69,7 @@ async def main():
         await asyncio.Event().wait()
     finally:
         await p.close()
-asyncio.run(main())
+run(main())  # on uvloop: the proxy's loop (tensorverse.proxy.loop)
 """
 
 NGINX = """
@@ -166,6 +169,15 @@ async def load(url: str, n: int, concurrency: int, events: int) -> dict:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t
     return {"n": len(total), "errors": errors, "rps": len(total) / wall, "ttft_p50": pct(ttft, 0.5),
+            "ttft_p99": pct(ttft, 0.99), "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99),
+            "ttft": ttft, "total": total}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Several c=1 runs of one target as one."""
+    ttft = [x for r in runs for x in r["ttft"]]
+    total = [x for r in runs for x in r["total"]]
+    return {"n": len(total), "errors": sum(r["errors"] for r in runs), "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
 
 
@@ -174,6 +186,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000, help="requests per concurrency-200 run")
     ap.add_argument("--latency-requests", type=int, default=400, help="requests per concurrency-1 run")
     ap.add_argument("--events", type=int, default=32, help="SSE events per stream")
+    ap.add_argument("--rounds", type=int, default=8, help="c=1 runs are split into this many interleaved rounds")
+    ap.add_argument("--throughput-rounds", type=int, default=4, help="the same for the c=200 runs")
     ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -208,12 +222,32 @@ def main() -> int:
         if load_avg > (os.cpu_count() or 1):
             print(f"warning: load average {load_avg:.1f} on {os.cpu_count()} CPUs: figures will be noisy", flush=True)
         results: dict[str, dict] = {}
-        for name, (url, pid) in targets.items():
+        # c=1 (latency): the targets take turns, in rounds, so that a change of the machine's
+        # load in the meantime (other processes) affects them alike; then each at c=200.
+        rounds = max(1, min(args.rounds, args.latency_requests))
+        c1_runs: dict[str, list[dict]] = {name: [] for name in targets}
+        for name, (url, _pid) in targets.items():
             asyncio.run(load(url, 50, 8, args.events))  # warm up
-            c1 = asyncio.run(load(url, args.latency_requests, 1, args.events))
-            cpu0 = cpu_ms(pid) if pid else 0.0
-            c200 = asyncio.run(load(url, args.requests, 200, args.events))
-            cpu = (cpu_ms(pid) - cpu0) / max(1, c200["n"]) if pid else None
+        for _ in range(rounds):
+            for name, (url, _pid) in targets.items():
+                c1_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events)))
+        # c=200 (throughput): in rounds too (throughput = requests / time over a target's rounds)
+        c200_rounds = max(1, min(args.throughput_rounds, args.requests // 200))
+        done = {name: {"n": 0, "errors": 0, "wall": 0.0, "cpu": 0.0} for name in targets}
+        for _ in range(c200_rounds):
+            for name, (url, pid) in targets.items():
+                cpu0 = cpu_ms(pid) if pid else 0.0
+                r = asyncio.run(load(url, args.requests // c200_rounds, 200, args.events))
+                acc = done[name]
+                acc["cpu"] += (cpu_ms(pid) - cpu0) if pid else 0.0
+                acc["n"] += r["n"]
+                acc["errors"] += r["errors"]
+                acc["wall"] += r["n"] / r["rps"] if r["rps"] else 0.0
+        for name, (url, pid) in targets.items():
+            c1 = pooled(c1_runs[name])
+            acc = done[name]
+            c200 = {"n": acc["n"], "errors": acc["errors"], "rps": acc["n"] / acc["wall"] if acc["wall"] else 0.0}
+            cpu = acc["cpu"] / max(1, acc["n"]) if pid else None
             results[name] = {"c1": c1, "c200": c200, "cpu_ms_per_request": cpu}
             print(f"{name:17s} c=1 ttft p50 {c1['ttft_p50']:.3f} ms p99 {c1['ttft_p99']:.3f} ms, total p50 "
                   f"{c1['total_p50']:.3f} ms | c=200 {c200['rps']:.0f} req/s (errors {c200['errors']})"

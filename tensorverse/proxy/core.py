@@ -15,6 +15,10 @@ What it guarantees:
   ``x-should-retry: true``; a body over the limit gives 413;
 * when addons changed the request (parameter injection) and the upstream rejects it with 400,
   the client's original body is sent instead, so injection can never break a request.
+
+LLM requests (``flow.kind`` set) reach a plain-HTTP upstream through the lean client of
+`tensorverse.proxy.upstream` (same interface and exceptions as aiohttp's, half the work per
+request); everything else, and https or a ``max_connections`` limit, through aiohttp's client.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from yarl import URL
 from tensorverse.proxy import flow as F
 from tensorverse.proxy.flow import Addon, Flow, overrides
 from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body
+from tensorverse.proxy.upstream import UpstreamPool
 
 log = logging.getLogger("tensorverse.proxy")
 
@@ -123,6 +128,14 @@ class ProxyCore:
         self.strip_header_prefixes = strip_header_prefixes
         self.retry_without_injection = retry_without_injection
         self._client: aiohttp.ClientSession | None = None
+        # LLM endpoints go through the lean client (tensorverse.proxy.upstream) where it applies:
+        # a plain-HTTP upstream without a connection limit.
+        self._pool: UpstreamPool | None = None
+        u = URL(self.upstream)
+        self._base_path = u.raw_path.rstrip("/") if u.raw_path not in ("", "/") else ""
+        self._lean = (u.scheme == "http" and not max_connections and bool(u.host) and not u.user
+                      and not u.raw_query_string and not u.raw_fragment)
+        self._upstream_hostport = (u.host or "", u.port or 80)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -166,6 +179,10 @@ class ProxyCore:
                 sock_read=self.read_timeout_s or None,
             ),
         )
+        if self._lean:
+            host, port = self._upstream_hostport
+            self._pool = UpstreamPool(host, port, connect_timeout_s=self.connect_timeout_s,
+                                      read_timeout_s=self.read_timeout_s)
         for a in self.addons:
             await a.start()
 
@@ -179,6 +196,9 @@ class ProxyCore:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = any free port); returns the port."""
@@ -252,14 +272,18 @@ class ProxyCore:
             headers["x-should-retry"] = "true" if retry else "false"
         return web.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
 
-    def _upstream_url(self, request: web.Request) -> str:
+    def _upstream_target(self, request: web.Request) -> str:
+        """The request target on the upstream (below its base path)."""
         raw = request.raw_path
         p = self.upstream_prefix
         if p and (raw == p or raw.startswith(p + "/") or raw.startswith(p + "?")):
             raw = raw[len(p):] or "/"
             if raw.startswith("?"):
                 raw = "/" + raw
-        return self.upstream + raw
+        return raw
+
+    def _upstream_url(self, request: web.Request) -> str:
+        return self.upstream + self._upstream_target(request)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.counters["requests"] += 1
@@ -300,20 +324,27 @@ class ProxyCore:
                 except Exception:  # noqa: BLE001
                     self._hook_failed(a, "request")
         assert self._client is not None
-        url = URL(self._upstream_url(request), encoded=True)
         headers = forward_request_headers(
             request.headers, drop_prefixes=self.strip_header_prefixes, identity=kind is not None
         )
+        pool = self._pool if kind is not None else None
+        if pool is not None:
+            target = self._base_path + self._upstream_target(request)
+        else:
+            url = URL(self._upstream_url(request), encoded=True)
         send_body = flow.upstream_body
         for attempt in (0, 1):
             try:
-                up = await self._client.request(
-                    request.method, url, headers=headers, data=send_body if send_body or request.body_exists else None,
-                    allow_redirects=False,
-                )
+                if pool is not None:
+                    up = await pool.request(request.method, target, headers, send_body)
+                else:
+                    up = await self._client.request(
+                        request.method, url, headers=headers,
+                        data=send_body if send_body or request.body_exists else None, allow_redirects=False,
+                    )
             except asyncio.CancelledError:
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
                 self.counters["upstream_unreachable"] += 1
                 return self._fail(flow, 502 if not isinstance(e, asyncio.TimeoutError) else 504,
                                   f"upstream {self.upstream} unreachable: {_describe(e)}")

@@ -13,6 +13,7 @@ The shapes are vLLM's (0.32): ``vllm/entrypoints/openai/*/protocol.py`` and
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import orjson
@@ -268,20 +269,22 @@ class _TokenKeys(dict):
 _TOKEN_KEYS = _TokenKeys()
 
 
+_token_and_logprob = operator.itemgetter("token", "logprob")
+
+
 def _chat_logprobs(content: list[dict] | None) -> list[dict]:
     keys = _TOKEN_KEYS
-    try:
-        return [
-            {
-                "token": keys[item.get("token", "")],
-                "logprob": item.get("logprob"),
-                "top": [[keys[t.get("token", "")], t.get("logprob")]
-                        for t in item.get("top_logprobs") or () if isinstance(t, dict)],
-            }
-            for item in content or () if isinstance(item, dict)
-        ]
-    except TypeError:  # an unhashable token: not vLLM's shape, take the long way
+    pair = _token_and_logprob
+    out = []
+    try:  # vLLM's shape: every item and top entry an object with a token and a logprob
+        for item in content or ():
+            token, logprob = pair(item)
+            tops = item.get("top_logprobs")
+            out.append({"token": keys[token], "logprob": logprob,
+                        "top": [[keys[t], lp] for t, lp in map(pair, tops)] if tops else []})
+    except (KeyError, TypeError, AttributeError):  # anything else: the long way
         return _chat_logprobs_slow(content)
+    return out
 
 
 def _chat_logprobs_slow(content: list[dict] | None) -> list[dict]:

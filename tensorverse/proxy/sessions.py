@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import random
 import re
 import time
 from collections import OrderedDict
@@ -129,6 +131,18 @@ def _extend(h: bytes, message: Any) -> bytes:
     return hashlib.blake2b(h + canonical_message(message), digest_size=16).digest()
 
 
+_rng = random.Random(os.urandom(16))
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _rng.seed(os.urandom(16)))
+
+
+def _new_session_id() -> str:
+    """A time-ordered unique id, in the form of `tensorverse.store.schema.new_id` (16 hex digits
+    of ns time + 8 random hex digits), without a system call for the random part: it is made on
+    the request path, where a call that releases the GIL waits behind the store's writer thread."""
+    return f"{time.time_ns():016x}{_rng.getrandbits(32):08x}"
+
+
 def parse_tags(value: str | None) -> dict[str, str]:
     tags: dict[str, str] = {}
     for part in (value or "").split(","):
@@ -172,11 +186,7 @@ class Sessions(Addon):
         self.idle_timeout_s = idle_timeout_s
         self.max_tracked = max_tracked
         self.clock = clock
-        if new_id is None:
-            from tensorverse.store.schema import new_id as _new_id
-
-            new_id = _new_id
-        self.new_id = new_id
+        self.new_id = new_id or _new_session_id
         self._prefixes: OrderedDict[bytes, str] = OrderedDict()  # chain hash -> session id
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self.counters = {"created": 0, "by_header": 0, "by_prefix": 0, "store_errors": 0, "evicted": 0}

@@ -207,7 +207,8 @@ class ShadowTee(Addon):
     async def _process(self, turn: dict, fut: Any) -> None:
         if fut is not None and not fut.done():  # the turn must be committed before runs refer to it
             try:
-                await asyncio.wait_for(asyncio.wrap_future(fut), self.wait_for_turn_s)
+                async with asyncio.timeout(self.wait_for_turn_s):  # no extra task, unlike wait_for
+                    await asyncio.wrap_future(fut)
             except Exception:  # noqa: BLE001 - store full/failed: shadow anyway, results may not store
                 pass
         if len(self.backends) == 1:

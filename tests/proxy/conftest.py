@@ -4,6 +4,7 @@ test's thread), the fake vLLM upstream, and a factory of configured proxies."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -11,12 +12,14 @@ import pytest
 
 from tensorverse.config import parse_config
 from tensorverse.proxy.fake import FakeUpstream
+from tensorverse.proxy.loop import new_event_loop
 from tensorverse.proxy.server import Proxy
 
 
 class LoopThread:
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        # the proxy's own loop (uvloop); TENSORVERSE_TEST_ASYNCIO_LOOP=1: asyncio's
+        self.loop = asyncio.new_event_loop() if os.environ.get("TENSORVERSE_TEST_ASYNCIO_LOOP") else new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="proxy-test-loop", daemon=True)
         self.thread.start()
 

@@ -137,3 +137,20 @@ def test_result_recomputed_after_more_events():
     assert acc.result()["text"] == "a"
     acc.add_event({"choices": [{"index": 0, "text": "b"}]})
     assert acc.result()["text"] == "ab"
+
+
+def test_malformed_event_does_not_stop_the_stripping_of_the_others():
+    good = [b"data: " + orjson.dumps(_chat_event(i)) + b"\n\n" for i in range(3)]
+    two = {"choices": [_chat_event(7)["choices"][0], {**_chat_event(8)["choices"][0], "index": 1}]}
+    data = (good[0] + b'data: {"choices": 7, "usage": "x"}\n\n' + good[1] + b"data: " + orjson.dumps(two)
+            + b"\n\n" + b'data: {"choices": [1, {"token_ids": [5], "logprobs": null}]}\n\n' + good[2])
+    out, parsed, changed = strip_stream("chat.completions", data, CHAT_STRIP)
+    assert changed == 5 and len(parsed) == 6
+    events = [orjson.loads(ev.data) for ev in SSEParser().feed(out)]
+    assert events[1] == {"choices": 7, "usage": "x"}  # as it came
+    for ev in (events[0], events[2], events[5]):
+        assert ev["choices"][0]["token_ids"] is None and ev["choices"][0]["logprobs"] is None
+    assert [c["token_ids"] for c in events[3]["choices"]] == [None, None]
+    assert [c["logprobs"] for c in events[3]["choices"]] == [None, None]
+    assert events[4] == {"choices": [1, {"token_ids": None, "logprobs": None}]}
+    assert parsed[0] == _chat_event(0)  # the recorder gets the upstream's objects, unstripped
