@@ -79,6 +79,7 @@ class Ingest:
     async def handle(self, request: web.Request) -> web.Response:
         from tensorverse.capture.frames import FrameError, parse_frames
         from tensorverse.store import StoreFullError
+        from tensorverse.store.schema import check_id
 
         if not self.token:
             self.counters["unauthorized"] += 1
@@ -101,6 +102,11 @@ class Ingest:
         self.counters["bytes"] += len(body)
         try:
             frames = parse_frames(bytes(body))
+            for i, f in enumerate(frames):  # ids the store would refuse are the sender's error
+                try:
+                    check_id(f.capture_id, "capture")
+                except ValueError as e:
+                    raise FrameError(f"frame {i}: {e}") from None
         except FrameError as e:
             self.counters["rejected"] += 1
             return self._json(400, error=str(e))

@@ -12,6 +12,9 @@ vLLM (fields not asked for are ``null``, ``token_ids``/``prompt_token_ids`` only
 ``X-Fake-Hang``    sleep this many seconds before answering
 ``X-Fake-Cut``     close the connection after N events (a stream cut mid-way)
 ``X-Fake-Reasoning`` emit reasoning deltas before the content
+``X-Fake-Reset``   reset the connection (TCP RST) after N events
+``X-Fake-Malformed`` insert malformed SSE events (broken JSON, invalid UTF-8...) after N events
+``X-Fake-Error-Event`` after N events send vLLM's mid-stream error event and ``[DONE]``
 
 Every request is logged in ``fake.requests`` (method, path, headers, body); the time a streaming
 request noticed that its client went away is in ``fake.disconnects``.
@@ -33,16 +36,50 @@ def _tok(i: int) -> tuple[int, str]:
     return 1000 + i, f"t{i} "
 
 
-def _chat_logprobs(i: int, top: int | None, as_ids: bool) -> dict:
-    tid, text = _tok(i)
-    name = f"token_id:{tid}" if as_ids else text
-    tops = [{"token": f"token_id:{tid + r}" if as_ids else (text if r == 0 else f"alt{r}"),
-             "logprob": -0.1 * (r + 1), "bytes": [116]} for r in range(top or 0)]
-    return {"token": name, "logprob": -0.1, "bytes": [116], "top_logprobs": tops}
+#: what ``X-Fake-Malformed`` inserts: broken JSON, a non-UTF-8 line, a field without a colon,
+#: a wrong-typed chunk and a comment
+MALFORMED_EVENTS = [b'data: {"id": "broken", "choices": [\n\n', b"data: \xff\xfe\x00garbage\n\n",
+                    b"nonsense-without-colon\n\n", b'data: {"choices": 7, "usage": "x"}\n\n', b": comment\n\n"]
+
+
+def _reset(request: web.Request) -> None:
+    """Abort the connection with a TCP RST (SO_LINGER 0), as a crashed or killed peer does."""
+    import socket
+    import struct
+
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
+
+
+@web.middleware
+async def _validation_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A request of the wrong shape gets vLLM's 400 (its pydantic validation), not a crash."""
+    try:
+        return await handler(request)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        return web.json_response({"error": {"message": f"invalid request: {type(e).__name__}", "type": "BadRequestError",
+                                            "param": None, "code": 400}}, status=400)
 
 
 class FakeUpstream:
-    def __init__(self) -> None:
+    """``token_base``/``prompt_ids``: the token ids it answers with (token i is ``token_base + i``;
+    defaults as vLLM's Qwen3 would); ``tokenizer``: an object whose ``h_tokenize``/``h_detokenize``
+    aiohttp handlers serve ``/tokenize`` and ``/detokenize`` (e.g. the shadow tests' ``FakeVLLM``),
+    so the shadow runner can fingerprint this upstream as a primary."""
+
+    def __init__(self, *, token_base: int = 1000, prompt_ids: list[int] | None = None,
+                 tokenizer: Any = None) -> None:
+        self.token_base = token_base
+        self.prompt_ids = list(PROMPT_IDS if prompt_ids is None else prompt_ids)
+        self.tokenizer = tokenizer
         self.requests: list[dict[str, Any]] = []
         self.disconnects: list[float] = []
         self.last_event_sent: float | None = None
@@ -53,14 +90,27 @@ class FakeUpstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _tok(self, i: int) -> tuple[int, str]:
+        return self.token_base + i, f"t{i} "
+
+    def _chat_lp(self, i: int, top: int | None, as_ids: bool) -> dict:
+        tid, text = self._tok(i)
+        name = f"token_id:{tid}" if as_ids else text
+        tops = [{"token": f"token_id:{tid + r}" if as_ids else (text if r == 0 else f"alt{r}"),
+                 "logprob": -0.1 * (r + 1), "bytes": [116]} for r in range(top or 0)]
+        return {"token": name, "logprob": -0.1, "bytes": [116], "top_logprobs": tops}
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[_validation_errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_route("*", "/echo{tail:.*}", self.echo)
+        if self.tokenizer is not None:
+            app.router.add_post("/tokenize", self.tokenizer.h_tokenize)
+            app.router.add_post("/detokenize", self.tokenizer.h_detokenize)
         return app
 
     async def start(self, port: int = 0) -> "FakeUpstream":
@@ -98,16 +148,31 @@ class FakeUpstream:
             return None, web.json_response(
                 {"error": {"message": "JSON decode error", "type": "Bad Request", "param": None, "code": 400}},
                 status=400)
+        if not isinstance(body, dict):
+            raise TypeError("the request body must be a JSON object")
         return body, None
 
     async def _stream(self, request: web.Request, events: list[bytes], delay: float, cut: int | None,
                       headers: dict[str, str] | None = None) -> web.StreamResponse:
+        h = request.headers
+        reset = int(h["X-Fake-Reset"]) if "X-Fake-Reset" in h else None
+        if "X-Fake-Malformed" in h:  # garbage events at that index (the stream then goes on)
+            k = int(h["X-Fake-Malformed"])
+            events = events[:k] + MALFORMED_EVENTS + events[k:]
+        if "X-Fake-Error-Event" in h:  # vLLM's mid-stream error event, then [DONE]
+            k = int(h["X-Fake-Error-Event"])
+            err = {"error": {"message": "fake engine failure mid-stream", "type": "InternalServerError",
+                             "param": None, "code": 500}}
+            events = events[:k] + [b"data: " + orjson.dumps(err) + b"\n\n", b"data: [DONE]\n\n"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", **(headers or {})})
         await resp.prepare(request)
         try:
             for i, ev in enumerate(events):
                 if cut is not None and i == cut:
                     request.transport.close()  # type: ignore[union-attr]
+                    return resp
+                if reset is not None and i == reset:
+                    _reset(request)
                     return resp
                 if delay and i:
                     await asyncio.sleep(delay)
@@ -158,20 +223,20 @@ class FakeUpstream:
                   "function": {"name": f"get_interface_{k}", "arguments": orjson.dumps({"name": f"Gi0/0/{k}"}).decode()}}
                  for k in range(n_tools)]
         if not body.get("stream"):
-            content = "".join(_tok(i)[1] for i in range(n))
+            content = "".join(self._tok(i)[1] for i in range(n))
             msg = {"role": "assistant", "content": None if n_tools else content, "refusal": None, "annotations": None,
                    "audio": None, "function_call": None, "tool_calls": calls,
                    "reasoning": "thinking..." if reasoning else None}
             resp = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                     "choices": [{"index": 0, "message": msg,
-                                 "logprobs": {"content": [_chat_logprobs(i, top, as_ids) for i in range(n)]} if lp else None,
+                                 "logprobs": {"content": [self._chat_lp(i, top, as_ids) for i in range(n)]} if lp else None,
                                  "finish_reason": finish, "stop_reason": None,
-                                 "token_ids": [_tok(i)[0] for i in range(n)] if tids else None,
+                                 "token_ids": [self._tok(i)[0] for i in range(n)] if tids else None,
                                  "routed_experts": None}],
                     "service_tier": None, "system_fingerprint": "fake",
                     "usage": {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n,
                               "prompt_tokens_details": None},
-                    "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if tids else None,
+                    "prompt_logprobs": None, "prompt_token_ids": self.prompt_ids if tids else None,
                     "prompt_text": None, "kv_transfer_params": None}
             return web.Response(body=orjson.dumps(resp), content_type="application/json")
 
@@ -181,7 +246,7 @@ class FakeUpstream:
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
         events = [chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}, prompt_token_ids=PROMPT_IDS if tids else None, prompt_text=None)]
+                         "finish_reason": None}, prompt_token_ids=self.prompt_ids if tids else None, prompt_text=None)]
         pos = 0
         if reasoning:
             events.append(chunk({"index": 0, "delta": {"reasoning": "thinking..."}, "logprobs": None,
@@ -194,18 +259,18 @@ class FakeUpstream:
                 "logprobs": None, "finish_reason": None, "token_ids": [] if tids else None}))
             for frag in (args[:half], args[half:]):
                 events.append(chunk({"index": 0, "delta": {"tool_calls": [{"index": k, "function": {"arguments": frag}}]},
-                                     "logprobs": {"content": [_chat_logprobs(pos, top, as_ids)]} if lp else None,
-                                     "finish_reason": None, "token_ids": [_tok(pos)[0]] if tids else None}))
+                                     "logprobs": {"content": [self._chat_lp(pos, top, as_ids)]} if lp else None,
+                                     "finish_reason": None, "token_ids": [self._tok(pos)[0]] if tids else None}))
                 pos += 1
         if not n_tools:
             for i in range(n):
                 last = i == n - 1
-                ch = {"index": 0, "delta": {"content": _tok(i)[1]},
-                      "logprobs": {"content": [_chat_logprobs(i, top, as_ids)]} if lp else None,
+                ch = {"index": 0, "delta": {"content": self._tok(i)[1]},
+                      "logprobs": {"content": [self._chat_lp(i, top, as_ids)]} if lp else None,
                       "finish_reason": finish if last else None}
                 if last:
                     ch["stop_reason"] = None
-                ch["token_ids"] = [_tok(i)[0]] if tids else None
+                ch["token_ids"] = [self._tok(i)[0]] if tids else None
                 events.append(chunk(ch, **({"system_fingerprint": "fake"} if last else {})))
         else:
             events.append(chunk({"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": finish,
@@ -230,7 +295,7 @@ class FakeUpstream:
         def lps(i: int) -> dict | None:
             if k is None:
                 return None
-            tid, text = _tok(i)
+            tid, text = self._tok(i)
             name = f"token_id:{tid}" if as_ids else text
             top = {name: -0.1}  # the sampled token is also rank 1 (vLLM merges the two entries)
             for r in range(k - 1):
@@ -239,23 +304,23 @@ class FakeUpstream:
 
         if not body.get("stream"):
             resp = {"id": rid, "object": "text_completion", "created": 1796000000, "model": body.get("model"),
-                    "choices": [{"index": 0, "text": "".join(_tok(i)[1] for i in range(n)),
+                    "choices": [{"index": 0, "text": "".join(self._tok(i)[1] for i in range(n)),
                                  "logprobs": None if k is None else {
                                      "text_offset": [3 * i for i in range(n)], "token_logprobs": [-0.1] * n,
                                      "tokens": [lps(i)["tokens"][0] for i in range(n)],
                                      "top_logprobs": [lps(i)["top_logprobs"][0] for i in range(n)]},
                                  "finish_reason": "length", "stop_reason": None,
-                                 "token_ids": [_tok(i)[0] for i in range(n)] if tids else None,
-                                 "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if tids else None,
+                                 "token_ids": [self._tok(i)[0] for i in range(n)] if tids else None,
+                                 "prompt_logprobs": None, "prompt_token_ids": self.prompt_ids if tids else None,
                                  "routed_experts": None}],
                     "service_tier": None, "system_fingerprint": "fake",
                     "usage": {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n}}
             return web.Response(body=orjson.dumps(resp), content_type="application/json")
         events = []
         for i in range(n):
-            ch = {"index": 0, "text": _tok(i)[1], "logprobs": lps(i), "finish_reason": "length" if i == n - 1 else None,
-                  "stop_reason": None, "prompt_token_ids": PROMPT_IDS if tids and i == 0 else None,
-                  "token_ids": [_tok(i)[0]] if tids else None}
+            ch = {"index": 0, "text": self._tok(i)[1], "logprobs": lps(i), "finish_reason": "length" if i == n - 1 else None,
+                  "stop_reason": None, "prompt_token_ids": self.prompt_ids if tids and i == 0 else None,
+                  "token_ids": [self._tok(i)[0]] if tids else None}
             events.append(b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": 1796000000,
                                                      "model": body.get("model"), "choices": [ch]}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
@@ -268,7 +333,7 @@ class FakeUpstream:
         h = request.headers
         n = int(h.get("X-Fake-Events", "4"))
         n_tools = int(h.get("X-Fake-Tools", "0"))
-        text = "".join(_tok(i)[1] for i in range(n))
+        text = "".join(self._tok(i)[1] for i in range(n))
         if not body.get("stream"):
             content: list[dict] = [{"type": "text", "text": text}]
             content += [{"type": "tool_use", "id": f"toolu_{k}", "name": f"get_interface_{k}",
@@ -286,7 +351,7 @@ class FakeUpstream:
             ev("content_block_start", {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0})]
         for i in range(n):
             events.append(ev("content_block_delta", {"type": "content_block_delta",
-                                                     "delta": {"type": "text_delta", "text": _tok(i)[1]}, "index": 0}))
+                                                     "delta": {"type": "text_delta", "text": self._tok(i)[1]}, "index": 0}))
         events.append(ev("content_block_stop", {"type": "content_block_stop", "index": 0}))
         for k in range(n_tools):
             idx = k + 1

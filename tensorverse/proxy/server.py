@@ -1,26 +1,77 @@
 """Assemble the proxy from a `Config`: core + addons (sessions, recorder, injection, shadow tee)
-+ the admin listener; and `run` it until SIGINT/SIGTERM (``tensorverse proxy --config FILE``)."""
++ the admin listener; and `run` it until SIGINT/SIGTERM (``tensorverse proxy --config FILE``).
+
+SIGTERM/SIGINT stop the proxy gracefully (`Proxy.shutdown`): it stops accepting connections,
+lets the primary streams in flight finish, records their turns, gives the shadow queue what is
+left of the deadline (``TENSORVERSE_SHUTDOWN_DEADLINE_S``, default 30 s) and reports the shadow
+work it drops (a log line and the ``tensorverse proxy stopped: {...}`` line on stdout); the store
+commits everything submitted before it closes. A second signal stops at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import os
 import signal
+import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from tensorverse.config import Config
 from tensorverse.exporters.metrics import Metrics, RequestMetrics
 from tensorverse.proxy.admin import Ingest, make_admin_app
 from tensorverse.proxy.core import ProxyCore
+from tensorverse.proxy.flow import Addon, Flow
 from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
 from tensorverse.proxy.tee import CapturePolicy, ShadowRunner, ShadowTee, runner_from_config, tee_backends_from_config
 
 log = logging.getLogger("tensorverse.proxy")
+
+DEFAULT_SHUTDOWN_DEADLINE_S = 30.0
+
+
+class InFlight(Addon):
+    """Counts LLM requests between their ``request`` hook and their ``response_done``/``error``
+    (the client has had the last byte): what a graceful shutdown waits for."""
+
+    name = "inflight"
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def request(self, flow: Flow) -> None:
+        if not flow.meta.get("_inflight"):
+            flow.meta["_inflight"] = True
+            self.n += 1
+            self._idle.clear()
+
+    def _done(self, flow: Flow) -> None:
+        if flow.meta.pop("_inflight", False):
+            self.n -= 1
+            if self.n <= 0:
+                self.n = 0
+                self._idle.set()
+
+    async def response_done(self, flow: Flow) -> None:
+        self._done(flow)
+
+    async def error(self, flow: Flow) -> None:
+        self._done(flow)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
+            return True
+        except asyncio.TimeoutError:
+            return self.n == 0
 
 
 class Proxy:
@@ -81,6 +132,8 @@ class Proxy:
                 log.warning("no shadow runner available: %d shadow backend(s) configured but not run",
                             len(tee_backends))
             addons.append(self.tee)
+        self.inflight = InFlight()
+        addons.insert(0, self.inflight)
         addons.append(RequestMetrics(self.metrics))  # last: its request hook times the others too
         self.core = ProxyCore(
             c.primary.url,
@@ -100,6 +153,7 @@ class Proxy:
     def stats(self) -> dict[str, Any]:
         s = self.core.stats()
         s["ingest"] = self.ingest.stats()
+        s["in_flight"] = self.inflight.n
         return s
 
     async def start(self) -> None:
@@ -133,6 +187,37 @@ class Proxy:
         except Exception as e:  # noqa: BLE001 - a full or broken store never stops the proxy
             log.warning("could not record backends in the store: %s", e)
 
+    async def shutdown(self, deadline_s: float = DEFAULT_SHUTDOWN_DEADLINE_S) -> dict[str, Any]:
+        """Graceful stop within ``deadline_s``: no new connections; primary streams in flight
+        finish; their turns are recorded; queued shadow work runs in what is left of the
+        deadline, and what does not is dropped and reported. Returns the report."""
+        t0 = time.monotonic()
+        left = lambda: max(0.0, deadline_s - (time.monotonic() - t0))  # noqa: E731
+        runner = self.core._runner  # noqa: SLF001 - the core's aiohttp runner
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()  # the listening socket closes: new connections are refused
+        in_flight = self.inflight.n
+        streams_done = await self.inflight.wait_idle(left())
+        await self.core.drain(left())  # background hooks: turns recorded, shadow work queued
+        tee = self.tee.stats()
+        shadow_done = await self.tee.drain(left()) if self.tee.runner is not None else True
+        tee = self.tee.stats()
+        dropped = max(0, tee["queued"] - tee["turns_done"]) if self.tee.runner is not None else 0
+        report = {"in_flight_at_signal": in_flight, "streams_finished": streams_done,
+                  "streams_cut": self.inflight.n, "shadow_drained": shadow_done,
+                  "shadow_dropped_at_shutdown": dropped,
+                  "shadow_dropped_queue_full": tee["dropped_queue_full"], "shadow_queued": tee["queued"],
+                  "shadow_skipped": sum(tee["skipped"].values()),
+                  "shadow_turns_done": tee["turns_done"], "seconds": round(time.monotonic() - t0, 3)}
+        if dropped:
+            log.warning("shutdown: %d queued shadow turn(s) dropped (deadline %.0f s)", dropped, deadline_s)
+        if runner is not None:  # streams still running past the deadline are cut now
+            runner._shutdown_timeout = max(left(), 0.1)  # noqa: SLF001
+        await self.close()
+        self.shutdown_report = report
+        return report
+
     async def close(self) -> None:
         await self.core.close()
         if self._admin_runner is not None:
@@ -161,13 +246,30 @@ def tune_runtime(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
     gc.set_threshold(*thresholds)
 
 
+def shutdown_deadline_s() -> float:
+    try:
+        return float(os.environ.get("TENSORVERSE_SHUTDOWN_DEADLINE_S", DEFAULT_SHUTDOWN_DEADLINE_S))
+    except ValueError:
+        return DEFAULT_SHUTDOWN_DEADLINE_S
+
+
 async def serve(config: Config) -> None:
     proxy = Proxy(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals > 1 and task is not None:  # a second signal: stop now
+            task.cancel()
+
+    task: asyncio.Task | None = None
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
             pass
     await proxy.start()
@@ -175,8 +277,14 @@ async def serve(config: Config) -> None:
     print(f"tensorverse proxy listening on {config.proxy.host}:{proxy.port} -> {config.primary.url}", flush=True)
     try:
         await stop.wait()
+        log.info("stopping: draining in-flight requests and shadow work (deadline %.0f s)", shutdown_deadline_s())
+        task = asyncio.ensure_future(proxy.shutdown(shutdown_deadline_s()))
+        report = await task
+        print("tensorverse proxy stopped: " + orjson.dumps(report).decode(), flush=True)
+    except asyncio.CancelledError:
+        log.warning("stopped at once (second signal)")
     finally:
-        await proxy.close()
+        await proxy.close()  # a no-op after a completed shutdown
 
 
 def run(config: Config) -> int:

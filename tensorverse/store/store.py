@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,18 @@ class RecordNotFound(KeyError):
 
 
 def _dumps(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as e:
+        # orjson writes at most 254 levels of nesting but reads 1024: a request nested deeper
+        # than 254 (which the proxy accepted and relayed) is written by the standard library
+        # instead, so it is recorded like any other (orjson reads it back).
+        if "Recursion limit" not in str(e):
+            raise
+        import json
+
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
+                          default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)).encode()
 
 
 class Store:
@@ -79,6 +91,7 @@ class Store:
                 self._env.set_mapsize(used)
         self._dbs = {name: self._env.open_db(name, create=not readonly) for name in self._named()}
         self._resize_lock = ResizeLock()
+        self._refused_sessions: OrderedDict[str, None] = OrderedDict()
         self._writer: Writer | None = None
         if not readonly:
             self._migrate()
@@ -181,12 +194,22 @@ class Store:
         session = {"created_ns": time.time_ns(), "tags": {}, **session}
         session.setdefault("id", S.new_id())
         sid = session["id"]
-        return self._put_json(
+        fut = self._put_json(
             S.SESSIONS,
             S.check_id(sid, "session"),
             session,
             (S.SESSIONS_BY_TIME, S.session_time_key(session["created_ns"], sid), b""),
         )
+        fut.add_done_callback(lambda f: self._note_refused_session(sid, f))
+        return fut
+
+    def _note_refused_session(self, sid: str, fut: Future) -> None:
+        """Remember sessions refused because the store was full: their turns are refused the
+        same way (`StoreFullError`), not reported as writes to a missing session."""
+        if not fut.cancelled() and isinstance(fut.exception(), StoreFullError):
+            self._refused_sessions[sid] = None
+            while len(self._refused_sessions) > 10_000:
+                self._refused_sessions.popitem(last=False)
 
     def put_turn(self, turn: dict) -> Future:
         """Store a turn of a session (`session_id`, `index`) and bump the session's counters.
@@ -203,6 +226,8 @@ class Store:
         def op(txn: lmdb.Transaction) -> str:
             raw = txn.get(skey, db=self._dbs[S.SESSIONS])
             if raw is None:
+                if sid in self._refused_sessions:
+                    raise StoreFullError(f"turn {tid}: its session {sid} was not stored (store full)")
                 raise RecordNotFound(f"turn {tid}: session {sid} does not exist")
             session = orjson.loads(raw)
             session["turns"] = max(int(session.get("turns", 0)), index + 1)
@@ -457,6 +482,7 @@ class Store:
             "max_size": self.max_size,
             "full": bool(w and w.full),
             "writes_refused": w.refused if w else 0,
+            "disk_full_refusals": w.disk_full if w else 0,
             "map_grows": w.grows if w else 0,
             "entries": entries,
         }

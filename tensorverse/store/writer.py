@@ -7,13 +7,18 @@ asyncio.wrap_future(fut)`). Operations queued together are committed together (g
 one fsync), but each operation's puts are all in the same transaction, so a record is never
 half visible. When the map is full the batch is aborted, the map grown and the batch retried,
 so no write is lost; past the configured size cap the operations fail with `StoreFullError`.
+So do they when the file system itself is full (LMDB reports ENOSPC as a failed commit, an
+I/O error): the transaction was aborted, nothing half-written is visible, and writes are tried
+again as they come, so recording resumes once space is freed. Logged at most once a minute.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -25,6 +30,8 @@ Op = Callable[[lmdb.Transaction], Any]
 
 _STOP = object()
 MAX_BATCH = 64
+#: a failed commit with less free space than this on the store's file system is "disk full"
+DISK_FULL_FREE_BYTES = 1 << 20
 
 
 class StoreFullError(RuntimeError):
@@ -96,7 +103,9 @@ class Writer:
         self._max_size = max_size
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self.full = False
-        self.refused = 0  # operations refused because of the size cap
+        self.refused = 0  # operations refused because of the size cap (or a full disk)
+        self.disk_full = 0  # of which because the file system is full
+        self._disk_full_logged = -1e9  # monotonic time of the last "disk full" log line
         self.grows = 0
         self.commits = 0
         self._closed = False
@@ -157,6 +166,10 @@ class Writer:
                 self._refuse(live[0][1])
                 return
             except Exception as exc:  # a bad operation: isolate it from the rest of the batch
+                if self._is_disk_full(exc):
+                    for _, fut in live:
+                        self._refuse_disk_full(fut, exc)
+                    return
                 if len(live) > 1:
                     for one in live:
                         self._commit_single(one)
@@ -179,7 +192,10 @@ class Writer:
                 self._refuse(fut)
                 return
             except Exception as exc:
-                fut.set_exception(exc)
+                if self._is_disk_full(exc):
+                    self._refuse_disk_full(fut, exc)
+                else:
+                    fut.set_exception(exc)
                 return
             self.commits += 1
             fut.set_result(res)
@@ -204,6 +220,28 @@ class Writer:
             )
         self.full = True
         fut.set_exception(StoreFullError(f"store is full (cap {self._max_size} bytes)"))
+
+    def _is_disk_full(self, exc: BaseException) -> bool:
+        """A failed LMDB write (ENOSPC surfaces as an I/O error of the commit) while the store's
+        file system has (almost) no space left."""
+        if not isinstance(exc, lmdb.Error) or isinstance(exc, lmdb.MapFullError):
+            return False
+        try:
+            st = os.statvfs(self._env.path())
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < DISK_FULL_FREE_BYTES
+
+    def _refuse_disk_full(self, fut: Future, exc: BaseException) -> None:
+        self.refused += 1
+        self.disk_full += 1
+        now = time.monotonic()
+        if now - self._disk_full_logged >= 60.0:
+            self._disk_full_logged = now
+            log.error("tensorverse store: the disk of %s is full (%s): capture stopped, proxying goes on; "
+                      "writes resume once space is freed (%d write(s) refused so far)",
+                      self._env.path(), exc, self.disk_full)
+        fut.set_exception(StoreFullError(f"disk full: {exc}"))
 
     def _grow(self) -> bool:
         """Double the map (up to the cap). False when the cap forbids growing."""

@@ -1,0 +1,216 @@
+"""Reliability figures: the full-length soak, the dependency audit, and the RELIABILITY.md table.
+
+    python benchmarks/reliability.py [--duration 600] [--agents 200] [--audit] [--no-soak]
+
+The soak (``tests/reliability/soak.py``): N concurrent streaming agents with tool calls through
+the proxy (its own process; recording on, 3 shadows run by the real shadow runner) to the fake
+OpenAI-protocol upstream (its own process), for ``--duration`` seconds. ``--audit`` runs
+``pip-audit`` over the environment. Every scenario's figures are JSON files under
+``out/reliability/`` (the test suite ``tests/reliability`` writes its own there too:
+``pytest tests/reliability`` first); this script then renders ``benchmarks/RELIABILITY.md`` from
+all of them. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+
+import harness as H  # noqa: E402
+
+
+NOTES = """
+## How to read it
+
+- *requests failed*: requests of the agents (or fuzz clients) that did not get the answer the
+  primary gave. A primary fault (a cut, a reset, an error event) reaches the agent exactly as the
+  primary produced it: that is the primary's failure, not the proxy's, and is not counted.
+- *records lost*: turns the proxy answered but neither stored nor counted as not stored. Turns not
+  stored because the store or the disk is full are counted (`tensorverse_recorder_store_full_total`)
+  and listed under figures, not here; shadow work dropped on a full queue is counted
+  (`tensorverse_shadow_dropped_total`) and must equal the turns without shadow runs.
+- *bad inputs tried*: hypothesis cases (frames, ingest bodies, request bodies/paths/headers),
+  planted secrets, XSS payloads.
+- Added latency is measured by a probe that alternates the same request direct and through the
+  proxy while the soak runs; on this 2-core machine the agents, the fake upstream, the proxy and
+  the shadow runner (in the proxy's process) share the CPUs with other jobs, so the figures are
+  upper bounds dominated by CPU contention, not the relay's cost (see `benchmarks/proxy_overhead.py`).
+
+## What the suite found (2026-11-30)
+
+Fixed (files of this suite's owner):
+- A full disk (ENOSPC surfaces from LMDB as `mdb_txn_commit: Input/output error`) was counted as a
+  store error and logged once per turn; it is now `StoreFullError` ("disk full", counted as
+  `store_full`, one log line a minute) and recording resumes once space is freed.
+- With the store full, a turn whose new session had been refused failed as "session does not
+  exist" (counted as a store error, logged per turn); it is now refused as store-full too.
+- Bodies nested 255-1023 levels deep (orjson reads 1024, writes 254) could not be stored; the
+  store now writes them with the standard library.
+- `POST /ingest` answered 500 to a well-formed frame whose capture id the store refuses (NUL,
+  over 256 bytes); it is now 400.
+- SIGTERM stopped through aiohttp's cleanup alone: no deadline of its own (aiohttp's 60 s per
+  connection), queued shadow work cancelled without a word. The proxy now stops accepting, drains
+  in-flight streams and the shadow queue within `TENSORVERSE_SHUTDOWN_DEADLINE_S` (default 30 s)
+  and reports what it dropped (log line + `tensorverse proxy stopped: {...}`).
+
+Open (owned by others; each is accounted for exactly in the tests, never hidden):
+- `proxy/core.py`: a client that closes right after `data: [DONE]` (the `openai` SDK does) can make
+  `write_eof()` raise `ClientConnectionResetError` out of `_relay_events`; that flow gets neither
+  `response_done` nor `error`: its turn is never recorded nor counted (a lost record; seen 0-2
+  times per run here, counted by the tests from the log as `lost_flows`). In the same race a
+  complete turn is sometimes recorded as `aborted` (finish reason and all tokens present) and is
+  then not shadowed (2 of 200 in a direct test).
+- `proxy/tee.py`: with a shadow that never answers (`timeout_s` 1 s), the tee's per-turn deadline
+  (`timeout_s * (modes + 1) + min(rows, timeout_s)` = 4 s) fires before the runner has written
+  its run records: 7 of 8 turns lack the shadow's `free` run (fault-shadow-hang above).
+- `proxy/recorder.py` / `protocol.py`: a stream that ends with vLLM's mid-stream error event
+  (`data: {"error": ...}` then `[DONE]`) is recorded as `ok` with the partial output and shadowed.
+- `proxy/inject.py`, `proxy/sessions.py`: a request body nested 255-1023 levels deep makes
+  `orjson.dumps` raise in their `request` hooks (`addon_errors`, a traceback per request).
+- `proxy/sessions.py`: with the store full, one warning per new session ("not stored"): a log
+  flood at production rates (the recorder and the store rate-limit theirs).
+- `replay/scrub.py`: the AWS key placeholder `AKIAREDACTED00000002` still matches the AWS key
+  pattern, so secret scanners (detect-secrets) flag scrubbed corpora (3 findings, all placeholders).
+- Memory: the full soak's RSS rose from 64 to 236 MiB over 11,333 turns (5,713 sessions; the
+  session tracker keeps up to `max_tracked` = 10,000 sessions) and was 270 MiB after the shadow
+  drain; growth per turn fell over time (CI soak: +63 MiB in 1,242 turns), but a flat-memory claim
+  needs a longer run than this machine allowed (the soak now records RSS every 30 s).
+- Dependency audit: pip-audit could not reach a vulnerability service from this machine (PyPI's
+  JSON API answers 404 through the local mirror, api.osv.dev does not resolve): nothing audited.
+"""
+
+
+def audit() -> dict[str, Any]:
+    """pip-audit over the installed environment: audited, skipped (and why), vulnerabilities."""
+    exe = Path(sys.executable).with_name("pip-audit")
+    t0 = time.monotonic()
+    r = subprocess.run([str(exe), "-l", "--progress-spinner", "off", "-f", "json"], capture_output=True, text=True,
+                       timeout=900)
+    try:
+        deps = json.loads(r.stdout)["dependencies"]
+    except (json.JSONDecodeError, KeyError):
+        return H.record("dependency-audit", load="pip-audit -l", faults="none", bad_inputs=0, requests=0,
+                        requests_failed=0, records_lost=0, error=(r.stderr or r.stdout)[-2000:], rc=r.returncode) and {}
+    skipped = [d for d in deps if "skip_reason" in d]
+    vulns = [{"name": d["name"], "version": d.get("version"), "ids": [v["id"] for v in d.get("vulns", [])]}
+             for d in deps if d.get("vulns")]
+    reasons: dict[str, int] = {}
+    for d in skipped:
+        k = d["skip_reason"].split(":")[0]
+        reasons[k] = reasons.get(k, 0) + 1
+    fig = {"dependencies": len(deps), "audited": len(deps) - len(skipped), "skipped": len(skipped),
+           "skip_reasons": reasons, "vulnerable": vulns, "rc": r.returncode, "seconds": round(time.monotonic() - t0, 1),
+           "service_reachable": len(skipped) < len(deps)}
+    H.record("dependency-audit", load=f"pip-audit -l over {len(deps)} installed distributions", faults="none",
+             bad_inputs=0, requests=0, requests_failed=0, records_lost=0, **fig)
+    return fig
+
+
+def _note(d: dict[str, Any]) -> str:
+    s = d["scenario"]
+    if s.startswith("soak"):
+        p, rss = d["probe"], d["rss_kb"]
+        sh = d["shadow"]
+        return (f"{d['requests_ok']} turns ok ({d['requests_per_s']}/s); latency p50 {d['latency_ms']['p50']} ms, "
+                f"p99 {d['latency_ms']['p99']} ms; added p50 {p['added_p50_ms']} ms, p99 {p['added_p99_ms']} ms "
+                f"(probe n={p['n']}); RSS {rss['start'] // 1024}→{rss['end_of_load'] // 1024} MiB "
+                f"(max {rss['max'] // 1024}, after drain {rss['after_drain'] // 1024}); shadows: {sh['queued']} turns run, "
+                f"{sh['dropped_queue_full']} dropped (queue full) == {d['turns_without_runs']} turns without runs")
+    if s == "dependency-audit":
+        if "error" in d:
+            return f"pip-audit failed: {d['error'][:200]}"
+        v = ", ".join(f"{x['name']} {x['version']} {'/'.join(x['ids'])}" for x in d["vulnerable"]) or "none found"
+        reach = "" if d["service_reachable"] else " — vulnerability service UNREACHABLE from this machine: nothing was audited"
+        return f"{d['audited']} of {d['dependencies']} audited, {d['skipped']} skipped {d['skip_reasons']}; vulnerable: {v}{reach}"
+    keys = ("shadow_outcomes", "shadow_turns_missing_runs", "agent_saw", "faulty_turn_state", "turns_stored",
+            "turns_not_stored_counted", "answered_before_kill", "committed_before_kill", "reader_passes",
+            "shutdown_report", "rows_dropped_while_away_counted", "statuses", "leaks", "artifacts_grepped",
+            "raw_findings", "scrubbed_findings_real", "scrubbed_findings_placeholder",
+            "addon_errors_from_deep_bodies", "note")
+    parts = []
+    for k in keys:
+        if k in d:
+            v = d[k]
+            if k == "shutdown_report":
+                v = {x: v[x] for x in ("in_flight_at_signal", "streams_cut", "shadow_dropped_at_shutdown", "seconds")}
+            parts.append(f"{k}={json.dumps(v, separators=(',', ':')) if isinstance(v, (dict, list)) else v}")
+    return "; ".join(parts).replace("|", "/")
+
+
+def render(results: Path, out: Path) -> dict[str, Any]:
+    rows = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
+    order = lambda d: (0 if d["scenario"].startswith("soak") else 1 if d["scenario"].startswith("fault")  # noqa: E731
+                       else 2 if d["scenario"].startswith("fuzz") else 3 if d["scenario"].startswith("security") else 4,
+                       d["scenario"])
+    rows.sort(key=order)
+    soak = next((d for d in rows if d["scenario"] == "soak-full"), None) or \
+        next((d for d in rows if d["scenario"] == "soak-ci"), None)
+    machine = (soak or {}).get("machine") or H.machine()
+    lines = [
+        "# Reliability and security figures",
+        "",
+        "Produced by a real run: `pytest tests/reliability` (every test writes its figures to",
+        "`out/reliability/<scenario>.json`), then `python benchmarks/reliability.py` (full-length soak,",
+        "`--audit` for the dependency audit) renders this file from those JSON files.",
+        "",
+        f"Machine: {machine.get('cpus')} cores, no GPU, shared with other jobs; date 2026-11-30; "
+        f"`uptime` at the end of the {(soak or {}).get('scenario', 'soak')}: `{machine.get('uptime')}`.",
+        f"Rendered {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `uptime` now: `{H.uptime_load()}`.",
+        "",
+        "| scenario | load | faults injected | bad inputs tried | requests failed | records lost | figures |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    total_bad = total_failed = total_lost = 0
+    for d in rows:
+        total_bad += int(d.get("bad_inputs") or 0)
+        total_failed += int(d.get("requests_failed") or 0)
+        total_lost += int(d.get("records_lost") or 0)
+        lines.append(f"| {d['scenario']} | {d.get('load', '')} | {d.get('faults', '')} | {d.get('bad_inputs', 0)} | "
+                     f"{d.get('requests_failed', 0)} | {d.get('records_lost', 0)} | {_note(d)} |")
+    lines += ["", f"Totals: {len(rows)} scenarios, {total_bad} bad inputs tried, {total_failed} requests failed, "
+                  f"{total_lost} records lost.", ""]
+    lines += [NOTES.strip(), ""]
+    out.write_text("\n".join(lines))
+    return {"scenarios": len(rows), "bad_inputs": total_bad, "requests_failed": total_failed, "records_lost": total_lost}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=600.0, help="soak seconds (default 600)")
+    ap.add_argument("--agents", type=int, default=200)
+    ap.add_argument("--no-soak", action="store_true", help="only render the table (and --audit)")
+    ap.add_argument("--audit", action="store_true", help="run pip-audit over the environment")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RELIABILITY.md")
+    args = ap.parse_args()
+    summary: dict[str, Any] = {}
+    if not args.no_soak:
+        import tempfile
+
+        from soak import soak
+
+        with tempfile.TemporaryDirectory(prefix="tv-soak-") as tmp:
+            r = soak(Path(tmp), agents=args.agents, duration_s=args.duration)
+        sh = r["shadow"]
+        H.record("soak-full", load=f"{args.agents} streaming tool-call agents, {args.duration:.0f} s, recording + 3 shadows",
+                 faults="none (load only)", bad_inputs=0, requests=r["requests_ok"] + r["requests_failed"],
+                 records_lost=r["turns_expected"] - r["turns_complete"], machine=H.machine(), **r)
+        summary["soak"] = {"requests_ok": r["requests_ok"], "requests_failed": r["requests_failed"],
+                           "added_p99_ms": r["probe"]["added_p99_ms"], "rss_kb": r["rss_kb"],
+                           "dropped_exact": r["turns_without_runs"] == sh["dropped_queue_full"] + sum(sh["skipped"].values())}
+    if args.audit:
+        summary["audit"] = audit()
+    summary["table"] = render(H.RESULTS_DIR, args.out)
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Harness of the reliability suite: fake backends, the proxy as its own process, and figures.
+
+- `Fakes`: the fake primary (`tensorverse.proxy.fake.FakeUpstream`, answering with small token ids
+  and a `/tokenize` so the shadow runner can fingerprint it) and fake shadows (the shadow tests'
+  `FakeVLLM`, plus the faults of `FaultyVLLM`), in a thread of this process (`Fakes.inproc`) or in
+  their own process (`Fakes.spawn`, for the soak).
+- `ProxyProc`: ``python -m tensorverse proxy --config FILE`` exactly as a user starts it, on free
+  loopback ports; RSS, ``/stats``, ``/metrics``, its log, SIGTERM and SIGKILL.
+- `record(scenario, **figures)`: every test writes its figures as JSON under `RESULTS_DIR`
+  (``out/reliability/``, or ``$TENSORVERSE_RELIABILITY_RESULTS``); ``benchmarks/reliability.py
+  --table`` renders ``benchmarks/RELIABILITY.md`` from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[2]
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE), str(ROOT / "tests" / "shadow")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+
+from tensorverse.proxy.fake import FakeUpstream, _reset  # noqa: E402
+
+RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS", ROOT / "out" / "reliability"))
+PY = sys.executable
+
+#: the fake primary answers with ids the fake shadows' 64-token vocabulary knows
+TOKEN_BASE = 10
+PROMPT_IDS = [60, 20, 21, 22, 61]
+
+#: planted secrets: none of them may appear in any artifact (store, logs, exports, viewer)
+CLIENT_KEY = "sk-planted-client-7f3a9c1e5b2d4f60"
+COOKIE = "session=planted-cookie-0b8e2c4d6a1f3e57"
+PRIMARY_KEY = "sk-planted-primary-91d2e4f6a8b0c3d5"
+SHADOW_KEY = "sk-planted-shadow-4c6e8a0b2d4f6a8c"
+ADMIN_TOKEN = "planted-admin-token-5e7a9c1b3d5f7a9b"
+SECRETS = (CLIENT_KEY, COOKIE.split("=", 1)[1], PRIMARY_KEY, SHADOW_KEY, ADMIN_TOKEN)
+
+MALFORMED_JSON = b'data: {"choices": [\n\n\xff\xfe not json'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(scenario: str, **figures: Any) -> Path:
+    """Write one scenario's figures (what ran, what was injected, what failed or was lost)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"{scenario}.json"
+    data = {"scenario": scenario, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **figures}
+    out.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+    return out
+
+
+# -- fakes -----------------------------------------------------------------------------------------
+class FaultyVLLM(FakeVLLM):
+    """`FakeVLLM` with a fault on ``/v1/completions`` (the shadow runs): ``hang`` (never answers),
+    ``reset`` (TCP RST), ``malformed`` (an SSE-looking, non-UTF-8 body labelled JSON) or
+    ``tokenizer`` (a different tokenizer: refused by the same-dictionary check)."""
+
+    def __init__(self, fault: str | None = None, **kw: Any) -> None:
+        if fault == "tokenizer":
+            kw["tokenizer"] = "b"
+        super().__init__(**kw)
+        self.fault = fault
+        self.faults_injected = 0
+        self.headers_seen: list[dict[str, str]] = []  # every request's headers (credential checks)
+        self._closing = asyncio.Event()
+
+    async def _gate(self, request: web.Request, path: str) -> Any:
+        self.headers_seen.append(dict(request.headers))
+        return await super()._gate(request, path)
+
+    async def close(self) -> None:
+        self._closing.set()  # hanging handlers return, so the server closes at once
+        await super().close()
+
+    async def h_completions(self, request: web.Request) -> web.Response:
+        if self.fault in ("hang", "reset", "malformed"):
+            self.auth.append(request.headers.get("Authorization"))
+            await request.read()
+            self.faults_injected += 1
+            if self.fault == "hang":
+                try:
+                    await asyncio.wait_for(self._closing.wait(), 3600)
+                except asyncio.TimeoutError:
+                    pass
+            if self.fault == "reset":
+                _reset(request)
+                return web.Response()
+            return web.Response(body=MALFORMED_JSON, content_type="application/json")
+        return await super().h_completions(request)
+
+
+class LoopThread:
+    """An event loop in a daemon thread (servers run there, the test's thread stays free)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="reliability-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+async def start_fakes(shadows: dict[str, str | None], *, discard: bool = False) -> dict[str, Any]:
+    """The primary and one fake per shadow name (value: its fault or None). ``discard``: keep no
+    request logs (long runs)."""
+    primary = await FakeUpstream(token_base=TOKEN_BASE, prompt_ids=PROMPT_IDS, tokenizer=FakeVLLM(plugin=False)).start()
+    out: dict[str, Any] = {"primary": primary}
+    for name, fault in shadows.items():
+        out[name] = await FaultyVLLM(fault, plugin=False).start()
+    if discard:
+        for s in out.values():
+            s.requests = _Discard()
+            if hasattr(s, "auth"):
+                s.auth = _Discard()
+    return out
+
+
+class _Discard(list):
+    """A request log that keeps nothing (long runs)."""
+
+    def append(self, _: Any) -> None:  # type: ignore[override]
+        return None
+
+
+class Fakes:
+    """Fake primary + shadows. ``url(name)``: the root URL (``primary``) or ``.../v1`` (shadows)."""
+
+    def __init__(self, shadows: dict[str, str | None] | None = None) -> None:
+        self.shadows = dict(shadows or {})
+        self.servers: dict[str, Any] = {}
+        self.ports: dict[str, int] = {}
+        self._lt: LoopThread | None = None
+        self._proc: subprocess.Popen | None = None
+
+    @classmethod
+    def inproc(cls, shadows: dict[str, str | None] | None = None) -> "Fakes":
+        f = cls(shadows)
+        f._lt = LoopThread()
+        f.servers = f._lt.run(start_fakes(f.shadows))
+        f.ports = {k: v.port for k, v in f.servers.items()}
+        return f
+
+    @classmethod
+    def spawn(cls, shadows: dict[str, str | None] | None = None, log: Path | None = None) -> "Fakes":
+        """In their own process (request logs discarded): the soak's load is not theirs to carry."""
+        f = cls(shadows)
+        f._proc = subprocess.Popen([PY, str(_HERE / "_fakes.py"), json.dumps(f.shadows)], stdout=subprocess.PIPE,
+                                   stderr=open(log, "wb") if log else subprocess.DEVNULL, cwd=ROOT)
+        assert f._proc.stdout is not None
+        line = f._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fake backends did not start (rc {f._proc.poll()})")
+        f.ports = json.loads(line)
+        return f
+
+    def url(self, name: str) -> str:
+        base = f"http://127.0.0.1:{self.ports[name]}"
+        return base if name == "primary" else base + "/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def close(self) -> None:
+        if self._lt is not None:
+            for s in self.servers.values():
+                try:
+                    self._lt.run(s.close(), 10)
+                except Exception:  # noqa: BLE001 - a hanging handler may still be cancelled
+                    pass
+            self._lt.stop()
+            self._lt = None
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+            self._proc = None
+
+
+# -- the proxy process -----------------------------------------------------------------------------
+def proxy_config(primary_url: str, store: Path, *, shadows: dict[str, str] | None = None, port: int | None = None,
+                 admin_port: int | None = None, **sections: Any) -> dict[str, Any]:
+    """A configuration (as the TOML/YAML file would hold it) with planted credentials."""
+    cfg: dict[str, Any] = {
+        "proxy": {"listen": f"127.0.0.1:{port or free_port()}"},
+        "admin": {"listen": f"127.0.0.1:{admin_port or free_port()}", "token": ADMIN_TOKEN},
+        "primary": {"url": primary_url, "api_key": PRIMARY_KEY},
+        "store": {"path": str(store)},
+        "shadows": [{"name": n, "url": u, "api_key": SHADOW_KEY, "capture": "topk", "timeout_s": 2,
+                     "concurrency": 4} for n, u in (shadows or {}).items()],
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+class ProxyProc:
+    """``tensorverse proxy --config FILE`` in its own process (started by `start`)."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.config_path = self.workdir / "proxy.yaml"  # JSON is YAML
+        self.config_path.write_text(json.dumps(config, indent=1))
+        self.log_path = self.workdir / f"proxy-{len(list(self.workdir.glob('proxy-*.log')))}.log"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.url = "http://" + config["proxy"]["listen"]
+        self.admin_url = "http://" + config["admin"]["listen"]
+
+    def start(self, timeout: float = 30.0) -> "ProxyProc":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([PY, "-m", "tensorverse", "proxy", "--config", str(self.config_path),
+                                      "--log-level", "INFO"], stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=self.workdir, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.admin_url + "/healthz", timeout=1).status_code == 200 and \
+                        "listening" in self.log():
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"proxy did not start in {timeout} s:\n{self.log()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(self.admin_url + "/stats", timeout=10).json()
+
+    def metrics(self) -> str:
+        return httpx.get(self.admin_url + "/metrics", timeout=10).text
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def lost_flows(self) -> int:
+        """Flows the relay lost: the client closed right after ``[DONE]``, the final write
+        raised out of the handler, and the turn got no ``response_done``/``error`` hook (never
+        recorded, never counted: an open bug of tensorverse/proxy/core.py). Counted from the log."""
+        return self.log().count("Cannot write to closing transport")
+
+    def wait_shadows_idle(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Until the shadow queue is empty and every queued turn is done; the final stats."""
+        deadline = time.monotonic() + timeout
+        st = self.stats()
+        while time.monotonic() < deadline:
+            sh = st.get("shadow", {})
+            if sh.get("queue_depth", 0) == 0 and sh.get("turns_done", 0) >= sh.get("queued", 0) \
+                    and st.get("background_tasks", 0) == 0:
+                return st
+            time.sleep(0.2)
+            st = self.stats()
+        raise AssertionError(f"shadows still busy after {timeout} s: {st.get('shadow')}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; the exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill9(self) -> int:
+        assert self.proc is not None
+        self.proc.kill()
+        rc = self.proc.wait(10)
+        self._log.close()
+        return rc
+
+    def stop(self) -> None:
+        """Teardown: whatever state it is in, it is gone afterwards."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if getattr(self, "_log", None) is not None and not self._log.closed:
+            self._log.close()
+
+
+def read_store(path: Path) -> dict[str, Any]:
+    """Open a store read-only and read every record: sessions, turns, runs (raises on corruption)."""
+    from tensorverse.store import Store
+
+    st = Store.open(path, readonly=True)
+    try:
+        sessions = list(st.iter_sessions())
+        turns = [t for s in sessions for t in st.iter_turns(s["id"])]
+        runs = {t["id"]: list(st.iter_runs(t["id"])) for t in turns}
+        return {"sessions": sessions, "turns": turns, "runs": runs, "stats": st.stats()}
+    finally:
+        st.close()
+
+
+def uptime_load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "gpu": "none", "uptime": uptime_load()}
