@@ -24,12 +24,15 @@ from tensorverse.demo.corpus import TOOLS, Router, SYSTEM_PROMPT
 __all__ = ["SCRIPT", "MAX_TASKS", "MAX_CALLS_PER_TASK", "api_messages", "demo_router", "run_session",
            "Transcript", "TurnLog"]
 
-# The scripted session: the tasks of the issue, in the order a network engineer might ask them.
+# The scripted session: the tasks of the issue, in the order a network engineer might ask them
+# (relabel an uplink, check it, then chase a MAC, a VLAN and a route). The first task is where
+# this model's runtimes part: under bfloat16 it writes another description than the one asked
+# for, under float32 the right one (measured in docs/demo.md).
 SCRIPT: tuple[str, ...] = (
-    "Find the owner of MAC 5c8a.38f2.1e04.",
+    'Set the description of GigabitEthernet0/0/1.201 to "uplink to core-sw1".',
     "Describe interface GigabitEthernet0/0/1.201.",
+    "Find the owner of MAC 5c8a.38f2.1e04.",
     "Check VLAN 201.",
-    'Set the description of GigabitEthernet0/0/1.201 to "uplink to core-sw2".',
     "Show the route for 10.12.40.0/24.",
 )
 MAX_TASKS = len(SCRIPT)
@@ -42,7 +45,7 @@ def demo_router() -> Router:
     r = Router(seed=2024)
     r.set_mac("5c8a.38f2.1e04", 201, "GigabitEthernet0/0/3", "Gi0/0/3")
     r.set_interface("GigabitEthernet0/0/3", status="up", protocol="up", description="desk 4F-12 (jsmith)")
-    r.set_interface("GigabitEthernet0/0/1.201", status="up", protocol="up", description="uplink to core-sw1")
+    r.set_interface("GigabitEthernet0/0/1.201", status="up", protocol="up", description="uplink to edge-r2")
     r.vlans[201] = {"name": "USERS-ACME", "status": "active", "ports": ["Gi0/0/1.201", "Gi0/0/3"]}
     r.routes["10.12.40.0/24"] = {"proto": "ospf 1", "distance": 110, "metric": 20,
                                  "next_hop": "192.168.0.2", "via": "GigabitEthernet0/0/0"}

@@ -21,6 +21,13 @@ task                           calls
 ``show_route``                 ``show_ip_route``
 =============================  ==========================================================
 
+Two places are left to chance on purpose, each a fair coin (:func:`_coin`): whether the port
+from the MAC table is passed to ``show_interface`` as printed (``Gi0/0/3``) or spelled out
+(``GigabitEthernet0/0/3``; the router accepts both, as IOS does), and which of two phrasings a final
+answer uses. The model learns them as near-ties, like the ones real models have, and that is
+where the demo's runtimes (bfloat16, float16, float32) can flip: a flip in the call becomes a
+``value_mismatch`` at ``$.arguments.interface``.
+
 The model's assistant turns are exactly what the template renders for a message with
 ``tool_calls`` (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, arguments in
 ``json.dumps`` form, keys in schema order) or a plain ``content`` string; no ``<think>`` block.
@@ -40,6 +47,7 @@ __all__ = [
     "Router",
     "Task",
     "Call",
+    "canonical_interface",
     "make_task",
     "make_session",
     "session_messages",
@@ -68,7 +76,7 @@ TOOLS: list[dict[str, Any]] = [
     _tool("show_mac_address_table", "Find the port where a MAC address is learned",
           {"mac_address": ("string", "MAC address, e.g. aabb.ccdd.eeff")}),
     _tool("show_interface", "Show the state and description of an interface",
-          {"interface": ("string", "full interface name")}),
+          {"interface": ("string", "interface name, full or abbreviated")}),
     _tool("configure_interface_description", "Set the description of an interface",
           {"interface": ("string", "full interface name"), "description": ("string", "new description")}),
     _tool("show_vlan", "Show a VLAN, its name and ports", {"vlan_id": ("integer", "VLAN id")}),
@@ -142,6 +150,15 @@ def _next_hop(rng: random.Random) -> str:
     return f"192.168.{rng.randint(0, 9)}.{rng.randint(1, 254)}"
 
 
+def canonical_interface(name: str) -> str:
+    """The full name of an interface written either way (``Gi0/0/3`` -> ``GigabitEthernet0/0/3``),
+    as IOS accepts both: the router keeps one state per interface whatever the spelling."""
+    for full, short, _ in _FAMILIES:
+        if name.startswith(short) and not name.startswith(full) and name[len(short):][:1].isdigit():
+            return full + name[len(short):]
+    return name
+
+
 # -- the simulated router ------------------------------------------------------------------
 
 
@@ -162,6 +179,7 @@ class Router:
 
     # state, drawn on first use
     def _iface(self, name: str) -> dict[str, Any]:
+        name = canonical_interface(name)
         st = self.interfaces.get(name)
         if st is None:
             rng = self.rng
@@ -303,6 +321,13 @@ _ASK = {
 }
 
 
+def _coin(rng: random.Random) -> bool:
+    """A fair choice between two equally right ways to say something. The trained model keeps
+    these as genuine near-ties (about 50/50), as real models have them: the places where a
+    runtime's rounding can flip the greedy token."""
+    return rng.random() < 0.5
+
+
 def make_task(rng: random.Random, router: Router, kind: str | None = None,
               values: dict[str, Any] | None = None) -> Task:
     """One task with its calls, results (from ``router``) and final answer. ``values`` fixes
@@ -317,12 +342,14 @@ def make_task(rng: random.Random, router: Router, kind: str | None = None,
         t = Task(kind, template.format(mac=mac))
         c1 = Call("show_mac_address_table", {"mac_address": mac})
         c1.result = router.call(c1.name, c1.arguments)
-        vlan, full, _short = router._mac(mac)
-        c2 = Call("show_interface", {"interface": full})
+        vlan, full, short = router._mac(mac)
+        port = full if _coin(rng) else short  # as the table printed it, or spelled out: both valid
+        c2 = Call("show_interface", {"interface": port})
         c2.result = router.call(c2.name, c2.arguments)
         desc = router._iface(full)["description"]
         t.calls = [c1, c2]
-        t.answer = f"{mac} is on {full} in VLAN {vlan}: {desc}."
+        t.answer = (f"{mac} is on {port} in VLAN {vlan}: {desc}." if _coin(rng)
+                    else f"{mac} is on {port} (VLAN {vlan}), {desc}.")
         return t
     if kind == "describe_interface":
         ifname = v.get("ifname") or _interface(rng)[0]
@@ -331,7 +358,8 @@ def make_task(rng: random.Random, router: Router, kind: str | None = None,
         c.result = router.call(c.name, c.arguments)
         st = router._iface(ifname)
         t.calls = [c]
-        t.answer = f"{ifname} is {st['status']}/{st['protocol']}: {st['description']}."
+        t.answer = (f"{ifname} is {st['status']}/{st['protocol']}: {st['description']}." if _coin(rng)
+                    else f"{ifname} is {st['status']}, line protocol {st['protocol']}: {st['description']}.")
         return t
     if kind == "set_description":
         ifname = v.get("ifname") or _interface(rng)[0]
@@ -340,7 +368,7 @@ def make_task(rng: random.Random, router: Router, kind: str | None = None,
         c = Call("configure_interface_description", {"interface": ifname, "description": desc})
         c.result = router.call(c.name, c.arguments)
         t.calls = [c]
-        t.answer = f'Done: {ifname} is now "{desc}".'
+        t.answer = f'Done: {ifname} is now "{desc}".' if _coin(rng) else f'Done, {ifname} now reads "{desc}".'
         return t
     if kind == "check_vlan":
         vid = int(v.get("vid") or _vlan_id(rng))
@@ -349,7 +377,9 @@ def make_task(rng: random.Random, router: Router, kind: str | None = None,
         c.result = router.call(c.name, c.arguments)
         st = router._vlan(vid)
         t.calls = [c]
-        t.answer = f"VLAN {vid} ({st['name']}) is {st['status']} on {', '.join(st['ports'])}."
+        ports = ", ".join(st["ports"])
+        t.answer = (f"VLAN {vid} ({st['name']}) is {st['status']} on {ports}." if _coin(rng)
+                    else f"VLAN {vid} ({st['name']}) is {st['status']}; ports {ports}.")
         return t
     if kind == "show_route":
         prefix = v.get("prefix") or _prefix(rng)
@@ -358,7 +388,8 @@ def make_task(rng: random.Random, router: Router, kind: str | None = None,
         c.result = router.call(c.name, c.arguments)
         st = router._route(prefix)
         t.calls = [c]
-        t.answer = f"{prefix} goes via {st['next_hop']} on {st['via']} ({st['proto'].split()[0]})."
+        how = "goes" if _coin(rng) else "is reached"
+        t.answer = f"{prefix} {how} via {st['next_hop']} on {st['via']} ({st['proto'].split()[0]})."
         return t
     raise ValueError(f"unknown task kind {kind!r}")
 

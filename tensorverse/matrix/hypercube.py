@@ -12,21 +12,11 @@ itself (which is compared with nothing), are left out.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Mapping, Sequence
 
+from tensorverse.replay.report import wilson
+
 __all__ = ["marginals", "wilson"]
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
-    """95 % Wilson score interval of k successes in n trials."""
-    if n <= 0:
-        return None
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return [round(max(0.0, c - h), 6), round(min(1.0, c + h), 6)]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -85,14 +85,34 @@ def build_env(settings: Mapping[str, Any], sink: str | None, base: Mapping[str, 
     return env
 
 
-def _set_pdeathsig() -> None:  # in the child between fork and exec: die with the parent
+def set_pdeathsig() -> None:
+    """In a child between fork and exec (``preexec_fn``): die with the parent (PR_SET_PDEATHSIG)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except Exception:  # noqa: BLE001
         pass
 
 
-def _group_pids(pgid: int) -> list[int]:
+def reap_group(proc: subprocess.Popen, deadline: float) -> None:
+    """Until ``deadline`` (monotonic), wait for ``proc`` and every process of its group (a
+    process-group leader: vLLM's engine core is a child) to exit; then SIGKILL what is left."""
+    pgid = proc.pid
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not group_pids(pgid):
+            break
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc; comm may hold spaces)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -149,7 +169,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=build_env(la.settings, la.sink),
                                          start_new_session=True,
-                                         preexec_fn=_set_pdeathsig if main else None)
+                                         preexec_fn=set_pdeathsig if main else None)
         self.started_at = time.monotonic()
         return self
 
@@ -197,19 +217,7 @@ class ServerProcess:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_pids(pgid):
-                break
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        reap_group(proc, time.monotonic() + grace_s)
 
     def log_tail(self, lines: int = 40) -> str:
         """The log's last lines, without health polls and the route listing."""

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from tensorverse.matrix.hypercube import marginals
 from tensorverse.matrix.spec import MatrixSpec, Point, render_value
+from tensorverse.replay.report import format_table
 
 __all__ = ["build_report", "write_outputs", "render_table", "replay_results", "write_parquet"]
 
@@ -197,16 +198,6 @@ def write_outputs(report: dict[str, Any], out: Path) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------ terminal
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _f(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -233,7 +224,7 @@ def render_table(report: Mapping[str, Any]) -> str:
             " ".join(f"{k}={v}" for k, v in (fv.get("verdicts") or {}).items()) or "-",
             _f(t.get("start_s"), ".0f"), _f(t.get("replay_s"), ".0f"),
         ])
-    out = [head, _table(rows)]
+    out = [head, format_table(rows)]
     for r in report["points"]:
         if r["status"] not in ("ok",):
             excerpt = (r.get("log_excerpt") or "").strip().splitlines()[-3:]
@@ -251,5 +242,5 @@ def render_table(report: Mapping[str, Any]) -> str:
                           _f(v.get("mean_point_flip_rate"), ".4f"), _f(v.get("kl_mean"), ".2e"),
                           _f(v.get("toolcall_mismatch_rate"), ".3f"), _f(v.get("effect"), "+.4f")])
         out.append("")
-        out.append(_table(mrows))
+        out.append(format_table(mrows))
     return "\n".join(out)

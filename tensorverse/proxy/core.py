@@ -421,8 +421,11 @@ class ProxyCore:
             status=up.status, reason=up.reason, body=flow.response_body,
             headers=forward_response_headers(up.headers, keep_length=False),
         )
-        await resp.prepare(request)
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left before the body went out
+            return self._client_gone(flow, resp)
         self._finish(flow)
         return resp
 
@@ -437,6 +440,7 @@ class ProxyCore:
         event_hooks = self._hooks["event"]
         observers = self._hooks["stream_data"]
         perf_counter = time.perf_counter
+        ended = False  # the stream's last event ([DONE], Anthropic's message_stop) went out
         try:
             async for chunk in up.content.iter_any():
                 data = splitter.feed(chunk)  # complete events only; the rest waits for more
@@ -461,16 +465,36 @@ class ProxyCore:
                         a.stream_data(flow, data, t)
                     except Exception:  # noqa: BLE001
                         self._hook_failed(a, "stream_data")
+                if not ended and (b"[DONE]" in data or b"message_stop" in data):
+                    ended = True
+        except ConnectionResetError as e:  # aiohttp's write error is a ClientError too: whose side?
+            if not _client_closed(request):
+                return self._cut(request, flow, resp, e)
+            # A client that closes once it has the last event (the openai client does) has the
+            # whole turn: it is recorded as complete, not aborted.
+            return self._finish_or_gone(flow, resp, ended)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._cut(request, flow, resp, e)
-        except ConnectionResetError:
-            return self._client_gone(flow, resp)
+        except asyncio.CancelledError:
+            if ended:
+                self._finish(flow)
+            raise
         tail = splitter.tail()
-        if tail:
-            flow.sse_tail = tail
-            await resp.write(tail)
-        await resp.write_eof()
+        try:
+            if tail:
+                flow.sse_tail = tail
+                await resp.write(tail)
+            await resp.write_eof()
+        except ConnectionResetError:  # every event went out; only the stream's end did not
+            return self._finish_or_gone(flow, resp, True)
         self._finish(flow)
+        return resp
+
+    def _finish_or_gone(self, flow: Flow, resp: web.StreamResponse, ended: bool) -> web.StreamResponse:
+        if not ended:
+            return self._client_gone(flow, resp)
+        self._finish(flow)
+        resp.force_close()
         return resp
 
     def _event_hooks(self, flow: Flow, hooks: list[Addon], data: bytes) -> bytes:
@@ -496,11 +520,13 @@ class ProxyCore:
         try:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionResetError as e:
+            if not _client_closed(request):
+                return self._cut(request, flow, resp, e)
+            return self._client_gone(flow, resp)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return self._cut(request, flow, resp, e)
-        except ConnectionResetError:
-            return self._client_gone(flow, resp)
-        await resp.write_eof()
         self._finish(flow)
         return resp
 
@@ -535,6 +561,11 @@ class ProxyCore:
                 self._background(flow, "error")
         resp.force_close()
         return resp
+
+
+def _client_closed(request: web.Request) -> bool:
+    t = request.transport
+    return t is None or t.is_closing()
 
 
 async def _safe_read(up: aiohttp.ClientResponse) -> bytes:

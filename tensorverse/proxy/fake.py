@@ -14,6 +14,7 @@ vLLM (fields not asked for are ``null``, ``token_ids``/``prompt_token_ids`` only
 ``X-Fake-Reasoning`` emit reasoning deltas before the content
 ``X-Fake-Reset``   reset the connection (TCP RST) after N events
 ``X-Fake-Malformed`` insert malformed SSE events (broken JSON, invalid UTF-8...) after N events
+``X-Fake-Linger``   seconds between the last event and the end of the response
 ``X-Fake-Error-Event`` after N events send vLLM's mid-stream error event and ``[DONE]``
 
 Every request is logged in ``fake.requests`` (method, path, headers, body); the time a streaming
@@ -178,6 +179,8 @@ class FakeUpstream:
                     await asyncio.sleep(delay)
                 await resp.write(ev)
                 self.last_event_sent = time.monotonic()
+            if "X-Fake-Linger" in h:  # the end of the stream comes late (a slow network, a busy server)
+                await asyncio.sleep(float(h["X-Fake-Linger"]))
             await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnects.append(time.monotonic())

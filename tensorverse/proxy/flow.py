@@ -199,3 +199,10 @@ class Addon:
 
 def overrides(addon: Addon, hook: str) -> bool:
     return getattr(type(addon), hook) is not getattr(Addon, hook)
+
+
+def worth_logging(n: int) -> bool:
+    """Whether the ``n``-th occurrence of a repeated warning is logged: 1st, 10th, 100th, then
+    every 1000th; a full store or queue at production rates must not flood the log."""
+    return n in (1, 10, 100) or n % 1000 == 0
+

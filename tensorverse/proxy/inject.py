@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from tensorverse.jsonbytes import dumps
 from tensorverse.proxy.flow import Addon, Flow
 from tensorverse.proxy.protocol import CHAT, COMPLETIONS, SSEParser, _parse_block
 
@@ -78,7 +79,7 @@ class Injector(Addon):
         add, strip = self.plan(flow.kind, flow.request_json)
         if not add:
             return
-        flow.upstream_body = orjson.dumps({**flow.request_json, **add})
+        flow.upstream_body = dumps({**flow.request_json, **add})
         flow.injected = add
         flow.meta["strip"] = strip
         self.counters["injected"] += 1

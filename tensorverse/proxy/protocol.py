@@ -409,6 +409,7 @@ class Accumulator:
         self.raw_bytes = 0
         self.first_token_t: float | None = None  # arrival of the first event that carried output
         self.unparsed_events = 0  # events whose data is not JSON
+        self.stream_error: Any = None  # vLLM's mid-stream error event ({"error": ...}), if one came
         self._result: dict | None = None
 
     def feed_raw(self, data: bytes, t: float, parsed: list[Any] | None = None) -> None:
@@ -430,6 +431,8 @@ class Accumulator:
             for obj in (_parse_events(chunk) if isinstance(chunk, bytes) else chunk):
                 if obj is None:
                     self.unparsed_events += 1
+                elif type(obj) is dict and "error" in obj and "choices" not in obj and "delta" not in obj:
+                    self.stream_error = obj["error"]
                 elif add(obj) and self.first_token_t is None:
                     self.first_token_t = t
 

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from tensorverse.proxy import flow as F
-from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import ACCUMULATORS
 
 log = logging.getLogger("tensorverse.proxy.recorder")
@@ -79,6 +79,13 @@ class Recorder(Addon):
         if acc.unparsed_events:
             self.counters["unparsed_events"] += acc.unparsed_events
             flow.meta["unparsed_events"] = acc.unparsed_events
+        if acc.stream_error is not None and flow.state == F.OK:
+            # vLLM reports an engine failure inside a 200 stream ({"error": ...}, then [DONE]):
+            # the output is partial, so the turn is an upstream error (and is not shadowed).
+            err = acc.stream_error
+            msg = err.get("message") if isinstance(err, dict) else err
+            flow.state = F.UPSTREAM_ERROR
+            flow.error = f"upstream error event mid-stream: {msg}"
 
     def response_body(self, flow: Flow) -> None:
         acc = flow.meta.get("acc")
@@ -175,7 +182,7 @@ class Recorder(Addon):
 
         if isinstance(exc, StoreFullError):
             self.counters["store_full"] += 1
-            if self.counters["store_full"] in (1, 10, 100) or self.counters["store_full"] % 1000 == 0:
+            if worth_logging(self.counters["store_full"]):
                 log.warning("store full: turn %s not recorded (%d so far)", turn["id"], self.counters["store_full"])
         else:
             self.counters["store_errors"] += 1

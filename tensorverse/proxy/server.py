@@ -288,5 +288,7 @@ async def serve(config: Config) -> None:
 
 
 def run(config: Config) -> int:
-    asyncio.run(serve(config))
+    from tensorverse.proxy.loop import run as run_on_proxy_loop
+
+    run_on_proxy_loop(serve(config))
     return 0

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import orjson
 
-from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import CHAT, MESSAGES
 
 log = logging.getLogger("tensorverse.proxy.sessions")
@@ -73,6 +73,8 @@ def canonical_message(m: Any) -> bytes:
     if not isinstance(m, dict):
         return orjson.dumps(["?", _canon_json(m)])
     role = m.get("role")
+    if not isinstance(role, str):
+        role = _canon_json(role)
     content = m.get("content")
     calls: list[tuple[str, Any]] = []
     results: list[str] = []
@@ -239,7 +241,9 @@ class Sessions(Addon):
         def done(f: Any) -> None:
             if f.exception() is not None:
                 self.counters["store_errors"] += 1
-                log.warning("session %s not stored: %s", record.get("id"), f.exception())
+                if worth_logging(self.counters["store_errors"]):
+                    log.warning("session %s not stored: %s (%d so far)", record.get("id"), f.exception(),
+                                self.counters["store_errors"])
 
         fut.add_done_callback(done)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from tensorverse.proxy import flow as F
-from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
 
 log = logging.getLogger("tensorverse.proxy.tee")
@@ -184,7 +184,7 @@ class ShadowTee(Addon):
         except asyncio.QueueFull:
             self.counters["dropped_queue_full"] += 1
             n = self.counters["dropped_queue_full"]
-            if n in (1, 10, 100) or n % 1000 == 0:
+            if worth_logging(n):
                 log.warning("shadow queue full (%d): dropped turn %s (%d dropped so far)",
                             self.queue_size, turn.get("id"), n)
             return

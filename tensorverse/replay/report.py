@@ -50,7 +50,8 @@ _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le
 _PCTS = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 
 
-def _wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    """95 % Wilson score interval of k successes in n trials (flip rates, mismatch rates)."""
     if n <= 0:
         return None
     p = k / n
@@ -109,7 +110,7 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
     if positions:
         p = agree / positions
         out["flip_rate"] = flips / positions
-        out["flip_rate_ci"] = _wilson(flips, positions)
+        out["flip_rate_ci"] = wilson(flips, positions)
         out["same_top_p"] = {"p": p, "se": math.sqrt(p * (1 - p) / (positions - 1)) if positions > 1 else None}
     else:
         out.update(flip_rate=None, flip_rate_ci=None, same_top_p=None)
@@ -124,14 +125,14 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
     out["turns_with_flips"] = len(first)
     out["departures"] = dep
     out["departure_rate"] = dep / dep_n if dep_n else None
-    out["departure_rate_ci"] = _wilson(dep, dep_n)
+    out["departure_rate_ci"] = wilson(dep, dep_n)
     out["free_turns"] = free_turns
     out["diverged"] = diverged
     out["diverged_rate"] = diverged / free_turns if free_turns else None
     out["verdicts"] = dict(sorted(verdicts.items()))
     mism = sum(v for k, v in verdicts.items() if k != "match")
     out["toolcall_mismatch_rate"] = mism / free_turns if free_turns else None
-    out["toolcall_mismatch_rate_ci"] = _wilson(mism, free_turns)
+    out["toolcall_mismatch_rate_ci"] = wilson(mism, free_turns)
     out["branches"] = branches
     out["errors"] = errors
     out["error_rate"] = errors / runs if runs else None
@@ -181,7 +182,8 @@ def _fmt(v: Any, spec: str = ".4f") -> str:
     return str(v)
 
 
-def _table(rows: list[list[str]]) -> str:
+def format_table(rows: list[list[str]]) -> str:
+    """Rows of cells as aligned columns (first left, the rest right), a rule under the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
@@ -221,7 +223,7 @@ def render_summary(results: Mapping[str, Any]) -> str:
             f"on {len(s)} backend(s); forced metrics vs {results['reference']}'s forced run, free vs the "
             f"basis ({results['reference']}'s own run; its own free row: vs the recorded output); "
             f"{results.get('wall_s', 0):.1f} s")
-    out = [head, _table(_summary_rows(s))]
+    out = [head, format_table(_summary_rows(s))]
     if any((v or {}).get("kl", {}) and v["kl"].get("approximate") for v in s.values() if v.get("kl")):
         out.append("KL from top-k logprobs (approximate); full rows need --capture full and a sink.")
     turns = [t for c in results.get("cases") or () for t in c.get("turns") or ()]
@@ -327,7 +329,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     for t in totals.values():
         n = t["positions"]
         t["flip_rate"] = t["flips"] / n if n else None
-        t["flip_rate_ci"] = _wilson(t["flips"], n)
+        t["flip_rate_ci"] = wilson(t["flips"], n)
         t["kl_mean"] = t.pop("_klw") / n if n else None
         mism = sum(v for k, v in t["verdicts"].items() if k != "match")
         t["toolcall_mismatch_rate"] = mism / t["free_turns"] if t["free_turns"] else None
@@ -346,7 +348,7 @@ def render_merged(merged: Mapping[str, Any]) -> str:
                      _fmt(kl.get("mean"), ".2e"),
                      " ".join(f"{k}={v}" for k, v in (r.get("verdicts") or {}).items()) or "-",
                      str(r.get("errors", 0))])
-    out = [_table(rows)]
+    out = [format_table(rows)]
     if not merged.get("same_corpus"):
         out.append("note: the files replayed different corpora (manifest hashes differ)")
     return "\n".join(out)

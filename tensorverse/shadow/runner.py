@@ -900,6 +900,27 @@ class ShadowRunner:
         targets = [b for b in (backends if backends is not None else self.backends)
                    if b.role != "primary"]
         primary = self.primary or self._primary_from_store(t.primary)
+        written: set[tuple[str, str]] = set()
+        try:
+            return await self._run_turn(t, targets, primary, modes, written)
+        except asyncio.CancelledError:
+            # The caller's deadline passed (the shadow tee bounds a turn): every run not stored yet
+            # is stored as a timeout, so no run of the turn goes missing.
+            from tensorverse.store.schema import new_id
+
+            for b in targets:
+                for mode in modes:
+                    if (b.name, mode) not in written:
+                        run = self._record(t, b, mode, new_id())
+                        run.update(status="timeout", error="cancelled: the deadline for the turn passed")
+                        try:
+                            self.store.put_run(run)  # the writer thread commits it; not awaited
+                        except Exception as e:  # noqa: BLE001
+                            log.warning("tensorverse shadow: store put_run failed: %s", e)
+            raise
+
+    async def _run_turn(self, t: TurnInput, targets: list[Backend], primary: Backend | None,
+                        modes: Sequence[str], written: set[tuple[str, str]]) -> list[dict[str, Any]]:
         expected, basis = await self._template_basis(t, primary)
 
         # Same-dictionary check (cached per backend) and chat-template check (per turn).
@@ -934,6 +955,7 @@ class ShadowRunner:
             run["tokenizer"] = {"same_dictionary": verdict["allowed"], "message": verdict["message"],
                                 "fingerprint": verdict.get("fingerprint")}
             run["template"] = tmpl
+            written.add((b.name, mode))
             await self._put("put_run", run)
             return run
 

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import lmdb
 import orjson
 
+from tensorverse.jsonbytes import dumps
 from tensorverse.store import schema as S
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
 
@@ -39,18 +40,7 @@ class RecordNotFound(KeyError):
 
 
 def _dumps(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError as e:
-        # orjson writes at most 254 levels of nesting but reads 1024: a request nested deeper
-        # than 254 (which the proxy accepted and relayed) is written by the standard library
-        # instead, so it is recorded like any other (orjson reads it back).
-        if "Recursion limit" not in str(e):
-            raise
-        import json
-
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
-                          default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)).encode()
+    return dumps(value, orjson.OPT_SERIALIZE_NUMPY)  # deeper than orjson writes: the stdlib
 
 
 class Store:

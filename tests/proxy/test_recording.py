@@ -170,3 +170,61 @@ def test_recording_disabled_is_a_plain_relay(fake, make_proxy):
     with httpx.Client(timeout=30) as c:
         c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})
     assert b"return_token_ids" not in fake.requests[-1]["body"]
+
+
+def test_client_that_closes_at_the_last_event_gets_a_complete_turn(fake, make_proxy, settle, turns):
+    """The openai client closes its connection as soon as it has ``data: [DONE]``; the proxy may
+    still be writing the stream's end. Those turns are complete: recorded ``ok`` with every token,
+    never lost and never ``aborted`` (a raw socket closes right after [DONE], many times over)."""
+    import socket
+
+    proxy = make_proxy(fake.url)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    n = 20
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"X-Fake-Events: 6\r\nX-Fake-Linger: 0.05\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b"data: [DONE]" not in got:
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+    settle(proxy)
+    ts = turns(proxy)
+    assert len(ts) == n
+    assert {t["state"] for t in ts} == {"ok"}
+    assert all(len(t["output_token_ids"]) == 6 for t in ts)
+
+
+def test_mid_stream_error_event_makes_an_upstream_error_turn(fake, make_proxy, settle, turns):
+    """vLLM reports an engine failure inside a 200 stream (``data: {"error": ...}`` then
+    ``[DONE]``): the client gets it as it is, and the turn is an upstream error with partial
+    output, not an ``ok`` turn to shadow."""
+    proxy = make_proxy(fake.url)
+    r = httpx.post(proxy.url + "/v1/chat/completions", headers={"X-Fake-Error-Event": "3"}, timeout=10,
+                   json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "fake engine failure mid-stream" in r.text
+    settle(proxy)
+    (t,) = turns(proxy)
+    assert t["state"] == "upstream_error" and "fake engine failure mid-stream" in t["error"]
+    assert t["status"] == 200
+
+
+def test_request_nested_deeper_than_orjson_writes_is_injected_relayed_and_recorded(fake, make_proxy, settle, turns):
+    """orjson reads 1,024 levels of nesting but writes only 254: a 300-deep request must still be
+    injected, relayed and recorded, with no addon error."""
+    proxy = make_proxy(fake.url)
+    deep: object = "x"
+    for _ in range(300):
+        deep = [deep]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi", "extra": deep}]}
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200
+    settle(proxy)
+    (t,) = turns(proxy)
+    assert t["state"] == "ok" and t["request"]["messages"][0]["extra"] == deep
+    assert t["injected"]  # the injector re-serialised it
+    assert proxy.stats()["proxy"]["addon_errors"] == 0

@@ -50,8 +50,11 @@ def _same_stream(vs, ds):
         return
 
     def merged(chunks):
-        top = {k: v for k, v in chunks[0].items() if k not in ("choices", "usage")}
-        assert all({k: v for k, v in c.items() if k not in ("choices", "usage")} == top for c in chunks)
+        tops = [{k: v for k, v in c.items() if k not in ("choices", "usage")} for c in chunks]
+        top = tops[0]
+        for t in tops[1:]:  # the first chunk may carry fields (prompt_token_ids) the others lack
+            assert {k: v for k, v in t.items() if k in top} == {k: v for k, v in top.items() if k in t}, (t, top)
+            top = {**t, **top}
         choices: dict = {}
         for c in chunks:
             for ch in c["choices"]:

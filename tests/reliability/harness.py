@@ -282,9 +282,9 @@ class ProxyProc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def lost_flows(self) -> int:
-        """Flows the relay lost: the client closed right after ``[DONE]``, the final write
-        raised out of the handler, and the turn got no ``response_done``/``error`` hook (never
-        recorded, never counted: an open bug of tensorverse/proxy/core.py). Counted from the log."""
+        """Flows the relay lost: a write to a closed client that raised out of the handler, so
+        the turn got no ``response_done``/``error`` hook (the bug fixed in core.py where a client
+        closed right after ``[DONE]``; the tests now expect 0). Counted from the log."""
         return self.log().count("Cannot write to closing transport")
 
     def wait_shadows_idle(self, timeout: float = 60.0) -> dict[str, Any]:

@@ -36,7 +36,7 @@ def test_shadow_fault_never_reaches_the_agent(fault, fakes, proxy_proc, chat, tm
     p.terminate()
     lost = p.lost_flows()  # see harness.ProxyProc.lost_flows
     data = H.read_store(tmp_path / "store")
-    assert len(data["turns"]) + lost == N + 1 and lost <= 1
+    assert len(data["turns"]) == N + 1 and lost == 0  # a client closing at [DONE] loses nothing
     assert all(t["state"] in ("ok", "aborted") and t["finish_reason"] for t in data["turns"])
     shadowed = [t for t in data["turns"] if data["runs"][t["id"]]]
     assert len(shadowed) == sum(t["state"] == "ok" for t in data["turns"])  # aborted ones are skipped
@@ -48,8 +48,8 @@ def test_shadow_fault_never_reaches_the_agent(fault, fakes, proxy_proc, chat, tm
         bad_runs = [runs[("bad", m)] for m in ("forced", "free") if ("bad", m) in runs]
         assert {r["status"] for r in bad_runs} <= expect, runs
         incomplete += len(bad_runs) < 2
-    # a run record missing is accounted for: only turns the tee counted as timed out lack one
-    assert incomplete <= sh["backend"]["bad"]["timed_out"] + (1 if bad["timed_out"] else 0)
+    # none is missing: runs the tee's per-turn deadline cut are stored as timeouts
+    assert incomplete == 0
     if fault != "tokenizer":
         assert f.servers["bad"].faults_injected >= N
     H.record(f"fault-shadow-{fault}", load=f"{N} streaming tool-call turns, 4 concurrent, 2 shadows",
@@ -62,7 +62,7 @@ def test_shadow_fault_never_reaches_the_agent(fault, fakes, proxy_proc, chat, tm
 PRIMARY_FAULTS = {
     "cut": ({"X-Fake-Cut": "3"}, "incomplete", {"error", "upstream_error"}),
     "reset": ({"X-Fake-Reset": "3"}, "incomplete", {"error", "upstream_error"}),
-    "error-event": ({"X-Fake-Error-Event": "3"}, "error", {"ok", "error", "upstream_error"}),
+    "error-event": ({"X-Fake-Error-Event": "3"}, "error", {"upstream_error"}),
     "malformed-sse": ({"X-Fake-Malformed": "3", "X-Fake-Tools": "0"}, "relayed", {"ok"}),
     "status-500": ({"X-Fake-Status": "500"}, "error", {"upstream_error"}),
 }
@@ -91,7 +91,7 @@ def test_primary_fails_mid_stream(fault, fakes, proxy_proc, chat, tmp_path):
     p.terminate()
     lost = p.lost_flows()  # see harness.ProxyProc.lost_flows
     turns = H.read_store(tmp_path / "store")["turns"]
-    assert len(turns) + lost == 4 and lost <= 1
+    assert len(turns) == 4 and lost == 0
     hdr = next(iter(headers)).lower()
     faulty = [t for t in turns if hdr in {k.lower() for k in (t.get("request_headers") or {})}]
     assert len(faulty) == 1 and faulty[0]["state"] in state, [(t["state"], t.get("request_headers")) for t in turns]

@@ -230,9 +230,9 @@ def test_request_path_fuzz(fakes, proxy_proc, chat, tmp_path):
     case()
     assert p.alive() and chat(p.url)["ok"]  # keeps serving
     st_ = p.stats()
-    # no hook choked on anything, but for the injection of over-deep bodies (a known bug of
-    # tensorverse/proxy/inject.py and sessions.py: orjson.dumps stops at 254 levels, see the report)
-    assert st_["proxy"]["addon_errors"] <= inject_depth, (st_["proxy"], inject_depth)
+    # no hook choked on anything, bodies nested 255..1023 deep included (orjson writes only 254
+    # levels: tensorverse.jsonbytes falls back to the standard library)
+    assert st_["proxy"]["addon_errors"] == 0, (st_["proxy"], inject_depth)
     assert st_["recorder"]["store_errors"] == 0, st_["recorder"]  # every turn it saw is recorded
     n = sum(seen.values())
     client.close()

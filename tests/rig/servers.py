@@ -34,7 +34,6 @@ started it ends.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
@@ -101,28 +100,10 @@ def _log_dir() -> Path:
     return p
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def _pgroup_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            pids.append(int(entry))
-    return pids
+# The product's launcher (tensorverse matrix) starts servers the same way: one implementation.
+from tensorverse.matrix.launcher import group_pids as _pgroup_pids  # noqa: E402
+from tensorverse.matrix.launcher import reap_group  # noqa: E402
+from tensorverse.matrix.launcher import set_pdeathsig as _set_pdeathsig  # noqa: E402
 
 
 def _mem_kib(pid: int, key: str) -> int:
@@ -325,19 +306,7 @@ class VLLMServer:
         proc = self.proc
         if proc is None:
             return
-        pgid = proc.pid
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _pgroup_pids(pgid):
-                break
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        reap_group(proc, deadline)
         _live.discard(self)
 
     def __enter__(self) -> "VLLMServer":

@@ -1,0 +1,72 @@
+"""The demo's figures: time per step, memory peak, flips found (issue: one-command demo).
+
+    python benchmarks/demo.py [--tasks N] [--out DIR]
+
+Runs ``tensorverse demo --no-view`` in-process (the model is built first if it is not cached:
+that time is the ``model`` step) and reports:
+
+steps_s              seconds per step (install, model, servers, agent, shadows, report)
+total_s              the whole run; target <= 600 s after install
+servers_rss_gib      resident memory of the four vLLM-CPU servers together, after the agent
+                     (and after the shadows); ``servers_pss_gib`` counts shared pages once
+demo_peak_rss_gib    peak RSS of the demo process itself (proxy, store, agent, analysis)
+flips                forced flips per runtime against the primary; ``diverged`` free runs
+first_flip / closest the first flip (turn, position, region, margin) or the closest call
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tensorverse.demo.agent import MAX_TASKS  # noqa: E402
+from tensorverse.demo.run import DemoOptions, run_demo  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=MAX_TASKS)
+    ap.add_argument("--out", help="demo output directory (default: a temporary one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tv-demo-bench-") as tmp:
+        out = Path(args.out or tmp)
+        t0 = time.monotonic()
+        res = run_demo(DemoOptions(out=out, tasks=args.tasks, view=False))
+        total = time.monotonic() - t0
+    s = res.summary
+    mem = s.get("server_memory") or {}
+    ff, cc = s.get("first_flip"), s.get("closest_call")
+    result = {
+        "tasks": args.tasks,
+        "turns": s["turns"],
+        "output_tokens": s["output_tokens"],
+        "steps_s": res.steps,
+        "total_s": round(total, 1),
+        "total_after_install_s": round(total - res.steps.get("install", 0.0), 1),
+        "servers_rss_gib": mem.get("rss_gib"),
+        "servers_pss_gib": mem.get("pss_gib"),
+        "servers_rss_after_shadows_gib": mem.get("rss_after_shadows_gib"),
+        "demo_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "flips": {n: b["flips"] for n, b in s["backends"].items()},
+        "flips_by_region": {n: b["flips_by_region"] for n, b in s["backends"].items()},
+        "diverged": {n: f"{b['diverged_turns']}/{b['free_turns']}" for n, b in s["backends"].items()},
+        "verdicts": {n: b["verdicts"] for n, b in s["backends"].items()},
+        "first_flip": {k: ff.get(k) for k in ("turn", "position", "region", "backend", "margin",
+                                              "token_text", "cand_token_text")} if ff else None,
+        "closest_call": {k: cc.get(k) for k in ("turn", "position", "region", "margin")} if cc else None,
+        "broken_tool_call": s.get("broken_tool_call"),
+    }
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
