@@ -8,7 +8,7 @@
   loopback ports; RSS, ``/stats``, ``/metrics``, its log, SIGTERM and SIGKILL.
 - `record(scenario, **figures)`: every test writes its figures as JSON under `RESULTS_DIR`
   (``out/reliability/``, or ``$TENSORVERSE_RELIABILITY_RESULTS``); ``benchmarks/reliability.py
-  --table`` renders ``benchmarks/RELIABILITY.md`` from them.
+  --no-soak`` renders ``benchmarks/RELIABILITY.md`` from them.
 """
 
 from __future__ import annotations
