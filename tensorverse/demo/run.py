@@ -18,20 +18,19 @@ Ctrl-C (or an error) at any point stops every process the demo started.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import secrets
 import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from tensorverse.proxy.loop import LoopThread
 
 DEFAULT_OUT = Path("out/demo")
 DEFAULT_TASKS = 4
@@ -106,24 +105,6 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-class _Loop:
-    """An asyncio loop in a thread: the proxy runs there, the agent in the main thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="demo-proxy", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float | None = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
 def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str]], store: Path, admin_port: int,
                  token: str, shadow_timeout_s: float = 600.0):
     """The proxy's configuration: ``shadows`` as (name, url, role, dtype)."""
@@ -162,7 +143,6 @@ def _token_text(tok: Any, tid: int | None) -> str:
 def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str, Any]:
     """The demo's summary of one session, computed from what the store holds."""
     turns = list(store.iter_turns(session_id))
-    backends: dict[str, dict[str, Any]] = {}
     roles: dict[str, str] = {}
     for b in store.iter_backends():
         name = b.get("name") or b.get("id")
@@ -345,7 +325,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
     out.mkdir(parents=True, exist_ok=True)
     store_path = out / "store"
     servers: list[Any] = []
-    loop: _Loop | None = None
+    loop: LoopThread | None = None
     proxy = None
     store = None
     srv = None
@@ -431,7 +411,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         by_name = {s.name: s for s in servers}
         shadows = [(n, by_name[n].base, RUNTIMES[n][1], RUNTIMES[n][0]) for n in names[1:]]
         cfg = proxy_config(by_name["primary"].base, shadows, store_path, admin_port, token, opts.shadow_timeout_s)
-        loop = _Loop()
+        loop = LoopThread("demo-proxy")
         proxy = Proxy(cfg, store=store)
         loop.run(proxy.start())
         proxy_url = f"http://127.0.0.1:{proxy.port}"

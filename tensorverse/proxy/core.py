@@ -139,6 +139,9 @@ class ProxyCore:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.in_flight = 0  # requests whose response is not finished (a graceful stop waits)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._hooks = {
             h: [a for a in self.addons if overrides(a, h)]
             for h in ("request", "response_start", "stream_rewrite", "event", "stream_data", "response_body",
@@ -286,6 +289,24 @@ class ProxyCore:
         return self.upstream + self._upstream_target(request)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._handle(request)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no request is in flight (at most ``timeout`` seconds); True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        return self.in_flight == 0
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.counters["requests"] += 1
         kind = endpoint_kind(request.method, request.path)
         try:

@@ -25,7 +25,6 @@ from tensorverse.config import Config
 from tensorverse.exporters.metrics import Metrics, RequestMetrics
 from tensorverse.proxy.admin import Ingest, make_admin_app
 from tensorverse.proxy.core import ProxyCore
-from tensorverse.proxy.flow import Addon, Flow
 from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
@@ -34,44 +33,6 @@ from tensorverse.proxy.tee import CapturePolicy, ShadowRunner, ShadowTee, runner
 log = logging.getLogger("tensorverse.proxy")
 
 DEFAULT_SHUTDOWN_DEADLINE_S = 30.0
-
-
-class InFlight(Addon):
-    """Counts LLM requests between their ``request`` hook and their ``response_done``/``error``
-    (the client has had the last byte): what a graceful shutdown waits for."""
-
-    name = "inflight"
-
-    def __init__(self) -> None:
-        self.n = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def request(self, flow: Flow) -> None:
-        if not flow.meta.get("_inflight"):
-            flow.meta["_inflight"] = True
-            self.n += 1
-            self._idle.clear()
-
-    def _done(self, flow: Flow) -> None:
-        if flow.meta.pop("_inflight", False):
-            self.n -= 1
-            if self.n <= 0:
-                self.n = 0
-                self._idle.set()
-
-    async def response_done(self, flow: Flow) -> None:
-        self._done(flow)
-
-    async def error(self, flow: Flow) -> None:
-        self._done(flow)
-
-    async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
-            return True
-        except asyncio.TimeoutError:
-            return self.n == 0
 
 
 class Proxy:
@@ -132,8 +93,6 @@ class Proxy:
                 log.warning("no shadow runner available: %d shadow backend(s) configured but not run",
                             len(tee_backends))
             addons.append(self.tee)
-        self.inflight = InFlight()
-        addons.insert(0, self.inflight)
         addons.append(RequestMetrics(self.metrics))  # last: its request hook times the others too
         self.core = ProxyCore(
             c.primary.url,
@@ -153,7 +112,7 @@ class Proxy:
     def stats(self) -> dict[str, Any]:
         s = self.core.stats()
         s["ingest"] = self.ingest.stats()
-        s["in_flight"] = self.inflight.n
+        s["in_flight"] = self.core.in_flight
         return s
 
     async def start(self) -> None:
@@ -197,15 +156,15 @@ class Proxy:
         if runner is not None:
             for site in list(runner.sites):
                 await site.stop()  # the listening socket closes: new connections are refused
-        in_flight = self.inflight.n
-        streams_done = await self.inflight.wait_idle(left())
+        in_flight = self.core.in_flight
+        streams_done = await self.core.wait_idle(left())
         await self.core.drain(left())  # background hooks: turns recorded, shadow work queued
         tee = self.tee.stats()
         shadow_done = await self.tee.drain(left()) if self.tee.runner is not None else True
         tee = self.tee.stats()
         dropped = max(0, tee["queued"] - tee["turns_done"]) if self.tee.runner is not None else 0
         report = {"in_flight_at_signal": in_flight, "streams_finished": streams_done,
-                  "streams_cut": self.inflight.n, "shadow_drained": shadow_done,
+                  "streams_cut": self.core.in_flight, "shadow_drained": shadow_done,
                   "shadow_dropped_at_shutdown": dropped,
                   "shadow_dropped_queue_full": tee["dropped_queue_full"], "shadow_queued": tee["queued"],
                   "shadow_skipped": sum(tee["skipped"].values()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 from pathlib import Path
@@ -12,12 +13,14 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)  # `import exporters_support` under --import-mode=importlib
 
-from exporters_support import LoopThread, Pipeline  # noqa: E402
+from exporters_support import Pipeline  # noqa: E402
+
+from tensorverse.proxy.loop import LoopThread  # noqa: E402
 
 
 @pytest.fixture
 def loop():
-    lt = LoopThread()
+    lt = LoopThread("exporters-loop", asyncio.new_event_loop)
     yield lt
     lt.stop()
 

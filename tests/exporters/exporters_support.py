@@ -8,16 +8,16 @@ turns go through the proxy; the real shadow runner, comparisons and metrics run 
 """
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tensorverse.proxy.loop import LoopThread
 
 ROOT = Path(__file__).resolve().parents[2]
 _SHADOW_TESTS = str(ROOT / "tests" / "shadow")
@@ -38,21 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="exporters-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class Pipeline:

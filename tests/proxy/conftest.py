@@ -5,42 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from typing import Any
 
 import pytest
 
 from tensorverse.config import parse_config
 from tensorverse.proxy.fake import FakeUpstream
-from tensorverse.proxy.loop import new_event_loop
+from tensorverse.proxy.loop import LoopThread, new_event_loop
 from tensorverse.proxy.server import Proxy
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        # the proxy's own loop (uvloop); TENSORVERSE_TEST_ASYNCIO_LOOP=1: asyncio's
-        self.loop = asyncio.new_event_loop() if os.environ.get("TENSORVERSE_TEST_ASYNCIO_LOOP") else new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="proxy-test-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        async def wrap() -> Any:
-            return fn(*args)
-
-        return self.run(wrap())
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture
 def loop():
-    lt = LoopThread()
+    # the proxy's own loop (uvloop); TENSORVERSE_TEST_ASYNCIO_LOOP=1: asyncio's
+    asyncio_loop = bool(os.environ.get("TENSORVERSE_TEST_ASYNCIO_LOOP"))
+    lt = LoopThread("proxy-test-loop", asyncio.new_event_loop if asyncio_loop else new_event_loop)
     yield lt
     lt.stop()
 

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ for _p in (str(_HERE), str(ROOT / "tests" / "shadow")):
 from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.proxy.fake import FakeUpstream, _reset  # noqa: E402
+from tensorverse.proxy.loop import LoopThread  # noqa: E402
 
 RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS", ROOT / "out" / "reliability"))
 PY = sys.executable
@@ -111,23 +111,6 @@ class FaultyVLLM(FakeVLLM):
         return await super().h_completions(request)
 
 
-class LoopThread:
-    """An event loop in a daemon thread (servers run there, the test's thread stays free)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="reliability-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 async def start_fakes(shadows: dict[str, str | None], *, discard: bool = False) -> dict[str, Any]:
     """The primary and one fake per shadow name (value: its fault or None). ``discard``: keep no
     request logs (long runs)."""
@@ -163,7 +146,7 @@ class Fakes:
     @classmethod
     def inproc(cls, shadows: dict[str, str | None] | None = None) -> "Fakes":
         f = cls(shadows)
-        f._lt = LoopThread()
+        f._lt = LoopThread("reliability-loop", asyncio.new_event_loop)
         f.servers = f._lt.run(start_fakes(f.shadows))
         f.ports = {k: v.port for k, v in f.servers.items()}
         return f
