@@ -17,6 +17,9 @@ import operator
 from typing import Any
 
 import orjson
+from msgspec import Raw
+
+from tensorverse.proxy.events import NULL, ChatEvent, LogprobItem, decode_chat_run, decode_logprobs
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -287,6 +290,14 @@ def _chat_logprobs(content: list[dict] | None) -> list[dict]:
     return out
 
 
+def _chat_logprobs_typed(content: list[LogprobItem]) -> list[dict]:
+    """`_chat_logprobs` of the fast path's structs (`tensorverse.proxy.events`)."""
+    keys = _TOKEN_KEYS
+    return [{"token": keys[it.token], "logprob": it.logprob,
+             "top": [[keys[t.token], t.logprob] for t in it.top_logprobs] if it.top_logprobs else []}
+            for it in content]
+
+
 def _chat_logprobs_slow(content: list[dict] | None) -> list[dict]:
     out = []
     for item in content or ():
@@ -368,8 +379,9 @@ class _Choice:
 
     def _logprobs(self) -> list[dict]:
         if self.raw_chat_logprobs:
-            for content in self.raw_chat_logprobs:
-                self.logprobs.extend(_chat_logprobs(content))
+            for content in _decoded(self.raw_chat_logprobs):
+                typed = content and content[0].__class__ is LogprobItem
+                self.logprobs.extend(_chat_logprobs_typed(content) if typed else _chat_logprobs(content))
             self.raw_chat_logprobs = []
         return self.logprobs
 
@@ -426,15 +438,26 @@ class Accumulator:
             return
         chunks, times = self._raw, self._raw_t
         self._raw, self._raw_t, self.raw_bytes = [], [], 0
-        add = self.add_event
         for chunk, t in zip(chunks, times):
-            for obj in (_parse_events(chunk) if isinstance(chunk, bytes) else chunk):
-                if obj is None:
-                    self.unparsed_events += 1
-                elif type(obj) is dict and "error" in obj and "choices" not in obj and "delta" not in obj:
-                    self.stream_error = obj["error"]
-                elif add(obj) and self.first_token_t is None:
-                    self.first_token_t = t
+            if self.fold_run(self.decode_run(chunk) if chunk.__class__ is bytes else chunk) and self.first_token_t is None:
+                self.first_token_t = t
+
+    def decode_run(self, data: bytes) -> list[Any]:
+        """The events of a run of complete events (see `_parse_events`)."""
+        return _parse_events(data)
+
+    def fold_run(self, events: list[Any]) -> bool:
+        """Fold in the parsed data of a run of events; True when one of them carried output."""
+        output = False
+        add = self.add_event
+        for obj in events:
+            if obj is None:
+                self.unparsed_events += 1
+            elif type(obj) is dict and "error" in obj and "choices" not in obj and "delta" not in obj:
+                self.stream_error = obj["error"]
+            elif add(obj):
+                output = True
+        return output
 
     def choice(self, index: Any) -> _Choice:
         if not isinstance(index, int):
@@ -452,12 +475,15 @@ class Accumulator:
         raise NotImplementedError
 
     def _head(self, obj: dict) -> None:
-        if self.response_id is None and isinstance(obj.get("id"), str):
-            self.response_id = obj["id"]
-        if self.model is None and isinstance(obj.get("model"), str):
-            self.model = obj["model"]
-        if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        self._head_values(obj.get("id"), obj.get("model"), obj.get("usage"))
+
+    def _head_values(self, response_id: Any, model: Any, usage: Any) -> None:
+        if self.response_id is None and isinstance(response_id, str):
+            self.response_id = response_id
+        if self.model is None and isinstance(model, str):
+            self.model = model
+        if isinstance(usage, dict):
+            self.usage = usage
 
     def result(self) -> dict:
         """The recorded response (computed once; `add_*`/`feed_raw` afterwards recompute it)."""
@@ -539,34 +565,10 @@ class ChatAccumulator(Accumulator):
             if c is None:
                 c = self.choice(index)
             delta = cget("delta") or {}
-            if isinstance(delta, dict):
-                if delta:
-                    dget = delta.get
-                    if dget("role"):
-                        c.role = delta["role"]
-                    content = dget("content")
-                    if content and isinstance(content, str):
-                        c.text.append(content)
-                        output = True
-                    r = dget("reasoning_content") or dget("reasoning")
-                    if r and isinstance(r, str):
-                        c.reasoning.append(r)
-                        output = True
-                    calls = dget("tool_calls")
-                    if calls:
-                        for i, tc in enumerate(calls):
-                            if isinstance(tc, dict):
-                                c.add_tool_delta(tc, i)
-                                output = True
-            ids = cget("token_ids")
-            if ids:
+            if delta and isinstance(delta, dict) and _fold_delta(c, delta):
                 output = True
-                if isinstance(ids, list):
-                    if c.token_ids is None:
-                        c.token_ids = []
-                    c.token_ids.extend(ids)
-            elif c.token_ids is None and isinstance(ids, list):
-                c.token_ids = []
+            if _fold_ids(c, cget("token_ids")):
+                output = True
             lp = cget("logprobs")
             if lp and isinstance(lp, dict) and lp.get("content"):
                 c.raw_chat_logprobs.append(lp["content"])
@@ -575,6 +577,102 @@ class ChatAccumulator(Accumulator):
                 c.finish_reason = fr
                 c.stop_reason = cget("stop_reason")
         return output
+
+    def decode_run(self, data: bytes) -> list[Any]:
+        events = decode_chat_run(data)
+        return _parse_events(data) if events is None else events
+
+    def fold_run(self, events: list[Any]) -> bool:
+        if not events or events[0].__class__ is not ChatEvent:
+            return super().fold_run(events)
+        # `add_event` for the fast path's structs (`tensorverse.proxy.events`), which are of
+        # vLLM's shape by construction; tests/proxy/test_fastpath.py holds the two paths equal.
+        output = False
+        choices = self.choices
+        self._result = None
+        for ev in events:
+            if ev.is_error:
+                self.stream_error = ev.error
+                continue
+            self.events += 1
+            if self.response_id is None or self.model is None:
+                self._head_values(ev.id, ev.model, ev.usage)
+            elif ev.usage.__class__ is dict:
+                self.usage = ev.usage
+            if isinstance(ev.prompt_token_ids, list):
+                self.prompt_token_ids = ev.prompt_token_ids
+            for ch in ev.choices or ():
+                index = ch.index
+                c = choices.get(index) if index.__class__ is int else None
+                if c is None:
+                    c = self.choice(index)
+                delta = ch.delta
+                if delta and isinstance(delta, dict) and _fold_delta(c, delta):
+                    output = True
+                if _fold_ids(c, ch.token_ids):
+                    output = True
+                if ch.logprobs != NULL:  # raw JSON: decoded with the others of the choice (`_decoded`)
+                    c.raw_chat_logprobs.append(ch.logprobs)
+                if ch.finish_reason is not None:
+                    c.finish_reason = ch.finish_reason
+                    c.stop_reason = ch.stop_reason
+        return output
+
+
+def _decoded(contents: list[Any]) -> list[Any]:
+    """A choice's ``logprobs.content`` lists as folded in: lists (dicts or structs) as they
+    are, and the fast path's raw logprobs values (`Raw`), decoded together in one call."""
+    raws = [c for c in contents if c.__class__ is Raw]
+    if not raws:
+        return contents
+    decoded = decode_logprobs(raws)
+    if decoded is None:  # not vLLM's shape: as the general path takes them
+        decoded = [orjson.loads(bytes(r)) for r in raws]
+        values = iter([d.get("content") if isinstance(d, dict) else None for d in decoded])
+    else:
+        values = iter([d.content if d is not None else None for d in decoded])
+    out = []
+    for c in contents:
+        value = next(values) if c.__class__ is Raw else c
+        if value:
+            out.append(value)
+    return out
+
+
+def _fold_delta(c: _Choice, delta: dict) -> bool:
+    """Fold a chat stream delta into its choice; True when it carried output."""
+    output = False
+    dget = delta.get
+    if dget("role"):
+        c.role = delta["role"]
+    content = dget("content")
+    if content and isinstance(content, str):
+        c.text.append(content)
+        output = True
+    r = dget("reasoning_content") or dget("reasoning")
+    if r and isinstance(r, str):
+        c.reasoning.append(r)
+        output = True
+    calls = dget("tool_calls")
+    if calls:
+        for i, tc in enumerate(calls):
+            if isinstance(tc, dict):
+                c.add_tool_delta(tc, i)
+                output = True
+    return output
+
+
+def _fold_ids(c: _Choice, ids: Any) -> bool:
+    """Fold a stream choice's ``token_ids`` in; True when there were some (output)."""
+    if ids:
+        if isinstance(ids, list):
+            if c.token_ids is None:
+                c.token_ids = []
+            c.token_ids.extend(ids)
+        return True
+    if c.token_ids is None and isinstance(ids, list):
+        c.token_ids = []
+    return False
 
 
 class CompletionAccumulator(Accumulator):

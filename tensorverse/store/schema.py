@@ -7,7 +7,7 @@ big-endian integers, ids separated by a NUL that no id contains.
 
 from __future__ import annotations
 
-import os
+import random
 import struct
 import time
 from typing import Callable
@@ -48,8 +48,12 @@ _U64 = struct.Struct(">Q")
 
 
 def new_id() -> str:
-    """A time-ordered unique id (16 hex digits of ns time + 8 random hex digits)."""
-    return f"{time.time_ns():016x}{os.urandom(4).hex()}"
+    """A time-ordered unique id (16 hex digits of ns time + 8 random hex digits).
+
+    The random part comes from `random` (seeded from the OS at start, reseeded in a forked
+    child), not `os.urandom`: a system call here released the GIL on the proxy's event loop and
+    then waited behind the store's writer thread."""
+    return f"{time.time_ns():016x}{random.getrandbits(32):08x}"
 
 
 def check_id(value: str, what: str) -> bytes:

@@ -182,7 +182,8 @@ class Store:
     def put_session(self, session: dict) -> Future:
         """Create or replace a session; `id` and `created_ns` are filled in if missing."""
         session = {"created_ns": time.time_ns(), "tags": {}, **session}
-        session.setdefault("id", S.new_id())
+        if "id" not in session:  # not setdefault: no id is made for records that have one
+            session["id"] = S.new_id()
         sid = session["id"]
         fut = self._put_json(
             S.SESSIONS,
@@ -207,7 +208,8 @@ class Store:
         The session must exist (created by `put_session`) — checked in the same transaction.
         """
         turn = {"created_ns": time.time_ns(), **turn}
-        turn.setdefault("id", S.new_id())
+        if "id" not in turn:  # not setdefault: no id is made for records that have one
+            turn["id"] = S.new_id()
         tid, sid, index = turn["id"], turn["session_id"], int(turn["index"])
         tkey = S.check_id(tid, "turn")
         skey = S.check_id(sid, "session")
@@ -232,7 +234,8 @@ class Store:
     def put_run(self, run: dict) -> Future:
         """Store or update a run (turn x backend x mode). Its id is the capture id."""
         run = {"created_ns": time.time_ns(), **run}
-        run.setdefault("id", S.new_id())
+        if "id" not in run:  # not setdefault: no id is made for records that have one
+            run["id"] = S.new_id()
         return self._put_json(
             S.RUNS,
             S.check_id(run["id"], "run"),

@@ -1,6 +1,7 @@
 """The relay's fast path equals the event-by-event definitions it replaces: the splitter cuts
 where `SSEParser` does, `strip_stream` relays what `strip_response` + `SSEEvent.set_json` give,
-and accumulators fed raw bytes (or the injector's parsed objects) record what `add_event` does."""
+the typed decode and byte splice of vLLM's chat events (`strip_run`) relay the same JSON, and
+accumulators fed raw bytes, dicts or the typed events record what `add_event` does."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorverse.proxy.inject import strip_response, strip_stream
+import json
+
+from tensorverse.proxy.events import ChatEvent, decode_chat_run
+from tensorverse.proxy.inject import splice_chat_run, strip_response, strip_run, strip_stream
 from tensorverse.proxy.protocol import ChatAccumulator, CompletionAccumulator, SSEParser, SSESplitter
 
 CHAT_STRIP = {"token_ids": True, "logprobs": "drop"}
@@ -154,3 +158,127 @@ def test_malformed_event_does_not_stop_the_stripping_of_the_others():
     assert [c["logprobs"] for c in events[3]["choices"]] == [None, None]
     assert events[4] == {"choices": [1, {"token_ids": None, "logprobs": None}]}
     assert parsed[0] == _chat_event(0)  # the recorder gets the upstream's objects, unstripped
+
+
+
+# -- the typed decode and byte splice of vLLM's chat events --------------------------------------
+
+# Text that looks like the structure the splice searches for, inside JSON strings.
+_TRICKY = st.sampled_from([',"logprobs":{', '"token_ids":[1,2]', ',"finish_reason":', "\n", '"', "\\", "}]",
+                           "data: ", "\n\ndata: ", "token_ids\"", "]", "{", "é ✓", "\u2028"])
+_TEXT = st.lists(st.one_of(st.text(max_size=6), _TRICKY), max_size=4).map("".join)
+
+
+@st.composite
+def _vllm_chat_run(draw) -> list[dict]:
+    """Events of vLLM 0.32's chat stream shape, with what the proxy injects set or not."""
+    events = []
+    n = draw(st.integers(1, 6))
+    for i in range(n):
+        choices = []
+        for index in range(draw(st.integers(1, 2))):
+            delta: dict = {}
+            if draw(st.booleans()):
+                delta["content"] = draw(_TEXT)
+            if draw(st.integers(0, 4)) == 0:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": draw(_TEXT)}}]
+            token = st.one_of(st.integers(0, 200000).map(lambda t: f"token_id:{t}"), _TEXT)
+            lp = None
+            if draw(st.booleans()):
+                lp = {"content": [
+                    {"token": draw(token), "logprob": draw(st.floats(-30, 0)), "bytes": draw(st.lists(st.integers(0, 255), max_size=3)),
+                     "top_logprobs": [{"token": draw(token), "logprob": draw(st.floats(-30, 0)), "bytes": None}
+                                      for _ in range(draw(st.integers(0, 3)))]}
+                    for _ in range(draw(st.integers(0, 2)))]}
+            ch = {"index": index, "delta": delta, "logprobs": lp,
+                  "finish_reason": draw(st.sampled_from([None, "stop", "tool_calls"]))}
+            if draw(st.booleans()):
+                ch["token_ids"] = draw(st.lists(st.integers(0, 200000), max_size=3))
+            choices.append(ch)
+        ev = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices}
+        if i == 0 and draw(st.booleans()):
+            ev["prompt_token_ids"] = draw(st.lists(st.integers(0, 200000), min_size=1, max_size=5))
+        if i == n - 1 and draw(st.booleans()):
+            ev["usage"] = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+        events.append(ev)
+    return events
+
+
+def _sse(events: list[dict], dumps=orjson.dumps, done: bool = False) -> bytes:
+    return b"".join(b"data: " + dumps(ev) + b"\n\n" for ev in events) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _same_events(out: bytes, reference: bytes) -> None:
+    got = [(ev.event, ev.json if ev.json is not None else ev.data) for ev in SSEParser().feed(out)]
+    want = [(ev.event, ev.json if ev.json is not None else ev.data) for ev in SSEParser().feed(reference)]
+    assert got == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(_vllm_chat_run(), st.booleans(), st.booleans(), st.booleans())
+def test_splice_relays_what_the_reference_strip_relays(events, tids, drop, done):
+    data = _sse(events, done=done)
+    strip = {"token_ids": tids, "logprobs": "drop" if drop else None}
+    decoded = decode_chat_run(data)
+    assert decoded is not None and len(decoded) == len(events)  # vLLM's shape takes the fast path
+    cut = splice_chat_run(data, decoded, tids, drop)
+    assert cut is not None  # ... all of it: the values are found where vLLM writes them
+    out, parsed, changed = strip_run("chat.completions", data, strip)
+    reference = _reference_strip("chat.completions", data, strip)
+    _same_events(out, reference)
+    assert changed == strip_stream("chat.completions", data, strip)[2]
+    assert all(e.__class__ is ChatEvent for e in parsed)
+    # what the splice does not null is relayed as the upstream's own bytes
+    for sent, upstream in zip(SSEParser().feed(out), SSEParser().feed(data)):
+        if sent.json == upstream.json:
+            assert sent.raw == upstream.raw
+
+
+@settings(max_examples=150, deadline=None)
+@given(_vllm_chat_run())
+def test_typed_events_record_what_add_event_records(events):
+    data = _sse(events, done=True)
+    ref = ChatAccumulator()
+    for ev in events:
+        ref.add_event(orjson.loads(orjson.dumps(ev)))
+    typed = ChatAccumulator()
+    typed.feed_raw(data, 1.0, strip_run("chat.completions", data, {"token_ids": True, "logprobs": "drop"})[1])
+    raw = ChatAccumulator()
+    raw.feed_raw(data, 1.0)  # the recorder decodes it itself (no injection)
+    assert typed.result() == ref.result() == raw.result()
+    assert typed.events == ref.events
+
+
+@settings(max_examples=100, deadline=None)
+@given(_vllm_chat_run())
+def test_other_layouts_fall_back_to_the_reference_strip(events):
+    """Spaces after separators (not how vLLM writes), or logprobs as the last member of a
+    choice: the splice finds fewer values than the events hold and the run is stripped event by
+    event; the relayed JSON is the same either way."""
+    strip = {"token_ids": True, "logprobs": "drop"}
+    spaced = _sse(events, dumps=lambda ev: json.dumps(ev).encode())
+    out, _parsed, _ = strip_run("chat.completions", spaced, strip)
+    _same_events(out, _reference_strip("chat.completions", spaced, strip))
+    reordered = [{**ev, "choices": [{k: c[k] for k in sorted(c, key=lambda k: k == "logprobs")} for c in ev["choices"]]}
+                 for ev in events]
+    data = _sse(reordered)
+    out, _parsed, _ = strip_run("chat.completions", data, strip)
+    _same_events(out, _reference_strip("chat.completions", data, strip))
+
+
+def test_splice_refuses_what_is_not_vllms_shape():
+    ev = _chat_event(0)
+    nested = b"data: " + orjson.dumps({**ev, "choices": [{**ev["choices"][0], "token_ids": [[1], [2]]}]}) + b"\n\n"
+    assert splice_chat_run(nested, decode_chat_run(nested), True, True) is None
+    last = {**ev, "choices": [{"index": 0, "delta": {}, "token_ids": None, "logprobs": ev["choices"][0]["logprobs"]}]}
+    two = b"data: " + orjson.dumps(last) + b"\n\n" + b"data: " + orjson.dumps(_chat_event(1)) + b"\n\n"
+    cut = splice_chat_run(two, decode_chat_run(two), True, True)  # logprobs last: cut exactly, not up to
+    assert cut is not None and cut[1] == 2  # the next "finish_reason" (in the next event)
+    _same_events(cut[0], _reference_strip("chat.completions", two, CHAT_STRIP))
+    extra = b"data: " + orjson.dumps({**ev, "x": {"a": 1, "logprobs": {"content": []}}}) + b"\n\n"  # a "logprobs" not vLLM's
+    assert splice_chat_run(extra, decode_chat_run(extra), True, True) is None
+    # runs that are not plain data events are not decoded at all
+    for run in (b": ping\n\n", b"event: x\ndata: {}\n\n", b"data: {\"a\":1},{\"b\":2}\n\n",
+                b'data: {"choices": 7}\n\n', b"data: {}\r\n\r\n", b"data: not json\n\n"):
+        assert decode_chat_run(run) is None, run
+    assert decode_chat_run(b"data: [DONE]\n\n") == []

@@ -1,0 +1,102 @@
+"""vLLM's chat stream events as typed structs, decoded a run of events at a time.
+
+The relay path sees every event of every stream, and building a Python dict for each logprob
+entry (with its ``bytes`` list) was the largest single cost of recording (orjson, about a
+quarter of the proxy's instructions per request). msgspec decodes a whole run of complete events
+in one call into these structs, which keep only what the recorder and the stripping need and
+skip the rest (``bytes``, ``object``, ``created``...) without building it. A choice's logprobs
+stay raw JSON (`msgspec.Raw`, a view of the decoded bytes) on the relay path: the stripping cuts
+exactly those bytes out, and the recorder decodes them later, off the relay path
+(`decode_logprobs`).
+
+`decode_chat_run` takes a run of events exactly as `SSESplitter.feed` cuts them and returns the
+decoded events, or None when the run is not in vLLM's plain form (every event one
+``data: <JSON object>`` line, no ``\\r``, no comments or event names, values of the expected
+types). None sends the run down the general path: one orjson parse per event, as before, so
+anything unexpected is handled as it always was. Leaves (text, ids, usage, tool-call deltas)
+are ``Any``: decoded as orjson decodes them, so both paths record the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Raw, Struct, UnsetType
+
+_DONE = b"data: [DONE]\n\n"
+
+#: a choice's ``logprobs`` when it is null or absent
+NULL = Raw(b"null")
+
+
+class TopLogprob(Struct, gc=False):
+    token: Any = ""
+    logprob: Any = None
+
+
+class LogprobItem(Struct, gc=False):
+    token: Any = ""
+    logprob: Any = None
+    top_logprobs: list[TopLogprob] | None = None
+
+
+class ChatLogprobs(Struct, gc=False):
+    content: list[LogprobItem] | None = None
+
+
+class ChatChoice(Struct):
+    index: Any = 0
+    delta: Any = None
+    logprobs: Raw = NULL  # the value's JSON, as the upstream wrote it (`decode_logprobs`)
+    finish_reason: Any = None
+    stop_reason: Any = None
+    token_ids: Any = None
+
+
+class ChatEvent(Struct):
+    id: Any = None
+    model: Any = None
+    choices: list[ChatChoice] | UnsetType = UNSET
+    usage: Any = None
+    prompt_token_ids: Any = None
+    error: Any = UNSET
+    delta: Any = UNSET
+
+    @property
+    def is_error(self) -> bool:
+        """vLLM's mid-stream error event (``{"error": ...}`` without choices)."""
+        return self.error is not UNSET and self.choices is UNSET and self.delta is UNSET
+
+
+_decoder = msgspec.json.Decoder(list[ChatEvent])
+_logprobs_decoder = msgspec.json.Decoder(list[ChatLogprobs | None])
+
+
+def decode_logprobs(raws: list[Raw]) -> list[ChatLogprobs | None] | None:
+    """The logprobs objects of some choices (their `ChatChoice.logprobs`), decoded in one call;
+    None when one of them is not of vLLM's shape (the caller parses them generally)."""
+    try:
+        return _logprobs_decoder.decode(b"[" + b",".join(raws) + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def decode_chat_run(data: bytes) -> list[ChatEvent] | None:
+    """The events of ``data`` (complete events; a final ``[DONE]`` is left out), or None when
+    ``data`` is not a run of plain ``data: {...}`` events of vLLM's chat shape."""
+    if data.endswith(_DONE):
+        data = data[: -len(_DONE)]
+        if not data:
+            return []
+    if data[:7] != b"data: {" or data[-2:] != b"\n\n" or b"\r" in data:
+        return None
+    # Events are "data: <json>\n\n"; JSON text has no raw newline, so joining the payloads with
+    # commas makes one JSON array exactly when every event is one data line of one JSON value.
+    try:
+        events = _decoder.decode(b"[" + data[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if data.count(b"\n") != 2 * len(events):  # e.g. one event 'data: {...},{...}' read as two
+        return None
+    return events
