@@ -30,7 +30,8 @@ What is replaced (``kind`` in the report), and by what:
 ``email``     ``userN@<domain mapped as above>``.
 ``api_key``   known token formats (OpenAI ``sk-``, GitHub ``ghp_``/``github_pat_``, Slack
               ``xox?-``, AWS ``AKIA``, Google ``AIza``, GitLab ``glpat-``, Hugging Face ``hf_``,
-              JWTs, ``Bearer ...``, PEM private keys) -> the same prefix + ``REDACTED`` + a number.
+              JWTs, ``Bearer ...``, PEM private keys) -> the same prefix + ``REDACTED`` + a number
+              (AWS: ``AKIA_REDACTED_N``, which no secret scanner takes for a key).
 ``secret``    passwords and keys in configs: ``password [0-9] X``, ``secret 5 $1$...``,
               ``key 7 ...``, ``key-string``, ``pre-shared-key``, ``authentication-key``,
               ``md5``, SNMPv3 ``auth``/``priv`` keys, and ``key = value`` / ``"key": "value"``
@@ -521,8 +522,8 @@ class Scrubber:
             return None
         self._count("api_key", orig)
         n = self._mapped("api_key", body, lambda: str(self._next("api_key")))
-        if style == "aws":
-            return m.group("prefix") + f"REDACTED{int(n):08d}"
+        if style == "aws":  # not 16 of [0-9A-Z]: secret scanners must not take it for a key
+            return m.group("prefix") + f"_REDACTED_{n}"
         return m.group("prefix") + f"REDACTED{n}"
 
     def _secret_placeholder(self, kind: str, orig: str, typ: str | None) -> str:

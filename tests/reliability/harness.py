@@ -250,10 +250,20 @@ class ProxyProc:
         return self.proc is not None and self.proc.poll() is None
 
     def rss_kb(self) -> int:
+        return self.memory_kb()["rss"]
+
+    def memory_kb(self) -> dict[str, int]:
+        """Resident memory (KiB) and its parts: ``anon`` (the heap: what a leak grows), ``file``
+        (file pages mapped in: the store's LMDB map, which the kernel can drop), ``shmem``."""
+        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+        out = {}
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise RuntimeError("no VmRSS")
+            name = fields.get(line.split(":", 1)[0] + ":")
+            if name:
+                out[name] = int(line.split()[1])
+        if "rss" not in out:
+            raise RuntimeError("no VmRSS")
+        return out
 
     def stats(self) -> dict[str, Any]:
         return httpx.get(self.admin_url + "/stats", timeout=10).json()

@@ -117,29 +117,58 @@ async def run_load(proxy_url: str, direct_url: str, agents: int, duration_s: flo
     return out
 
 
+def memory_trend(samples: list[tuple[float, dict[str, int]]]) -> dict[str, Any]:
+    """Heap (``anon``) and mapped-file (``file``) resident memory over the run, in MiB: first,
+    middle and last sample, and the heap's growth rate over the second half (MiB per minute; a
+    least-squares slope), which is ~0 once every bounded structure is full."""
+    if len(samples) < 4:
+        return {}
+    mid = len(samples) // 2
+    half = samples[mid:]
+    ts = [t for t, _ in half]
+    ys = [m.get("anon", m["rss"]) / 1024 for _, m in half]
+    tm, ym = sum(ts) / len(ts), sum(ys) / len(ys)
+    den = sum((t - tm) ** 2 for t in ts) or 1.0
+    slope = sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / den * 60
+    pick = {"start": samples[0][1], "middle": samples[mid][1], "end": samples[-1][1]}
+    return {**{f"anon_mb_{k}": round(m.get("anon", 0) / 1024, 1) for k, m in pick.items()},
+            **{f"file_mb_{k}": round(m.get("file", 0) / 1024, 1) for k, m in pick.items()},
+            "anon_mb_per_min_second_half": round(slope, 2),
+            "anon_mb_every_30s": [round(m.get("anon", 0) / 1024) for _, m in samples[::15]],
+            "file_mb_every_30s": [round(m.get("file", 0) / 1024) for _, m in samples[::15]]}
+
+
 def soak(workdir: Path, *, agents: int = 200, duration_s: float = 60.0, think_s: tuple[float, float] = (1.0, 3.0),
-         queue_size: int = 256, drain_timeout_s: float = 180.0) -> dict[str, Any]:
-    """Run the soak; returns its figures (see the module docstring). Processes are torn down."""
+         queue_size: int = 256, drain_timeout_s: float = 180.0, max_tracked: int | None = None) -> dict[str, Any]:
+    """Run the soak; returns its figures (see the module docstring). Processes are torn down.
+
+    ``max_tracked`` caps the session tracker (`[sessions] max_tracked`, default 10,000) so that a
+    run of a few minutes reaches the steady state in which every bounded structure is full."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     fakes = H.Fakes.spawn({"s1": None, "s2": None, "s3": None}, log=workdir / "fakes.log")
     store = workdir / "store"
     cfg = H.proxy_config(fakes.url("primary"), store, shadows={n: fakes.url(n) for n in ("s1", "s2", "s3")},
-                         shadow={"queue_size": queue_size, "workers": 4})
+                         shadow={"queue_size": queue_size, "workers": 4},
+                         **({"sessions": {"max_tracked": max_tracked}} if max_tracked else {}))
     for s in cfg["shadows"]:
         s.update(timeout_s=10, concurrency=2)
     proxy = H.ProxyProc(workdir / "proxy", cfg)
     try:
         proxy.start()
-        rss_start = proxy.rss_kb()
+        mem_start = proxy.memory_kb()
+        rss_start = mem_start["rss"]
         t0 = time.monotonic()
         rss_samples: list[int] = [rss_start]
+        mem_samples: list[tuple[float, dict[str, int]]] = [(0.0, mem_start)]
 
         async def main() -> dict[str, Any]:
             async def sample() -> None:
                 while time.monotonic() - t0 < duration_s:
                     await asyncio.sleep(2.0)
-                    rss_samples.append(proxy.rss_kb())
+                    mem = proxy.memory_kb()
+                    rss_samples.append(mem["rss"])
+                    mem_samples.append((time.monotonic() - t0, mem))
 
             load, _ = await asyncio.gather(run_load(proxy.url, fakes.url("primary"), agents, duration_s, think_s),
                                            sample())
@@ -148,6 +177,7 @@ def soak(workdir: Path, *, agents: int = 200, duration_s: float = 60.0, think_s:
         load = asyncio.run(main())
         wall = time.monotonic() - t0
         rss_end_load = proxy.rss_kb()
+        sessions_end = proxy.stats().get("sessions", {})
         st = proxy.wait_shadows_idle(drain_timeout_s)
         rss_end = proxy.rss_kb()
         rc = proxy.terminate(60)
@@ -184,6 +214,9 @@ def soak(workdir: Path, *, agents: int = 200, duration_s: float = 60.0, think_s:
                   "added_ttft_p99_ms": round((pct(pr["proxy_ttft"], 99) - pct(pr["direct_ttft"], 99)) * 1e3, 1)},
         "rss_kb": {"start": rss_start, "end_of_load": rss_end_load, "after_drain": rss_end, "max": max(rss_samples)},
         "rss_mb_every_30s": [round(x / 1024) for x in rss_samples[::15]],
+        "memory": memory_trend(mem_samples),
+        "store_mb": round(sum(f.stat().st_size for f in store.glob("*.mdb")) / 2**20, 1),
+        "tracked_sessions_end": sessions_end.get("tracked_sessions"),
         "turns_recorded": len(turns), "turns_complete": len(complete),
         "turns_aborted_after_done": sum(t["state"] == "aborted" for t in complete),
         "turns_expected": load["ok"] + probe_turns,

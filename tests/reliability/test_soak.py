@@ -34,3 +34,5 @@ def test_soak_shortened(tmp_path):
     assert r["proxy_exit"] == 0
     rss = r["rss_kb"]
     assert rss["end_of_load"] < rss["start"] + 300_000, rss  # bounded: no growth with requests served
+    mem = r["memory"]  # the heap apart from the store's mapped pages (flat in the full soak: RELIABILITY.md)
+    assert mem["anon_mb_end"] < mem["anon_mb_start"] + 100, mem
