@@ -11,8 +11,9 @@ is called, in the same run:
   proxy-no-shadows    the same proxy without shadows (for shadow_slowdown_ratio)
   nginx               through nginx (Debian nginx-light; proxy_buffering off, upstream
                       keepalive), when installed; skipped otherwise
-at concurrency 1 (TTFT and total latency p50/p99; the targets take turns in rounds, so that a
-change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
+at concurrency 1 (TTFT and total latency p50/p99, back to back and, as ``*_spaced``, with a pause
+of ``--think-ms`` between requests as an agent runs its tool between turns; the targets take
+turns in rounds, so that a change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
 aiohttp in this process. On a small machine the generator, the upstream and the proxy share the
 CPU: compare ratios, not absolute numbers. The last line is one JSON object.
 """
@@ -135,7 +136,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-async def load(url: str, n: int, concurrency: int, events: int) -> dict:
+async def load(url: str, n: int, concurrency: int, events: int, think_s: float = 0.0) -> dict:
     body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
     headers = {"Content-Type": "application/json", "X-Fake-Events": str(events), "Authorization": "Bearer bench"}
@@ -164,6 +165,8 @@ async def load(url: str, n: int, concurrency: int, events: int) -> dict:
                     total.append((t1 - t0) * 1000)
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     errors += 1
+                if think_s:
+                    await asyncio.sleep(think_s)
 
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -188,6 +191,8 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=32, help="SSE events per stream")
     ap.add_argument("--rounds", type=int, default=8, help="c=1 runs are split into this many interleaved rounds")
     ap.add_argument("--throughput-rounds", type=int, default=4, help="the same for the c=200 runs")
+    ap.add_argument("--think-ms", type=float, default=5.0,
+                    help="pause between requests of the spaced c=1 runs (added_ttft_p50_ms_spaced)")
     ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -226,11 +231,16 @@ def main() -> int:
         # load in the meantime (other processes) affects them alike; then each at c=200.
         rounds = max(1, min(args.rounds, args.latency_requests))
         c1_runs: dict[str, list[dict]] = {name: [] for name in targets}
+        spaced_runs: dict[str, list[dict]] = {name: [] for name in targets}
         for name, (url, _pid) in targets.items():
             asyncio.run(load(url, 50, 8, args.events))  # warm up
         for _ in range(rounds):
             for name, (url, _pid) in targets.items():
                 c1_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events)))
+                # the same with a pause between requests, as an agent runs its tool between turns:
+                # the proxy has finished recording the previous turn when the next one arrives
+                spaced_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events,
+                                                          think_s=args.think_ms / 1000)))
         # c=200 (throughput): in rounds too (throughput = requests / time over a target's rounds)
         c200_rounds = max(1, min(args.throughput_rounds, args.requests // 200))
         done = {name: {"n": 0, "errors": 0, "wall": 0.0, "cpu": 0.0} for name in targets}
@@ -248,8 +258,9 @@ def main() -> int:
             acc = done[name]
             c200 = {"n": acc["n"], "errors": acc["errors"], "rps": acc["n"] / acc["wall"] if acc["wall"] else 0.0}
             cpu = acc["cpu"] / max(1, acc["n"]) if pid else None
-            results[name] = {"c1": c1, "c200": c200, "cpu_ms_per_request": cpu}
-            print(f"{name:17s} c=1 ttft p50 {c1['ttft_p50']:.3f} ms p99 {c1['ttft_p99']:.3f} ms, total p50 "
+            results[name] = {"c1": c1, "c1_spaced": pooled(spaced_runs[name]), "c200": c200, "cpu_ms_per_request": cpu}
+            print(f"{name:17s} c=1 ttft p50 {c1['ttft_p50']:.3f} ms p99 {c1['ttft_p99']:.3f} ms "
+                  f"(spaced {results[name]['c1_spaced']['ttft_p50']:.3f}), total p50 "
                   f"{c1['total_p50']:.3f} ms | c=200 {c200['rps']:.0f} req/s (errors {c200['errors']})"
                   + (f" | cpu {cpu:.2f} ms/req" if cpu is not None else ""), flush=True)
 
@@ -260,10 +271,14 @@ def main() -> int:
             "added_ttft_p99_ms": round(p["c1"]["ttft_p99"] - d["c1"]["ttft_p99"], 3),
             "added_total_p50_ms": round(p["c1"]["total_p50"] - d["c1"]["total_p50"], 3),
             "added_total_p99_ms": round(p["c1"]["total_p99"] - d["c1"]["total_p99"], 3),
+            "added_ttft_p50_ms_spaced": round(p["c1_spaced"]["ttft_p50"] - d["c1_spaced"]["ttft_p50"], 3),
+            "added_ttft_p99_ms_spaced": round(p["c1_spaced"]["ttft_p99"] - d["c1_spaced"]["ttft_p99"], 3),
             "throughput_ratio_c200": round(p["c200"]["rps"] / d["c200"]["rps"], 3),
             "nginx_throughput_ratio_c200": round(results["nginx"]["c200"]["rps"] / d["c200"]["rps"], 3)
             if "nginx" in results else None,
             "nginx_added_ttft_p50_ms": round(results["nginx"]["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3)
+            if "nginx" in results else None,
+            "nginx_added_ttft_p50_ms_spaced": round(results["nginx"]["c1_spaced"]["ttft_p50"] - d["c1_spaced"]["ttft_p50"], 3)
             if "nginx" in results else None,
             "cpu_ms_per_request": round(p["cpu_ms_per_request"], 3),
             "shadow_slowdown_ratio": round(p["c1"]["total_p50"] / ps["c1"]["total_p50"], 3),

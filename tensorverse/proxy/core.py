@@ -144,8 +144,8 @@ class ProxyCore:
         self._idle.set()
         self._hooks = {
             h: [a for a in self.addons if overrides(a, h)]
-            for h in ("request", "response_start", "stream_rewrite", "event", "stream_data", "response_body",
-                      "response_done", "error")
+            for h in ("request", "request_forwarded", "response_start", "stream_rewrite", "event", "stream_data",
+                      "response_body", "response_done", "error")
         }
         self.counters: dict[str, int] = {
             "requests": 0,
@@ -333,6 +333,7 @@ class ProxyCore:
                 flow.t_end = time.perf_counter()
                 self.counters["aborted"] += 1
                 if kind is not None:
+                    self._forwarded(flow)
                     self._background(flow, "error")
             raise
 
@@ -353,11 +354,14 @@ class ProxyCore:
             target = self._base_path + self._upstream_target(request)
         else:
             url = URL(self._upstream_url(request), encoded=True)
+            if kind is not None:
+                self._forwarded(flow)  # aiohttp's client has no "sent" point: before the request
         send_body = flow.upstream_body
+        on_sent = (lambda: self._forwarded(flow)) if kind is not None else None
         for attempt in (0, 1):
             try:
                 if pool is not None:
-                    up = await pool.request(request.method, target, headers, send_body)
+                    up = await pool.request(request.method, target, headers, send_body, on_sent)
                 else:
                     up = await self._client.request(
                         request.method, url, headers=headers,
@@ -392,17 +396,31 @@ class ProxyCore:
         finally:
             up.close()  # no-op after a complete read; aborts the upstream request otherwise
 
+    def _forwarded(self, flow: Flow) -> None:
+        """Run the `request_forwarded` hooks of a flow, once."""
+        if flow.forwarded:
+            return
+        flow.forwarded = True
+        for a in self._hooks["request_forwarded"]:
+            try:
+                a.request_forwarded(flow)
+            except Exception:  # noqa: BLE001
+                self._hook_failed(a, "request_forwarded")
+
     def _fail(self, flow: Flow, status: int, message: str) -> web.Response:
         flow.state = F.ERROR
         flow.error = message
         flow.status = status
         flow.t_end = time.perf_counter()
         if flow.kind is not None:
+            self._forwarded(flow)
             self._background(flow, "error")
         log.warning("%s %s: %s", flow.method, flow.path, message)
         return self._error(flow.kind, status, message, "BadGateway" if status == 502 else "GatewayTimeout", retry=True)
 
     async def _relay(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        if flow.kind is not None:
+            self._forwarded(flow)  # normally done already, once the request was written
         flow.status = up.status
         flow.response_headers = up.headers
         flow.t_headers = time.perf_counter()

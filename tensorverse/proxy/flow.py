@@ -4,6 +4,9 @@ The proxy core (`tensorverse.proxy.core`) knows nothing of recording, sessions o
 are addons, in the manner of mitmproxy. The core calls, in this order:
 
 ``request(flow)`` (async, before the request is forwarded; may rewrite ``flow.upstream_body``)
+``request_forwarded(flow)`` (sync, once the request is on its way to the upstream and its answer
+    is awaited, or once it is known that it will not get there: work that must see every request
+    but need not delay it, such as grouping it into a session)
     ``response_start(flow)`` (status and headers are known)
     for each run of complete SSE events that arrives (one read from the upstream):
         ``stream_rewrite(flow, data)`` (sync, before the relay; returns the bytes to relay in
@@ -94,6 +97,7 @@ class Flow:
 
     # Free-form per-addon state (addon name -> anything)
     meta: dict[str, Any] = field(default_factory=dict)
+    forwarded: bool = False  # the `request_forwarded` hooks have run
 
     _json: Any = field(default_factory=_unset, repr=False)
     _json_error: str | None = field(default=None, repr=False)
@@ -169,6 +173,9 @@ class Addon:
         """Called once when the proxy stops."""
 
     async def request(self, flow: Flow) -> None:
+        pass
+
+    def request_forwarded(self, flow: Flow) -> None:
         pass
 
     def response_start(self, flow: Flow) -> None:

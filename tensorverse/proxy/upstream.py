@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import httptools
@@ -378,8 +378,10 @@ class UpstreamPool:
         parts.append(b"Content-Length: %d\r\n\r\n" % length)
         return b"".join(parts)
 
-    async def request(self, method: str, target: str, headers: Any, body: bytes) -> UpstreamResponse:
-        """Send one request; returns once the response's status and headers are in."""
+    async def request(self, method: str, target: str, headers: Any, body: bytes,
+                      on_sent: Callable[[], None] | None = None) -> UpstreamResponse:
+        """Send one request; returns once the response's status and headers are in. ``on_sent``
+        is called once the request is written (while the answer is awaited)."""
         head = self.head(method, target, headers, len(body))
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
@@ -396,6 +398,9 @@ class UpstreamPool:
             else:
                 conn.transport.write(head)
                 conn.transport.write(body)
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
             try:
                 if self.read_timeout_s:
                     async with asyncio.timeout(self.read_timeout_s):

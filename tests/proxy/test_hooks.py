@@ -1,0 +1,129 @@
+"""The core's addon hooks: their order, each once per LLM flow, and `request_forwarded` running
+while the upstream already has the request (so work there, such as session grouping, does not
+delay it)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+
+from tensorverse.proxy.core import ProxyCore
+from tensorverse.proxy.flow import Addon, Flow
+
+
+class Trace(Addon):
+    name = "trace"
+
+    def __init__(self, block_s: float = 0.0) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.block_s = block_s
+        self.forwarded_at: list[tuple[float, float]] = []
+
+    async def request(self, flow: Flow) -> None:
+        self.calls.append(("request", flow.id))
+
+    def request_forwarded(self, flow: Flow) -> None:
+        t = time.perf_counter()
+        time.sleep(self.block_s)  # blocks the proxy's loop, as heavy hook work would
+        self.forwarded_at.append((t, time.perf_counter()))
+        self.calls.append(("request_forwarded", flow.id))
+
+    def response_start(self, flow: Flow) -> None:
+        self.calls.append(("response_start", flow.id))
+
+    async def response_done(self, flow: Flow) -> None:
+        self.calls.append(("response_done", flow.id))
+
+    async def error(self, flow: Flow) -> None:
+        self.calls.append(("error", flow.id))
+
+
+class ThreadUpstream:
+    """A one-answer-per-connection HTTP upstream in its own thread (not on the proxy's loop), which
+    notes when each request arrived."""
+
+    BODY = b'{"id":"x","object":"chat.completion","choices":[]}'
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.arrived: list[float] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                self.arrived.append(time.perf_counter())
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")), b"0"))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                time.sleep(0.05)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _core(loop, upstream: str, trace: Trace) -> ProxyCore:
+    core = ProxyCore(upstream, [trace])
+    loop.run(core.start())
+    return core
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_hooks_in_order_once_each(fake, loop):
+    trace = Trace()
+    core = _core(loop, fake.url, trace)
+    try:
+        with httpx.Client(timeout=30) as c:
+            assert c.post(f"http://127.0.0.1:{core.port}/v1/chat/completions", json={**CHAT, "stream": True}).status_code == 200
+            assert c.get(f"http://127.0.0.1:{core.port}/v1/models").status_code == 200  # not an LLM turn: no hooks
+        loop.run(core.drain(5))
+        assert [name for name, _ in trace.calls] == ["request", "request_forwarded", "response_start", "response_done"]
+        assert len({fid for _, fid in trace.calls}) == 1
+    finally:
+        loop.run(core.close())
+
+
+def test_forwarded_runs_once_when_the_upstream_is_down(loop):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    trace = Trace()
+    core = _core(loop, f"http://127.0.0.1:{port}", trace)
+    try:
+        with httpx.Client(timeout=30) as c:
+            assert c.post(f"http://127.0.0.1:{core.port}/v1/chat/completions", json=CHAT).status_code == 502
+        loop.run(core.drain(5))
+        assert [name for name, _ in trace.calls] == ["request", "request_forwarded", "error"]
+    finally:
+        loop.run(core.close())
+
+
+def test_forwarded_work_does_not_delay_the_upstream_request(loop):
+    up = ThreadUpstream()
+    trace = Trace(block_s=0.3)
+    core = _core(loop, f"http://127.0.0.1:{up.port}", trace)
+    try:
+        with httpx.Client(timeout=30) as c:
+            assert c.post(f"http://127.0.0.1:{core.port}/v1/chat/completions", json=CHAT).status_code == 200
+        (_started, ended), = trace.forwarded_at
+        arrived, = up.arrived
+        assert arrived < ended - 0.2  # the upstream had the request while the hook was still busy
+    finally:
+        loop.run(core.close())
+        up.close()
