@@ -45,6 +45,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -629,6 +630,7 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
     done = _read_journal(journal, key) if (journal and opts.resume) else {}
     results_cases: dict[str, dict[str, Any]] = {cid: c for cid, c in done.items()}
     started = time.time()
+    interrupted = _on_interrupt()
     try:
         with Store.open(store_path, durable=False) as store:
             async with ShadowRunner(store, opts.backends, cache=RunnerCache(),
@@ -645,6 +647,8 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
 
                 async def one(c: Mapping[str, Any]) -> None:
                     async with sem:
+                        if interrupted.is_set():
+                            return
                         try:
                             res = await r.case(c)
                         except Exception as e:  # noqa: BLE001 - a case never aborts the run
@@ -658,10 +662,16 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
 
                 try:
                     await asyncio.gather(*(one(c) for c in todo))
+                except asyncio.CancelledError:
+                    if interrupted.is_set():
+                        raise KeyboardInterrupt from None
+                    raise
                 finally:
                     prog.close()
                     if jf is not None:
                         jf.close()
+        if interrupted.is_set():  # the cancellation was lost on the way (asyncio.wait_for in 3.11 can)
+            raise KeyboardInterrupt
         ordered = [results_cases[c["id"]] for c in cases if c["id"] in results_cases]
         results = build_results(corpus, opts, ordered, rig=rig, tokenizers=tokenizers,
                                 refused=r.refused, wall_s=time.time() - started, resumed=len(done))
@@ -678,9 +688,38 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
 
             results["html"] = str(write_html_report(results, store_path, opts.html))
     finally:
+        _off_interrupt()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _on_interrupt() -> asyncio.Event:
+    """Ctrl-C (SIGINT) during a replay: set the returned event and cancel the running task. The
+    event also stops cases not started yet, so an interruption holds even when a cancellation
+    is swallowed on the way; `replay` then raises KeyboardInterrupt and keeps the journal. In a
+    thread other than the main one (no signal handlers there) the event is never set."""
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+
+    def on_sigint() -> None:
+        interrupted.set()
+        if task is not None:
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
+    return interrupted
+
+
+def _off_interrupt() -> None:
+    try:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
 
 
 def run_replay(corpus_path: str, opts: ReplayOptions, *, fail_on: Sequence[str] = (),
@@ -701,7 +740,7 @@ def run_replay(corpus_path: str, opts: ReplayOptions, *, fail_on: Sequence[str] 
 
     try:
         results = asyncio.run(replay(corpus, opts, finalize=finalize))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C (`_on_interrupt`)
         print("tensorverse replay: interrupted; finished cases are kept in "
               f"{opts.out}.partial.jsonl — rerun the same command to resume" if opts.out else
               "tensorverse replay: interrupted (no --out: nothing kept)", file=sys.stderr)
