@@ -162,3 +162,46 @@ def test_html_named_points_only_get_one_cell_each():
     page = render_html(rep)
     heat = page[page.index("id='heatmap'"):page.index("</table>")]
     assert "<th>base</th><th>fp32</th>" in heat and "30.00%" in heat
+
+
+def test_parallel_points_run_at_most_n_at_once_after_the_reference(tmp_path, monkeypatch):
+    """`[matrix] parallel = 2`: the reference runs alone first (its output is everyone's basis),
+    then the other points at most two at a time, each once; a point with the same effective
+    settings as another shares its run (scheduling only: no vLLM)."""
+    import threading
+    import time as _time
+
+    from tensorverse.matrix import grid
+    from tensorverse.replay.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", [], name="empty")
+    s = spec(axes={"--dtype": ["bfloat16", "float32", "float16"], "--block-size": [16, 32]},
+             points=[{"name": "twin", "settings": {"--dtype": "float32", "--block-size": 16}}],
+             matrix={"parallel": 2})
+    lock = threading.Lock()
+    running: list[str] = []
+    log: list[tuple[str, str, int]] = []
+
+    def run_config(req, log_=None, **_kw):
+        with lock:
+            running.append(req.label)
+            log.append(("start", req.label, len(running)))
+        _time.sleep(0.05)
+        with lock:
+            running.remove(req.label)
+            log.append(("end", req.label, len(running)))
+        return {"status": "ok", "label": req.label, "basis": req.basis is not None}
+
+    monkeypatch.setattr(grid, "run_config", lambda req, log=None: run_config(req))
+    monkeypatch.setattr(grid, "load_run", lambda out, key: None)
+    monkeypatch.setattr(grid, "reference_basis", lambda out, rec, corp: {"c": {"0": [1, 2]}})
+    points = s.all_points()
+    ref = s.point(s.reference)
+    runs = grid.ensure_runs(s, str(corpus), tmp_path / "out", points, ref)
+    assert set(runs) == {p.name for p in points}
+    assert log[0] == ("start", ref.name, 1) and log[1] == ("end", ref.name, 0)  # alone, first
+    assert max(n for ev, _, n in log if ev == "start") == 2  # two at once, never more
+    started = [name for ev, name, _ in log if ev == "start"]
+    assert len(started) == len(set(started)) == len(points) - 1  # each configuration once: "twin"
+    assert runs["twin"] is runs["dtype=float32,block-size=16"]  # has the grid point's settings: its run
+    assert not runs[ref.name]["basis"] and all(r["basis"] for name, r in runs.items() if name != ref.name)
