@@ -121,19 +121,6 @@ def reference_basis(out: Path, run: Mapping[str, Any] | None, corpus: Any) -> di
     return basis
 
 
-async def _with_retries(fn: Callable[[], Any], retries: int) -> dict[str, Any]:
-    run = await fn()
-    delay = 0.5
-    for attempt in range(retries):
-        if run.get("status") not in ("failed", "timeout"):
-            break
-        await asyncio.sleep(delay)
-        delay *= 2
-        run = await fn()
-        run["retries"] = attempt + 1
-    return run
-
-
 def _entry(run: Mapping[str, Any], tokens: list[int] | None = None) -> dict[str, Any]:
     return {"run_id": run["id"], "status": run.get("status"), "capture": run.get("capture"),
             "method": run.get("method"), "rows": run.get("rows"), "error": run.get("error"),
@@ -144,7 +131,7 @@ def _entry(run: Mapping[str, Any], tokens: list[int] | None = None) -> dict[str,
 
 async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Free and forced runs of every turn of ``cases`` on the server at ``url``."""
-    from tensorverse.replay.runner import case_turn_input
+    from tensorverse.replay.runner import case_turn_input, with_retries
     from tensorverse.shadow.backend import Backend
     from tensorverse.shadow.runner import ShadowRunner, TurnInput
 
@@ -165,7 +152,7 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                     free = None
                     if "free" in modes or req.basis is None:
                         t = TurnInput.from_dict(rec)
-                        free = await _with_retries(lambda: runner.run_free(t, backend), spec.replay.retries)
+                        free = await with_retries(lambda: runner.run_free(t, backend), spec.replay.retries, 0.5)
                         ent["free"] = _entry(free)
                     if req.basis is None:
                         tokens = list(free.get("token_ids") or []) if free and free.get("status") == "ok" \
@@ -173,7 +160,7 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                     else:
                         tokens = list(req.basis[case["id"]][str(turn["index"])])
                     tf = TurnInput.from_dict(dict(rec, output_token_ids=tokens))
-                    forced = await _with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries)
+                    forced = await with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries, 0.5)
                     ent["forced"] = _entry(forced, tokens)
                     per[str(turn["index"])] = ent
                 index[case["id"]] = per

@@ -315,15 +315,7 @@ class _Replay:
         run: dict[str, Any] | None = None
         if ref is not None:
             ti = TurnInput.from_dict(rec)
-            run = await self.runner.run_free(ti, ref)
-            delay = self.opts.backoff_s
-            for attempt in range(self.opts.retries):
-                if run["status"] not in ("failed", "timeout"):
-                    break
-                await asyncio.sleep(delay)
-                delay *= 2
-                run = await self.runner.run_free(ti, ref)
-                run["retries"] = attempt + 1
+            run = await with_retries(lambda: self.runner.run_free(ti, ref), self.opts.retries, self.opts.backoff_s)
             run["role"] = ref.role
             await asyncio.to_thread(lambda: self.store.put_run(run).result())
         if run is None or run["status"] != "ok":
@@ -692,6 +684,22 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+async def with_retries(run: Callable[[], Any], retries: int, backoff_s: float) -> dict[str, Any]:
+    """``await run()`` again while it comes back ``failed`` or ``timeout``, at most ``retries``
+    more times, waiting ``backoff_s`` and then twice as long each time; the last run (its
+    ``retries`` says how many more it took)."""
+    out = await run()
+    delay = backoff_s
+    for attempt in range(retries):
+        if out.get("status") not in ("failed", "timeout"):
+            break
+        await asyncio.sleep(delay)
+        delay *= 2
+        out = await run()
+        out["retries"] = attempt + 1
+    return out
 
 
 def _on_interrupt() -> asyncio.Event:

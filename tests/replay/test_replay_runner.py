@@ -271,3 +271,20 @@ def test_ctrl_c_stops_the_run_and_starts_no_other_case(corpus_dir, tmp_path, mon
         for f in fakes.values():
             asyncio.run_coroutine_threadsafe(f.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_with_retries_backs_off_and_counts():
+    from tensorverse.replay.runner import with_retries
+
+    outcomes = iter(["failed", "timeout", "ok", "failed"])
+    calls = []
+
+    async def run():
+        calls.append(1)
+        return {"status": next(outcomes)}
+
+    out = asyncio.run(with_retries(run, 5, 0.001))
+    assert out == {"status": "ok", "retries": 2} and len(calls) == 3
+    failing = iter(["failed"] * 4)
+    out = asyncio.run(with_retries(lambda: asyncio.sleep(0, {"status": next(failing)}), 2, 0.001))
+    assert out == {"status": "failed", "retries": 2}
