@@ -146,7 +146,8 @@ def strip_response(kind: str | None, obj: dict, strip: dict[str, Any]) -> bool:
     lp = strip.get("logprobs")
     if strip.get("token_ids"):
         changed |= _null(obj, "prompt_token_ids")
-    for ch in obj.get("choices") or ():
+    choices = obj.get("choices")
+    for ch in choices if isinstance(choices, list) else ():
         if not isinstance(ch, dict):
             continue
         if strip.get("token_ids"):

@@ -447,7 +447,9 @@ class Accumulator:
         return _parse_events(data)
 
     def fold_run(self, events: list[Any]) -> bool:
-        """Fold in the parsed data of a run of events; True when one of them carried output."""
+        """Fold in the parsed data of a run of events; True when one of them carried output.
+        An event that cannot be folded (JSON, but not of the API's shape) counts as unparsed:
+        it never costs the turn its other events."""
         output = False
         add = self.add_event
         for obj in events:
@@ -455,8 +457,12 @@ class Accumulator:
                 self.unparsed_events += 1
             elif type(obj) is dict and "error" in obj and "choices" not in obj and "delta" not in obj:
                 self.stream_error = obj["error"]
-            elif add(obj):
-                output = True
+            else:
+                try:
+                    if add(obj):
+                        output = True
+                except (TypeError, AttributeError, ValueError):
+                    self.unparsed_events += 1
         return output
 
     def choice(self, index: Any) -> _Choice:
@@ -519,7 +525,7 @@ class ChatAccumulator(Accumulator):
         self._head(body)
         if isinstance(body.get("prompt_token_ids"), list):
             self.prompt_token_ids = body["prompt_token_ids"]
-        for ch in body.get("choices") or ():
+        for ch in _list(body.get("choices")):
             if not isinstance(ch, dict):
                 continue
             c = self.choice(ch.get("index", 0))
@@ -556,7 +562,7 @@ class ChatAccumulator(Accumulator):
             self.prompt_token_ids = pt
         output = False
         choices = self.choices
-        for ch in get("choices") or ():
+        for ch in _list(get("choices")):
             if not isinstance(ch, dict):
                 continue
             cget = ch.get
@@ -617,6 +623,11 @@ class ChatAccumulator(Accumulator):
                     c.finish_reason = ch.finish_reason
                     c.stop_reason = ch.stop_reason
         return output
+
+
+def _list(value: Any) -> list | tuple:
+    """``value`` when it is a list (``choices``), else nothing to iterate."""
+    return value if value.__class__ is list else ()
 
 
 def _decoded(contents: list[Any]) -> list[Any]:
@@ -702,7 +713,7 @@ class CompletionAccumulator(Accumulator):
         if not isinstance(body, dict):
             return
         self._head(body)
-        for ch in body.get("choices") or ():
+        for ch in _list(body.get("choices")):
             if isinstance(ch, dict):
                 self._fold(ch)
 
@@ -713,7 +724,7 @@ class CompletionAccumulator(Accumulator):
         self.events += 1
         self._head(obj)
         output = False
-        for ch in obj.get("choices") or ():
+        for ch in _list(obj.get("choices")):
             if isinstance(ch, dict):
                 output = self._fold(ch) or output
         return output

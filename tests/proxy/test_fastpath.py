@@ -282,3 +282,28 @@ def test_splice_refuses_what_is_not_vllms_shape():
                 b'data: {"choices": 7}\n\n', b"data: {}\r\n\r\n", b"data: not json\n\n"):
         assert decode_chat_run(run) is None, run
     assert decode_chat_run(b"data: [DONE]\n\n") == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=40), max_size=8))
+def test_malformed_events_cost_the_turn_nothing_else(cuts):
+    """Garbage in the middle of a stream (the fake's X-Fake-Malformed events: broken JSON,
+    invalid UTF-8, a line without a colon, an event whose "choices" is 7, a comment): the turn
+    records every other event, however the stream is cut into reads; before, the "choices": 7
+    event stopped the fold and the turn was recorded truncated, or not at all."""
+    from tensorverse.proxy.fake import MALFORMED_EVENTS
+
+    good = [b"data: " + orjson.dumps(_chat_event(i, first=i == 0)) + b"\n\n" for i in range(6)] + [b"data: [DONE]\n\n"]
+    events = good[:3] + MALFORMED_EVENTS + good[3:]
+    reference = ChatAccumulator()
+    reference.feed_raw(b"".join(good), 0.0)
+    bounds = sorted({min(c, len(events)) for c in cuts} | {len(events)})
+    acc = ChatAccumulator()
+    prev = 0
+    for b in bounds:
+        run = b"".join(events[prev:b])
+        prev = b
+        if run:
+            acc.feed_raw(run, 0.0, strip_run("chat.completions", run, CHAT_STRIP)[1])
+    assert acc.result() == reference.result()
+    assert acc.unparsed_events == 2  # the broken JSON and the invalid UTF-8; "choices": 7 folds to nothing
