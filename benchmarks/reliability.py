@@ -94,6 +94,11 @@ is why the full soak served 4x the turns of the first one):
   (an advisory fixed in between is invisible to this source): the row names them.
 - `replay/scrub.py`: AWS keys become `AKIA_REDACTED_N`, which no secret scanner takes for a key;
   detect-secrets now finds nothing in scrubbed corpora (the test asserts zero findings).
+- `proxy/protocol.py`: a stream event whose `choices` is not a list (fault-primary-malformed-sse's
+  `{"choices": 7}`) raised in the recorder's fold: the turn was stored truncated (the sessions
+  addon met the error first: `addon_errors` 1 in that row before), or not stored at all when the
+  client had already gone (CI once saw 3 turns of 4). Such events now fold to nothing and every
+  event that cannot be folded counts as unparsed; a property test cuts that stream every way.
 """
 
 
