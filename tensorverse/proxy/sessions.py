@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import orjson
 
+from tensorverse.jsonbytes import dumps
 from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import CHAT, MESSAGES
 
@@ -42,8 +43,8 @@ def _canon_json(value: Any) -> Any:
         except orjson.JSONDecodeError:
             return value.strip()
     try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-    except TypeError:
+        return dumps(value, option=orjson.OPT_SORT_KEYS).decode()  # deep values: jsonbytes
+    except (TypeError, ValueError, RecursionError):
         return repr(value)
 
 
