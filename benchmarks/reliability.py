@@ -99,6 +99,11 @@ is why the full soak served 4x the turns of the first one):
   addon met the error first: `addon_errors` 1 in that row before), or not stored at all when the
   client had already gone (CI once saw 3 turns of 4). Such events now fold to nothing and every
   event that cannot be folded counts as unparsed; a property test cuts that stream every way.
+- `jsonbytes.py`, `proxy/sessions.py`: requests nested 900-1,024 levels deep (orjson reads them)
+  still failed in the injector and in session grouping: the standard library's writer ran out of
+  Python's 1,000 frames. It now gets room for every level orjson can read
+  (`tests/proxy/test_recording.py` at 1,015 levels). The request fuzz found it (4 addon errors in
+  one run of eight); its paths no longer start with `//`, which httpx reads as a host.
 """
 
 
