@@ -9,10 +9,18 @@ server's log tail attached to its report.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as _hypothesis_settings
+
+# Property tests draw the same examples on every run (CI included), so a run here predicts CI;
+# TENSORVERSE_HYPOTHESIS_RANDOM=1 explores new examples (how the suite finds new bugs).
+_hypothesis_settings.register_profile("repeatable", derandomize=True)
+if not os.environ.get("TENSORVERSE_HYPOTHESIS_RANDOM"):
+    _hypothesis_settings.load_profile("repeatable")
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tensorverse.replay.scrub import Scrubber, cisco7_decode, load_rules
@@ -237,6 +237,8 @@ def configs(draw):
 @given(configs())
 def test_property_no_planted_value_survives_and_structure_is_kept(cfg):
     text, ips, macs, secrets, ifaces = cfg
+    # a "secret" that is part of an interface name (GigabitEth) is kept with the interface: not a leak
+    assume(not any(sec in iface for sec in secrets for iface in ifaces))
     s = Scrubber()
     s.learn(text)
     out = s.scrub_text(text)
