@@ -24,11 +24,11 @@ def dumps(value: Any, option: int = 0) -> bytes:
     except TypeError as e:
         if "Recursion limit" not in str(e):
             raise
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, _LEVELS * 2 + 500))  # the encoder recurses per level
-        try:
-            return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
-                              sort_keys=bool(option & orjson.OPT_SORT_KEYS),
-                              default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)).encode()
-        finally:
-            sys.setrecursionlimit(limit)
+        # The encoder recurses per level. The limit is raised for good, never set back: the
+        # store's writer thread and the event loop both come here, and one thread setting it back
+        # would cut the other's encoding short.
+        if sys.getrecursionlimit() < _LEVELS * 2 + 500:
+            sys.setrecursionlimit(_LEVELS * 2 + 500)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
+                          sort_keys=bool(option & orjson.OPT_SORT_KEYS),
+                          default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)).encode()
