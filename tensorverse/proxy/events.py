@@ -4,10 +4,10 @@ The relay path sees every event of every stream, and building a Python dict for 
 entry (with its ``bytes`` list) was the largest single cost of recording (orjson, about a
 quarter of the proxy's instructions per request). msgspec decodes a whole run of complete events
 in one call into these structs, which keep only what the recorder and the stripping need and
-skip the rest (``bytes``, ``object``, ``created``...) without building it. A choice's logprobs
-stay raw JSON (`msgspec.Raw`, a view of the decoded bytes) on the relay path: the stripping cuts
-exactly those bytes out, and the recorder decodes them later, off the relay path
-(`decode_logprobs`).
+skip the rest (``object``, ``created``...) without building it. A choice's logprobs stay raw JSON
+(`msgspec.Raw`, a view of the decoded bytes): the stripping cuts exactly those bytes out, and the
+recorder stores them as they are (`tensorverse.store.turns`), so they are never decoded on the
+proxy's event loop.
 
 `decode_chat_run` takes a run of events exactly as `SSESplitter.feed` cuts them and returns the
 decoded events, or None when the run is not in vLLM's plain form (every event one
@@ -30,25 +30,10 @@ _DONE = b"data: [DONE]\n\n"
 NULL = Raw(b"null")
 
 
-class TopLogprob(Struct, gc=False):
-    token: Any = ""
-    logprob: Any = None
-
-
-class LogprobItem(Struct, gc=False):
-    token: Any = ""
-    logprob: Any = None
-    top_logprobs: list[TopLogprob] | None = None
-
-
-class ChatLogprobs(Struct, gc=False):
-    content: list[LogprobItem] | None = None
-
-
 class ChatChoice(Struct):
     index: Any = 0
     delta: Any = None
-    logprobs: Raw = NULL  # the value's JSON, as the upstream wrote it (`decode_logprobs`)
+    logprobs: Raw = NULL  # the value's JSON, as the upstream wrote it
     finish_reason: Any = None
     stop_reason: Any = None
     token_ids: Any = None
@@ -70,18 +55,6 @@ class ChatEvent(Struct):
 
 
 _decoder = msgspec.json.Decoder(list[ChatEvent])
-_logprobs_decoder = msgspec.json.Decoder(list[ChatLogprobs | None])
-
-
-def decode_logprobs(raws: list[Raw]) -> list[ChatLogprobs | None] | None:
-    """The logprobs objects of some choices (their `ChatChoice.logprobs`), decoded in one call;
-    None when one of them is not of vLLM's shape (the caller parses them generally)."""
-    try:
-        return _logprobs_decoder.decode(b"[" + b",".join(raws) + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
 def decode_chat_run(data: bytes) -> list[ChatEvent] | None:
     """The events of ``data`` (complete events; a final ``[DONE]`` is left out), or None when
     ``data`` is not a run of plain ``data: {...}`` events of vLLM's chat shape."""

@@ -13,13 +13,14 @@ The shapes are vLLM's (0.32): ``vllm/entrypoints/openai/*/protocol.py`` and
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import orjson
 from msgspec import Raw
 
-from tensorverse.proxy.events import NULL, ChatEvent, LogprobItem, decode_chat_run, decode_logprobs
+from tensorverse.jsonbytes import RawJSON
+from tensorverse.proxy.events import NULL, ChatEvent, decode_chat_run
+from tensorverse.store.turns import UPSTREAM_LOGPROBS, chat_logprobs, logprobs_values, token_key
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -241,77 +242,7 @@ def error_body(kind: str | None, status: int, message: str, err_type: str) -> by
     return orjson.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}})
 
 
-# -- logprobs ---------------------------------------------------------------------------------
-
-
-def _token_key(token: str) -> int | str:
-    """``"token_id:123"`` (vLLM's return_tokens_as_token_ids) -> 123; other tokens unchanged."""
-    if token.startswith("token_id:"):
-        try:
-            return int(token[9:])
-        except ValueError:
-            return token
-    return token
-
-
-class _TokenKeys(dict):
-    """token (as vLLM writes it) -> `_token_key` of its ``str``; a cache, as every token of every
-    response goes through it (at most a vocabulary's worth of entries, then it starts over)."""
-
-    LIMIT = 1 << 19
-
-    def __missing__(self, token: Any) -> int | str:
-        key = _token_key(str(token))
-        if token.__class__ is str:
-            if len(self) >= self.LIMIT:
-                self.clear()
-            self[token] = key
-        return key
-
-
-_TOKEN_KEYS = _TokenKeys()
-
-
-_token_and_logprob = operator.itemgetter("token", "logprob")
-
-
-def _chat_logprobs(content: list[dict] | None) -> list[dict]:
-    keys = _TOKEN_KEYS
-    pair = _token_and_logprob
-    out = []
-    try:  # vLLM's shape: every item and top entry an object with a token and a logprob
-        for item in content or ():
-            token, logprob = pair(item)
-            tops = item.get("top_logprobs")
-            out.append({"token": keys[token], "logprob": logprob,
-                        "top": [[keys[t], lp] for t, lp in map(pair, tops)] if tops else []})
-    except (KeyError, TypeError, AttributeError):  # anything else: the long way
-        return _chat_logprobs_slow(content)
-    return out
-
-
-def _chat_logprobs_typed(content: list[LogprobItem]) -> list[dict]:
-    """`_chat_logprobs` of the fast path's structs (`tensorverse.proxy.events`)."""
-    keys = _TOKEN_KEYS
-    return [{"token": keys[it.token], "logprob": it.logprob,
-             "top": [[keys[t.token], t.logprob] for t in it.top_logprobs] if it.top_logprobs else []}
-            for it in content]
-
-
-def _chat_logprobs_slow(content: list[dict] | None) -> list[dict]:
-    out = []
-    for item in content or ():
-        if not isinstance(item, dict):
-            continue
-        top = item.get("top_logprobs") or ()
-        out.append(
-            {
-                "token": _token_key(str(item.get("token", ""))),
-                "logprob": item.get("logprob"),
-                "top": [[_token_key(str(t.get("token", ""))), t.get("logprob")] for t in top if isinstance(t, dict)],
-            }
-        )
-    return out
+# -- logprobs (the canonical shape: `tensorverse.store.turns`) ---------------------------------
 
 
 def _completion_logprobs(lp: dict | None) -> list[dict]:
@@ -325,9 +256,9 @@ def _completion_logprobs(lp: dict | None) -> list[dict]:
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         out.append(
             {
-                "token": _token_key(str(tok)),
+                "token": token_key(str(tok)),
                 "logprob": values[i] if i < len(values) else None,
-                "top": [[_token_key(str(k)), v] for k, v in top.items()],
+                "top": [[token_key(str(k)), v] for k, v in top.items()],
             }
         )
     return out
@@ -347,7 +278,7 @@ class _Choice:
         self.tool_calls: dict[int, dict] = {}
         self.token_ids: list[int] | None = None
         self.logprobs: list[dict] = []
-        self.raw_chat_logprobs: list[list] = []  # converted in record(), off the relay path
+        self.raw_chat_logprobs: list[Any] = []  # content lists, or raw logprobs values (`record`)
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.role: str | None = None
@@ -378,16 +309,18 @@ class _Choice:
                 slot["arguments"] += orjson.dumps(args).decode()
 
     def _logprobs(self) -> list[dict]:
-        if self.raw_chat_logprobs:
-            for content in _decoded(self.raw_chat_logprobs):
-                typed = content and content[0].__class__ is LogprobItem
-                self.logprobs.extend(_chat_logprobs_typed(content) if typed else _chat_logprobs(content))
-            self.raw_chat_logprobs = []
+        """The canonical logprobs of what was folded in (dicts, and raw values decoded now)."""
+        for content in self.raw_chat_logprobs:
+            if content.__class__ is Raw:
+                self.logprobs.extend(logprobs_values([orjson.loads(bytes(content))]))
+            else:
+                self.logprobs.extend(chat_logprobs(content))
+        self.raw_chat_logprobs = []
         return self.logprobs
 
     def record(self) -> dict:
         calls = [self.tool_calls[k] for k in sorted(self.tool_calls)]
-        return {
+        record = {
             "index": self.index,
             "text": "".join(self.text),
             "reasoning": "".join(self.reasoning) or None,
@@ -398,8 +331,15 @@ class _Choice:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
             "token_ids": self.token_ids,
-            "logprobs": self._logprobs() or None,
+            "logprobs": None,
         }
+        raws = self.raw_chat_logprobs
+        if raws and not self.logprobs and all(r.__class__ is Raw for r in raws):
+            # vLLM's chat stream: kept as received, converted when read (`tensorverse.store.turns`)
+            record[UPSTREAM_LOGPROBS] = RawJSON(b"[" + b",".join(raws) + b"]")
+        else:
+            record["logprobs"] = self._logprobs() or None
+        return record
 
 
 class Accumulator:
@@ -543,7 +483,7 @@ class ChatAccumulator(Accumulator):
             c.add_token_ids(ch.get("token_ids"))
             lp = ch.get("logprobs")
             if isinstance(lp, dict):
-                c.logprobs.extend(_chat_logprobs(lp.get("content")))
+                c.logprobs.extend(chat_logprobs(lp.get("content")))
             c.finish_reason = ch.get("finish_reason")
             c.stop_reason = ch.get("stop_reason")
 
@@ -617,7 +557,7 @@ class ChatAccumulator(Accumulator):
                     output = True
                 if _fold_ids(c, ch.token_ids):
                     output = True
-                if ch.logprobs != NULL:  # raw JSON: decoded with the others of the choice (`_decoded`)
+                if ch.logprobs != NULL:  # raw JSON, kept as it is (`_Choice.record`)
                     c.raw_chat_logprobs.append(ch.logprobs)
                 if ch.finish_reason is not None:
                     c.finish_reason = ch.finish_reason
@@ -628,26 +568,6 @@ class ChatAccumulator(Accumulator):
 def _list(value: Any) -> list | tuple:
     """``value`` when it is a list (``choices``), else nothing to iterate."""
     return value if value.__class__ is list else ()
-
-
-def _decoded(contents: list[Any]) -> list[Any]:
-    """A choice's ``logprobs.content`` lists as folded in: lists (dicts or structs) as they
-    are, and the fast path's raw logprobs values (`Raw`), decoded together in one call."""
-    raws = [c for c in contents if c.__class__ is Raw]
-    if not raws:
-        return contents
-    decoded = decode_logprobs(raws)
-    if decoded is None:  # not vLLM's shape: as the general path takes them
-        decoded = [orjson.loads(bytes(r)) for r in raws]
-        values = iter([d.get("content") if isinstance(d, dict) else None for d in decoded])
-    else:
-        values = iter([d.content if d is not None else None for d in decoded])
-    out = []
-    for c in contents:
-        value = next(values) if c.__class__ is Raw else c
-        if value:
-            out.append(value)
-    return out
 
 
 def _fold_delta(c: _Choice, delta: dict) -> bool:

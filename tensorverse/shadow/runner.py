@@ -59,6 +59,7 @@ from tensorverse.shadow.backend import Backend
 from tensorverse.shadow.client import BackendClient, BackendError
 from tensorverse.shadow.doctor import probe_capabilities
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
+from tensorverse.store.turns import UPSTREAM_LOGPROBS, logprobs_values
 
 # How long a run waits for its captured rows to land in the store (the tee budgets for it).
 ROWS_TIMEOUT_S = 30.0
@@ -113,10 +114,13 @@ def normalize_topk(entry: Any) -> list[list[float]] | None:
 def _recorded_logprobs(turn: Mapping[str, Any], n: int) -> tuple[list | None, list | None]:
     """Top-k and pieces from the proxy's record of the primary's answer: ``choices[0].logprobs``
     is a list of ``{"token", "logprob", "top": [[token, logprob], ...]}`` where a token is an int
-    (the answer used ``token_id:N`` keys) or the decoded text."""
+    (the answer used ``token_id:N`` keys) or the decoded text. A turn straight from the proxy
+    may still hold them as received (``upstream_logprobs``): converted here, only when needed."""
     choices = turn.get("choices")
     ch = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else None
     lps = ch.get("logprobs") if ch else None
+    if lps is None and ch is not None and UPSTREAM_LOGPROBS in ch:
+        lps = logprobs_values(ch[UPSTREAM_LOGPROBS])
     if not isinstance(lps, list) or len(lps) != n or not n:
         return None, None
     tops: list[dict[int, float] | None] = []

@@ -14,7 +14,7 @@ from typing import Callable
 
 import lmdb
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: turns may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
 
 # Record databases (values: orjson metadata, or codec blobs for rows).
 BACKENDS = b"backends"  # name -> backend info
@@ -101,4 +101,12 @@ def comparison_key(run_id: str, ref_run_id: str) -> bytes:
 
 # A migration takes the store from version N to N+1 inside one write transaction.
 Migration = Callable[[lmdb.Transaction, dict[bytes, "lmdb._Database"]], None]
-MIGRATIONS: dict[int, Migration] = {}
+
+
+def _v1_to_v2(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None:
+    """Nothing to rewrite: a format-1 turn is a valid format-2 turn. Format 2 lets a choice hold
+    its logprobs as the upstream wrote them (``upstream_logprobs``), which a reader of format 1
+    would take for a turn without logprobs; the new number makes such a reader refuse the store."""
+
+
+MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2}

@@ -1,7 +1,8 @@
 """The capture store: one LMDB environment, one writer thread, many lock-free readers.
 
 Records (backends, sessions, turns, runs, logits rows, comparisons) are JSON-like dicts stored
-with orjson, except rows, which are codec blobs. Every `put_*`/`write_rows` returns a
+with orjson, except rows, which are codec blobs. Turns are returned in their canonical shape
+(`tensorverse.store.turns.read_turn`). Every `put_*`/`write_rows` returns a
 `concurrent.futures.Future` that resolves once the record is committed; each call is one
 atomic record (with its index entries), so a crash never exposes half of one.
 """
@@ -23,6 +24,7 @@ import orjson
 
 from tensorverse.jsonbytes import dumps
 from tensorverse.store import schema as S
+from tensorverse.store.turns import read_turn
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
 
 log = logging.getLogger("tensorverse.store")
@@ -365,7 +367,7 @@ class Store:
         return self._get_json(S.SESSIONS, S.check_id(session_id, "session"), "session")
 
     def get_turn(self, turn_id: str) -> dict:
-        return self._get_json(S.TURNS, S.check_id(turn_id, "turn"), "turn")
+        return read_turn(self._get_json(S.TURNS, S.check_id(turn_id, "turn"), "turn"))
 
     def get_run(self, run_id: str) -> dict:
         return self._get_json(S.RUNS, S.check_id(run_id, "run"), "run")
@@ -405,7 +407,7 @@ class Store:
     def iter_turns(self, session_id: str) -> Iterator[dict]:
         """The turns of a session in index order."""
         for _, tkey in self._paged(S.TURNS_BY_SESSION, S.child_prefix(session_id, "session")):
-            yield self._get_json(S.TURNS, tkey, "turn")
+            yield read_turn(self._get_json(S.TURNS, tkey, "turn"))
 
     def iter_runs(self, turn_id: str) -> Iterator[dict]:
         prefix = S.child_prefix(turn_id, "turn")

@@ -11,11 +11,18 @@ from hypothesis import strategies as st
 
 import json
 
+from tensorverse.jsonbytes import dumps
 from tensorverse.proxy.events import ChatEvent, decode_chat_run
 from tensorverse.proxy.inject import splice_chat_run, strip_response, strip_run, strip_stream
-from tensorverse.proxy.protocol import ChatAccumulator, CompletionAccumulator, SSEParser, SSESplitter
+from tensorverse.proxy.protocol import Accumulator, ChatAccumulator, CompletionAccumulator, SSEParser, SSESplitter
+from tensorverse.store.turns import read_turn
 
 CHAT_STRIP = {"token_ids": True, "logprobs": "drop"}
+
+
+def read(acc: Accumulator) -> dict:
+    """The recorded response as a reader gets it: stored (JSON) and read back (`read_turn`)."""
+    return read_turn(orjson.loads(dumps(acc.result())))
 
 
 def _chat_event(i: int, *, tids: bool = True, lp: bool = True, first: bool = False) -> dict:
@@ -129,7 +136,7 @@ def test_raw_fed_accumulator_equals_add_event(cuts, via_injector):
         if data:
             parsed = strip_stream("chat.completions", data, CHAT_STRIP)[1] if via_injector else None
             acc.feed_raw(data, float(i), parsed)
-    assert acc.result() == ref.result()
+    assert read(acc) == read(ref)
     assert acc.unparsed_events == unparsed == 2  # "not json" and the empty data
     assert acc.first_token_t is not None
     assert acc.result() is acc.result()  # computed once
@@ -245,8 +252,13 @@ def test_typed_events_record_what_add_event_records(events):
     typed.feed_raw(data, 1.0, strip_run("chat.completions", data, {"token_ids": True, "logprobs": "drop"})[1])
     raw = ChatAccumulator()
     raw.feed_raw(data, 1.0)  # the recorder decodes it itself (no injection)
-    assert typed.result() == ref.result() == raw.result()
+    assert read(typed) == read(ref) == read(raw)
     assert typed.events == ref.events
+    # the fast path kept the logprobs as received: nothing decoded on the relay path
+    for choice in typed.result()["choices"]:
+        assert choice["logprobs"] is None
+        lps = [c["logprobs"] for ev in events for c in ev.get("choices") or () if c.get("index", 0) == choice["index"]]
+        assert ("upstream_logprobs" in choice) == any(lp is not None for lp in lps)
 
 
 @settings(max_examples=100, deadline=None)
@@ -305,5 +317,5 @@ def test_malformed_events_cost_the_turn_nothing_else(cuts):
         prev = b
         if run:
             acc.feed_raw(run, 0.0, strip_run("chat.completions", run, CHAT_STRIP)[1])
-    assert acc.result() == reference.result()
+    assert read(acc) == read(reference)
     assert acc.unparsed_events == 2  # the broken JSON and the invalid UTF-8; "choices": 7 folds to nothing

@@ -141,6 +141,15 @@ def test_turn_from_the_proxys_record():
                                       {"token": "llo", "logprob": -0.1, "top": []}]
     t = TurnInput.from_dict(turn)
     assert t.pieces == ["he", "llo"] and t.top_logprobs is None
+    # straight from the proxy, before the store: the logprobs as vLLM's stream sent them
+    from tensorverse.jsonbytes import RawJSON
+
+    raw = (b'[{"content":[{"token":"token_id:5","logprob":-0.5,"bytes":[1],"top_logprobs":['
+           b'{"token":"token_id:5","logprob":-0.5,"bytes":[1]},{"token":"token_id:8","logprob":-1.0,"bytes":[2]}]}]},'
+           b'null,{"content":[{"token":"token_id:6","logprob":-0.1,"top_logprobs":[{"token":"token_id:6","logprob":-0.1}]}]}]')
+    turn["choices"][0] = {"logprobs": None, "upstream_logprobs": RawJSON(raw)}
+    t = TurnInput.from_dict(turn)
+    assert t.top_logprobs == [[[5, -0.5], [8, -1.0]], [[6, -0.1]]] and t.pieces is None
     for bad in ({"id": "x", "prompt_token_ids": None, "output_token_ids": [1]},
                 {"id": "x", "prompt_token_ids": [1], "output_token_ids": None},
                 {"prompt_token_ids": [1], "output_token_ids": [1]}):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import os
 import signal
@@ -208,27 +210,64 @@ def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
         store.put_session({"id": "s", "created_ns": 3, "tags": {"env": "prod"}}).result()
 
     calls: list[int] = []
+    now = S.FORMAT_VERSION
 
-    def to_v2(txn: lmdb.Transaction, dbs: dict) -> None:  # e.g. a renamed tag
+    def step(txn: lmdb.Transaction, dbs: dict) -> None:  # e.g. a renamed tag
         import orjson
 
-        calls.append(2)
+        calls.append(now + 1)
         raw = orjson.loads(txn.get(b"s", db=dbs[S.SESSIONS]))
         raw["tags"]["environment"] = raw["tags"].pop("env")
         txn.put(b"s", orjson.dumps(raw), db=dbs[S.SESSIONS])
 
-    monkeypatch.setattr(S, "FORMAT_VERSION", 2)
-    monkeypatch.setitem(S.MIGRATIONS, 1, to_v2)
+    monkeypatch.setattr(S, "FORMAT_VERSION", now + 1)
+    monkeypatch.setitem(S.MIGRATIONS, now, step)
     with Store.open(tmp_path / "s") as store:
-        assert store.format_version == 2
+        assert store.format_version == now + 1
         assert store.get_session("s")["tags"] == {"environment": "prod"}
     with Store.open(tmp_path / "s") as store:  # already migrated: not run again
-        assert store.format_version == 2
-    assert calls == [2]
+        assert store.format_version == now + 1
+    assert calls == [now + 1]
 
-    monkeypatch.setattr(S, "FORMAT_VERSION", 3)
-    with pytest.raises(StoreVersionError, match="no migration from store format 2"):
+    monkeypatch.setattr(S, "FORMAT_VERSION", now + 2)
+    with pytest.raises(StoreVersionError, match=f"no migration from store format {now + 1}"):
         Store.open(tmp_path / "s")
+
+
+def test_format_1_store_opens_as_format_2_and_its_turns_read_unchanged(tmp_path: Path) -> None:
+    """Format 2 only adds ``upstream_logprobs`` to turns: a format-1 store migrates without a
+    rewrite, and a format-1 reader refuses format 2 rather than miss the logprobs."""
+    turn = {"id": "t", "session_id": "s", "index": 0, "choices": [
+        {"index": 0, "text": "a", "logprobs": [{"token": 5, "logprob": -0.5, "top": [[5, -0.5]]}]}]}
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 3}).result()
+        store.put_turn(turn).result()
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"1", db=env.open_db(S.META, txn=txn))
+    env.close()
+    with Store.open(tmp_path / "s") as store:
+        assert store.format_version == 2
+        got = store.get_turn("t")
+        assert got["choices"] == turn["choices"] and [t["id"] for t in store.iter_turns("s")] == ["t"]
+
+
+def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path) -> None:
+    from tensorverse.jsonbytes import RawJSON
+
+    upstream = [{"content": [{"token": "token_id:7", "logprob": -0.25, "bytes": [116],
+                              "top_logprobs": [{"token": "token_id:7", "logprob": -0.25, "bytes": [116]},
+                                               {"token": "b", "logprob": -1.5, "bytes": [98]}]}]},
+                None, {"content": []}, {"content": [{"token": "x", "logprob": -2.0, "top_logprobs": []}]}]
+    canonical = [{"token": 7, "logprob": -0.25, "top": [[7, -0.25], ["b", -1.5]]},
+                 {"token": "x", "logprob": -2.0, "top": []}]
+    turn = {"id": "t", "session_id": "s", "index": 0, "choices": [
+        {"index": 0, "logprobs": None, "upstream_logprobs": RawJSON(json.dumps(upstream).encode())}]}
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 3}).result()
+        store.put_turn(turn).result()
+        for got in (store.get_turn("t"), next(store.iter_turns("s"))):
+            assert got["choices"] == [{"index": 0, "logprobs": canonical}]
 
 
 _CHILD = textwrap.dedent(
