@@ -66,10 +66,15 @@ def decode_chat_run(data: bytes) -> list[ChatEvent] | None:
         return None
     # Events are "data: <json>\n\n"; JSON text has no raw newline, so joining the payloads with
     # commas makes one JSON array exactly when every event is one data line of one JSON value.
+    payload = data[6:-2]
+    body = b"[" + payload.replace(b"\n\ndata: ", b",") + b"]"
     try:
-        events = _decoder.decode(b"[" + data[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+        events = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    if data.count(b"\n") != 2 * len(events):  # e.g. one event 'data: {...},{...}' read as two
+    # Each separator replaced shortened the text by 7 bytes: exactly one per event after the
+    # first, and no newline left, or it was not one JSON value per event (e.g. one event
+    # 'data: {...},{...}' decodes as two). `in` is a memchr; counting newlines took 10 us.
+    if len(payload) + 2 - len(body) != 7 * (len(events) - 1) or b"\n" in body:
         return None
     return events

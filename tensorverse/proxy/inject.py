@@ -314,8 +314,9 @@ def splice_chat_run(data: bytes, events: list[ChatEvent], tids: bool, drop: bool
     Each logprobs value cut is the very bytes the decoder delimited for the next choice in
     document order (`ChatChoice.logprobs` is raw JSON), so the cut ends exactly where that
     value ends; a token-id list holds digits and commas only, so it ends at its first ``]``.
-    The number of values found must equal the number the decoded events hold, so nothing set
-    is left in and nothing else is cut."""
+    Token-id lists are looked for between the logprobs values only (a logprobs value is cut
+    whole, whatever it holds), so the text is searched once. The number of values found must
+    equal the number the decoded events hold, so nothing set is left in and nothing else is cut."""
     want_ids = changed = 0
     logprobs = []
     for ev in events:
@@ -332,39 +333,39 @@ def splice_chat_run(data: bytes, events: list[ChatEvent], tids: bool, drop: bool
     if not changed:
         return data, 0
     find = data.find
-    cuts: list[tuple[int, int]] = []
-    if logprobs:
-        i = find(_LOGPROBS)
-        for value in logprobs:
-            start = i + 12  # the value's "{"
-            if i < 0 or not data.startswith(value, start):
+    parts: list[bytes] = []
+    pos = 0  # data[:pos] is in parts
+    found = 0
+    values = iter(logprobs)
+    while True:
+        value = next(values, None)
+        if value is None:
+            stop = len(data)
+        else:
+            stop = find(_LOGPROBS, pos)
+            if stop < 0:
                 return None
-            end = start + len(value)
-            cuts.append((start, end))
-            i = find(_LOGPROBS, end)
-        if i >= 0:
-            return None
-    if want_ids:
-        found = 0
-        i = find(_TOKEN_IDS)
-        while i >= 0:
-            start = i + 11  # the value's "["
-            end = find(b"]", start)
-            if end < 0 or data[start + 1:end].translate(None, _ID_CHARS):
-                return None
-            cuts.append((start, end + 1))
-            found += 1
-            i = find(_TOKEN_IDS, end)
-        if found != want_ids:
-            return None
-        cuts.sort()
-    parts = []
-    pos = 0
-    for start, end in cuts:
-        if start < pos:  # overlapping values: not vLLM's shape
+        if want_ids:  # token-id lists in data[pos:stop]
+            i = find(_TOKEN_IDS, pos, stop)
+            while i >= 0:
+                start = i + 11  # the value's "["
+                end = find(b"]", start, stop)
+                if end < 0 or data[start + 1:end].translate(None, _ID_CHARS):
+                    return None
+                parts.append(data[pos:start])
+                parts.append(b"null")
+                pos = end + 1
+                found += 1
+                i = find(_TOKEN_IDS, pos, stop)
+        if value is None:
+            break
+        start = stop + 12  # the value's "{"
+        if not data.startswith(value, start):
             return None
         parts.append(data[pos:start])
         parts.append(b"null")
-        pos = end
+        pos = start + len(value)
+    if found != want_ids or (logprobs and find(_LOGPROBS, pos) >= 0):
+        return None
     parts.append(data[pos:])
     return b"".join(parts), changed

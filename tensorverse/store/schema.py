@@ -14,12 +14,12 @@ from typing import Callable
 
 import lmdb
 
-FORMAT_VERSION = 2  # 2: turns may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
+FORMAT_VERSION = 2  # 2: turns compressed, and may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
 
 # Record databases (values: orjson metadata, or codec blobs for rows).
 BACKENDS = b"backends"  # name -> backend info
 SESSIONS = b"sessions"  # session id -> session
-TURNS = b"turns"  # turn id -> turn
+TURNS = b"turns"  # turn id -> turn (from format 2: JSON in a zstd frame)
 RUNS = b"runs"  # run id (= capture id) -> run (one per turn x backend x mode)
 ROWS = b"rows"  # run id NUL position(u32) -> logits row blob
 COMPARISONS = b"comparisons"  # run id NUL reference run id -> metrics summary
@@ -104,9 +104,10 @@ Migration = Callable[[lmdb.Transaction, dict[bytes, "lmdb._Database"]], None]
 
 
 def _v1_to_v2(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None:
-    """Nothing to rewrite: a format-1 turn is a valid format-2 turn. Format 2 lets a choice hold
-    its logprobs as the upstream wrote them (``upstream_logprobs``), which a reader of format 1
-    would take for a turn without logprobs; the new number makes such a reader refuse the store."""
+    """Nothing to rewrite: format-1 turns (plain JSON) read as they are. Format 2 writes turns as
+    JSON in a zstd frame, and lets a choice hold its logprobs as the upstream wrote them
+    (``upstream_logprobs``), which a reader of format 1 would fail on or take for a turn without
+    logprobs; the new number makes such a reader refuse the store."""
 
 
 MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2}

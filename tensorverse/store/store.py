@@ -1,7 +1,9 @@
 """The capture store: one LMDB environment, one writer thread, many lock-free readers.
 
 Records (backends, sessions, turns, runs, logits rows, comparisons) are JSON-like dicts stored
-with orjson, except rows, which are codec blobs. Turns are returned in their canonical shape
+with orjson, except rows, which are codec blobs. Turns are stored zstd-compressed (compressed on
+the writer thread, which zstd runs without the GIL: a turn holds the whole message history and
+its logprobs as the upstream wrote them) and returned in their canonical shape
 (`tensorverse.store.turns.read_turn`). Every `put_*`/`write_rows` returns a
 `concurrent.futures.Future` that resolves once the record is committed; each call is one
 atomic record (with its index entries), so a crash never exposes half of one.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -21,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import lmdb
 import orjson
+import zstandard
 
 from tensorverse.jsonbytes import dumps
 from tensorverse.store import schema as S
@@ -43,6 +47,27 @@ class RecordNotFound(KeyError):
 
 def _dumps(value: Any) -> bytes:
     return dumps(value, orjson.OPT_SERIALIZE_NUMPY)  # deeper than orjson writes: the stdlib
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame; JSON text never starts with it
+_local = threading.local()  # zstandard's objects are not thread-safe
+
+
+def _compress(blob: bytes) -> bytes:
+    c = getattr(_local, "cctx", None)
+    if c is None:
+        c = _local.cctx = zstandard.ZstdCompressor(level=3)
+    return c.compress(blob)
+
+
+def _loads(raw: bytes) -> Any:
+    """A stored record: JSON, or JSON in a zstd frame (turns, from store format 2)."""
+    if raw[:4] == _ZSTD_MAGIC:
+        d = getattr(_local, "dctx", None)
+        if d is None:
+            d = _local.dctx = zstandard.ZstdDecompressor()
+        raw = d.decompress(raw)
+    return orjson.loads(raw)
 
 
 class Store:
@@ -227,7 +252,7 @@ class Store:
             session["turns"] = max(int(session.get("turns", 0)), index + 1)
             session["updated_ns"] = turn["created_ns"]
             txn.put(skey, _dumps(session), db=self._dbs[S.SESSIONS])
-            txn.put(tkey, blob, db=self._dbs[S.TURNS])
+            txn.put(tkey, _compress(blob), db=self._dbs[S.TURNS])
             txn.put(S.turn_index_key(sid, index), tkey, db=self._dbs[S.TURNS_BY_SESSION])
             return tid
 
@@ -358,7 +383,7 @@ class Store:
             raw = txn.get(key, db=self._dbs[db])
         if raw is None:
             raise RecordNotFound(f"no {what} {key.decode(errors='replace')!r} in {self.path}")
-        return orjson.loads(raw)
+        return _loads(raw)
 
     def get_backend(self, name: str) -> dict:
         return self._get_json(S.BACKENDS, S.check_id(name, "backend"), "backend")

@@ -291,9 +291,12 @@ def test_splice_refuses_what_is_not_vllms_shape():
     assert splice_chat_run(extra, decode_chat_run(extra), True, True) is None
     # runs that are not plain data events are not decoded at all
     for run in (b": ping\n\n", b"event: x\ndata: {}\n\n", b"data: {\"a\":1},{\"b\":2}\n\n",
-                b'data: {"choices": 7}\n\n', b"data: {}\r\n\r\n", b"data: not json\n\n"):
+                b'data: {"choices": 7}\n\n', b"data: {}\r\n\r\n", b"data: not json\n\n",
+                b'data: {}\n\ndata: {"a":1},{"b":2}\n\n', b'data: {"a":1}\n\ndata: {"b":\n2}\n\n',
+                b'data: {}\n\ndata: {}\n\n\n\n', b'data: {}\n\n: ping\n\ndata: {}\n\n'):
         assert decode_chat_run(run) is None, run
     assert decode_chat_run(b"data: [DONE]\n\n") == []
+    assert len(decode_chat_run(b'data: {}\n\ndata: {"choices":[]}\n\ndata: [DONE]\n\n')) == 2
 
 
 @settings(max_examples=80, deadline=None)

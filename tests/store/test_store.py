@@ -268,6 +268,15 @@ def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path
         store.put_turn(turn).result()
         for got in (store.get_turn("t"), next(store.iter_turns("s"))):
             assert got["choices"] == [{"index": 0, "logprobs": canonical}]
+    # stored as a zstd frame of the JSON, not the JSON itself
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
+    with env.begin() as txn:
+        raw = txn.get(b"t", db=env.open_db(S.TURNS, txn=txn, create=False))
+    env.close()
+    assert raw[:4] == b"\x28\xb5\x2f\xfd" and b"token_id:7" not in raw
+    import zstandard
+
+    assert json.loads(zstandard.ZstdDecompressor().decompress(raw))["choices"][0]["upstream_logprobs"] == upstream
 
 
 _CHILD = textwrap.dedent(
