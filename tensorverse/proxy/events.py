@@ -30,9 +30,19 @@ _DONE = b"data: [DONE]\n\n"
 NULL = Raw(b"null")
 
 
+class ChatDelta(Struct):
+    """A choice's ``delta``: the keys the recorder folds in (the others are skipped)."""
+
+    role: Any = None
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    tool_calls: list | None = None  # anything else: the run takes the general path
+
+
 class ChatChoice(Struct):
     index: Any = 0
-    delta: Any = None
+    delta: ChatDelta | None = None
     logprobs: Raw = NULL  # the value's JSON, as the upstream wrote it
     finish_reason: Any = None
     stop_reason: Any = None

@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from msgspec import Raw
+from msgspec import UNSET, Raw
 
 from tensorverse.jsonbytes import RawJSON
-from tensorverse.proxy.events import NULL, ChatEvent, decode_chat_run
+from tensorverse.proxy.events import NULL, ChatDelta, ChatEvent, decode_chat_run
 from tensorverse.store.turns import UPSTREAM_LOGPROBS, chat_logprobs, logprobs_values, token_key
 
 CHAT = "chat.completions"
@@ -537,31 +537,41 @@ class ChatAccumulator(Accumulator):
         choices = self.choices
         self._result = None
         for ev in events:
-            if ev.is_error:
+            if ev.error is not UNSET and ev.is_error:
                 self.stream_error = ev.error
                 continue
             self.events += 1
-            if self.response_id is None or self.model is None:
-                self._head_values(ev.id, ev.model, ev.usage)
-            elif ev.usage.__class__ is dict:
-                self.usage = ev.usage
-            if isinstance(ev.prompt_token_ids, list):
-                self.prompt_token_ids = ev.prompt_token_ids
-            for ch in ev.choices or ():
-                index = ch.index
-                c = choices.get(index) if index.__class__ is int else None
-                if c is None:
-                    c = self.choice(index)
-                delta = ch.delta
-                if delta and isinstance(delta, dict) and _fold_delta(c, delta):
-                    output = True
-                if _fold_ids(c, ch.token_ids):
-                    output = True
-                if ch.logprobs != NULL:  # raw JSON, kept as it is (`_Choice.record`)
-                    c.raw_chat_logprobs.append(ch.logprobs)
-                if ch.finish_reason is not None:
-                    c.finish_reason = ch.finish_reason
-                    c.stop_reason = ch.stop_reason
+            try:
+                if self.response_id is None or self.model is None:
+                    self._head_values(ev.id, ev.model, ev.usage)
+                elif ev.usage.__class__ is dict:
+                    self.usage = ev.usage
+                if isinstance(ev.prompt_token_ids, list):
+                    self.prompt_token_ids = ev.prompt_token_ids
+                for ch in ev.choices or ():
+                    index = ch.index
+                    c = choices.get(index) if index.__class__ is int else None
+                    if c is None:
+                        c = self.choice(index)
+                    delta = ch.delta
+                    if delta is not None:
+                        content = delta.content
+                        if content.__class__ is str and delta.tool_calls is None and delta.role is None \
+                                and delta.reasoning_content is None and delta.reasoning is None:
+                            if content:  # the common delta: text only
+                                c.text.append(content)
+                                output = True
+                        elif _fold_typed_delta(c, delta):
+                            output = True
+                    if _fold_ids(c, ch.token_ids):
+                        output = True
+                    if ch.logprobs != NULL:  # raw JSON, kept as it is (`_Choice.record`)
+                        c.raw_chat_logprobs.append(ch.logprobs)
+                    if ch.finish_reason is not None:
+                        c.finish_reason = ch.finish_reason
+                        c.stop_reason = ch.stop_reason
+            except (TypeError, AttributeError, ValueError):  # as `Accumulator.fold_run`
+                self.unparsed_events += 1
         return output
 
 
@@ -587,6 +597,27 @@ def _fold_delta(c: _Choice, delta: dict) -> bool:
     calls = dget("tool_calls")
     if calls:
         for i, tc in enumerate(calls):
+            if isinstance(tc, dict):
+                c.add_tool_delta(tc, i)
+                output = True
+    return output
+
+
+def _fold_typed_delta(c: _Choice, delta: ChatDelta) -> bool:
+    """`_fold_delta` of the fast path's `ChatDelta`."""
+    output = False
+    if delta.role:
+        c.role = delta.role
+    content = delta.content
+    if content and isinstance(content, str):
+        c.text.append(content)
+        output = True
+    r = delta.reasoning_content or delta.reasoning
+    if r and isinstance(r, str):
+        c.reasoning.append(r)
+        output = True
+    if delta.tool_calls:
+        for i, tc in enumerate(delta.tool_calls):
             if isinstance(tc, dict):
                 c.add_tool_delta(tc, i)
                 output = True

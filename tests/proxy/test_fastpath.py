@@ -177,8 +177,9 @@ _TEXT = st.lists(st.one_of(st.text(max_size=6), _TRICKY), max_size=4).map("".joi
 
 
 @st.composite
-def _vllm_chat_run(draw) -> list[dict]:
-    """Events of vLLM 0.32's chat stream shape, with what the proxy injects set or not."""
+def _vllm_chat_run(draw, odd: bool = False) -> list[dict]:
+    """Events of vLLM 0.32's chat stream shape, with what the proxy injects set or not; ``odd``:
+    some delta values of other JSON types too."""
     events = []
     n = draw(st.integers(1, 6))
     for i in range(n):
@@ -188,7 +189,16 @@ def _vllm_chat_run(draw) -> list[dict]:
             if draw(st.booleans()):
                 delta["content"] = draw(_TEXT)
             if draw(st.integers(0, 4)) == 0:
-                delta["tool_calls"] = [{"index": 0, "function": {"arguments": draw(_TEXT)}}]
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": draw(_TEXT),
+                                                                 **({"name": draw(st.sampled_from(["f", 3, None]))}
+                                                                    if draw(st.booleans()) else {})}}]
+            if draw(st.integers(0, 4)) == 0:
+                delta["role"] = draw(st.sampled_from(["assistant", "", None]))
+            if draw(st.integers(0, 4)) == 0:
+                delta[draw(st.sampled_from(["reasoning", "reasoning_content"]))] = draw(st.one_of(_TEXT, st.none()))
+            if odd and draw(st.integers(0, 4)) == 0:  # values of other types (not vLLM's, but JSON)
+                key = draw(st.sampled_from(["content", "tool_calls", "role", "reasoning"]))
+                delta[key] = draw(st.sampled_from([5, None, ["x"], {"a": 1}, True, [1, "y"]]))
             token = st.one_of(st.integers(0, 200000).map(lambda t: f"token_id:{t}"), _TEXT)
             lp = None
             if draw(st.booleans()):
@@ -242,18 +252,20 @@ def test_splice_relays_what_the_reference_strip_relays(events, tids, drop, done)
 
 
 @settings(max_examples=150, deadline=None)
-@given(_vllm_chat_run())
+@given(_vllm_chat_run(odd=True))
 def test_typed_events_record_what_add_event_records(events):
     data = _sse(events, done=True)
     ref = ChatAccumulator()
-    for ev in events:
-        ref.add_event(orjson.loads(orjson.dumps(ev)))
+    for ev in events:  # the general path, event by event (an event it cannot fold counts as unparsed)
+        ref.fold_run([orjson.loads(orjson.dumps(ev))])
     typed = ChatAccumulator()
     typed.feed_raw(data, 1.0, strip_run("chat.completions", data, {"token_ids": True, "logprobs": "drop"})[1])
     raw = ChatAccumulator()
     raw.feed_raw(data, 1.0)  # the recorder decodes it itself (no injection)
     assert read(typed) == read(ref) == read(raw)
-    assert typed.events == ref.events
+    assert typed.events == ref.events and typed.unparsed_events == ref.unparsed_events == raw.unparsed_events
+    if decode_chat_run(data) is None or typed.unparsed_events:  # odd values: the general path took
+        return  # the run, or an event was not folded whole (nor was it on the general path)
     # the fast path kept the logprobs as received: nothing decoded on the relay path
     for choice in typed.result()["choices"]:
         assert choice["logprobs"] is None
