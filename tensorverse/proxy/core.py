@@ -35,7 +35,7 @@ from yarl import URL
 
 from tensorverse.proxy import flow as F
 from tensorverse.proxy.flow import Addon, Flow, overrides
-from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body
+from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body, first_event_end
 from tensorverse.proxy.upstream import UpstreamPool
 
 log = logging.getLogger("tensorverse.proxy")
@@ -485,27 +485,33 @@ class ProxyCore:
                 data = splitter.feed(chunk)  # complete events only; the rest waits for more
                 if not data:
                     continue
-                t = perf_counter()
-                if flow.t_first_event is None:
-                    flow.t_first_event = t
-                flow.t_last_event = t
-                out = data
-                for a in rewriters:
-                    try:
-                        out = a.stream_rewrite(flow, out)
-                    except Exception:  # noqa: BLE001
-                        self._hook_failed(a, "stream_rewrite")
-                if event_hooks:
-                    out = self._event_hooks(flow, event_hooks, out)
-                await resp.write(out)
-                # The client has the bytes: now whatever records them.
-                for a in observers:
-                    try:
-                        a.stream_data(flow, data, t)
-                    except Exception:  # noqa: BLE001
-                        self._hook_failed(a, "stream_data")
-                if not ended and (b"[DONE]" in data or b"message_stop" in data):
-                    ended = True
+                runs: tuple[bytes, ...] = (data,)
+                if flow.t_first_event is None:  # the first event goes out on its own: the
+                    cut = first_event_end(data)  # client's first token does not wait while
+                    if cut < len(data):  # the events read with it are rewritten
+                        runs = (data[:cut], data[cut:])
+                for data in runs:
+                    t = perf_counter()
+                    if flow.t_first_event is None:
+                        flow.t_first_event = t
+                    flow.t_last_event = t
+                    out = data
+                    for a in rewriters:
+                        try:
+                            out = a.stream_rewrite(flow, out)
+                        except Exception:  # noqa: BLE001
+                            self._hook_failed(a, "stream_rewrite")
+                    if event_hooks:
+                        out = self._event_hooks(flow, event_hooks, out)
+                    await resp.write(out)
+                    # The client has the bytes: now whatever records them.
+                    for a in observers:
+                        try:
+                            a.stream_data(flow, data, t)
+                        except Exception:  # noqa: BLE001
+                            self._hook_failed(a, "stream_data")
+                    if not ended and (b"[DONE]" in data or b"message_stop" in data):
+                        ended = True
         except ConnectionResetError as e:  # aiohttp's write error is a ClientError too: whose side?
             if not _client_closed(request):
                 return self._cut(request, flow, resp, e)

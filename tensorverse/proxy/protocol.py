@@ -219,6 +219,16 @@ def _parse_events(data: bytes) -> list[Any]:
     return out
 
 
+def first_event_end(data: bytes) -> int:
+    """Where the first event of a run of complete events (`SSESplitter.feed`) ends: the length
+    of ``data`` when it holds one event, or when it is not plain ``\\n\\n``-separated SSE (the
+    run then stays whole)."""
+    if b"\r" in data:
+        return len(data)
+    end = data.find(b"\n\n")
+    return len(data) if end < 0 else end + 2
+
+
 def _find_blank_line(buf: bytes, start: int) -> int:
     """End offset (exclusive) of the first event terminator at or after ``start``, or -1."""
     best = -1

@@ -127,3 +127,53 @@ def test_forwarded_work_does_not_delay_the_upstream_request(loop):
     finally:
         loop.run(core.close())
         up.close()
+
+
+class Runs(Addon):
+    """Notes each run of events the relay hands to the rewriters."""
+
+    name = "runs"
+
+    def __init__(self) -> None:
+        self.runs: list[bytes] = []
+
+    def stream_rewrite(self, flow: Flow, data: bytes) -> bytes:
+        self.runs.append(data)
+        return data
+
+
+class BurstUpstream(ThreadUpstream):
+    """Answers a stream whose events all arrive in one read (as a fast upstream's often do)."""
+
+    EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                body = b"".join(self.EVENTS)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                             b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+
+
+def test_first_event_goes_out_alone(loop):
+    """The events read with the first one are rewritten after the first is on its way: the
+    client's first token does not wait for them."""
+    up = BurstUpstream()
+    runs = Runs()
+    core = ProxyCore(f"http://127.0.0.1:{up.port}", [runs])
+    loop.run(core.start())
+    try:
+        with httpx.Client(timeout=30) as c:
+            r = c.post(f"http://127.0.0.1:{core.port}/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status_code == 200 and r.content == b"".join(BurstUpstream.EVENTS)
+        assert runs.runs == [BurstUpstream.EVENTS[0], b"".join(BurstUpstream.EVENTS[1:])]
+    finally:
+        loop.run(core.close())
+        up.close()
