@@ -4,6 +4,9 @@ flight, and the capture sink's recorder going away and coming back."""
 
 from __future__ import annotations
 
+import base64
+import random
+
 import subprocess
 import sys
 import textwrap
@@ -16,7 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
-BIG = "x" * 50_000  # a long tool result: each turn record is ~50 KB
+# A long tool result that compresses little (turns are stored zstd-compressed): each turn record
+# is ~50 KB, ~38 KB once compressed.
+BIG = base64.b64encode(random.Random(7).randbytes(37_500)).decode()
 
 
 def _complete(t: dict) -> bool:

@@ -131,6 +131,9 @@ def _artifacts_text(a: dict[str, Any]) -> dict[str, bytes]:
 
     for path in sorted((a["tmp"] / "export-parquet").glob("*.parquet")):
         out[str(path)] = json.dumps(pq.read_table(path).to_pylist(), default=str).encode()
+    # the store's records as read back: turns are stored compressed, so their raw bytes would hide
+    # a leak from a grep
+    out["store records"] = json.dumps(a["data"], default=str).encode()
     for k, v in a["viewer_pages"].items():
         out["viewer " + k] = v.encode()
     out["admin /stats"] = a["admin_stats"].encode()
@@ -144,7 +147,7 @@ def test_planted_credentials_never_reach_any_artifact(recorded):
     assert any(k.endswith(".parquet") for k in arts) and any(k.endswith("session.html") for k in arts)
     # the positive control: the grep can see text in each kind of artifact
     sid = recorded["sid"]
-    for kind, seen in (("data.mdb", MARKER), (".jsonl", sid), (".parquet", sid), ("session.html", MARKER),
+    for kind, seen in (("store records", MARKER), (".jsonl", sid), (".parquet", sid), ("session.html", MARKER),
                        ("viewer /api/turns", MARKER), ("proxy-0.log", "listening")):
         assert any(kind in k and seen.encode() in v for k, v in arts.items()), kind
     leaks = [(k, s) for k, v in arts.items() for s in (*H.SECRETS, REDACTED_VALUE) if s.encode() in v]
