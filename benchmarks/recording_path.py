@@ -11,10 +11,11 @@ read (events coalesced, as at high concurrency):
   general   each event parsed with orjson, the injected fields nulled for the serialisation
             (`inject.strip_stream`), the dicts folded in (`ChatAccumulator.add_event`)
   fast      the run decoded into typed structs and the injected values cut out of the bytes
-            (`inject.strip_run`), the structs folded in, logprobs decoded at the end
+            (`inject.strip_run`), the structs folded in, logprobs kept as vLLM wrote them (put in
+            the record's shape only when the turn is read: `tensorverse.store.turns`)
 
-Both produce the same relayed JSON and the same turn (tests/proxy/test_fastpath.py); this
-measures time only. The last line is one JSON object.
+Both produce the same relayed JSON and the same turn as readers see it
+(tests/proxy/test_fastpath.py); this measures time only. The last line is one JSON object.
 """
 
 from __future__ import annotations
