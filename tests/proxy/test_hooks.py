@@ -65,12 +65,16 @@ class ThreadUpstream:
                     data += conn.recv(65536)
                 self.arrived.append(time.perf_counter())
                 head, _, rest = data.partition(b"\r\n\r\n")
-                length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")), b"0"))
-                while len(rest) < length:
+                length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n")
+                                   if ln.lower().startswith(b"content-length")), b"0"))
+                while len(rest) < length:  # all of it: unread bytes would make the close a reset
                     rest += conn.recv(65536)
-                time.sleep(0.05)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY))
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        time.sleep(0.05)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY))
 
     def close(self) -> None:
         self.sock.close()
@@ -147,19 +151,10 @@ class BurstUpstream(ThreadUpstream):
 
     EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                body = b"".join(self.EVENTS)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-                             b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    def _answer(self, conn: socket.socket) -> None:
+        body = b"".join(self.EVENTS)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
 
 
 def test_first_event_goes_out_alone(loop):
