@@ -11,6 +11,9 @@ is called, in the same run:
   proxy-no-shadows    the same proxy without shadows (for shadow_slowdown_ratio)
   nginx               through nginx (Debian nginx-light; proxy_buffering off, upstream
                       keepalive), when installed; skipped otherwise
+  proxy-baseline      with ``--baseline DIR``: the proxy of another checkout (e.g. ``git worktree
+                      add /tmp/base <commit>``), same configuration, same upstream: a before/after
+                      in one run (``baseline_*`` keys)
 at concurrency 1 (TTFT and total latency p50/p99, back to back and, as ``*_spaced``, with a pause
 of ``--think-ms`` between requests as an agent runs its tool between turns; the targets take
 turns in rounds, so that a change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
@@ -104,8 +107,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
+def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a helper process (its cwd comes first on ``sys.path`` for ``-c``: the code it runs
+    is ``cwd``'s) and wait for its "ready" line."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
                          start_new_session=True)
     line = p.stdout.readline().decode() if p.stdout else ""
     if "ready" not in line:
@@ -194,7 +199,10 @@ def main() -> int:
     ap.add_argument("--think-ms", type=float, default=5.0,
                     help="pause between requests of the spaced c=1 runs (added_ttft_p50_ms_spaced)")
     ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
+    ap.add_argument("--baseline", type=Path, help="another checkout whose proxy runs as one more target")
     args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "tensorverse" / "proxy" / "server.py").is_file():
+        ap.error(f"--baseline {args.baseline}: not a Tensorverse checkout (no tensorverse/proxy/server.py)")
     if args.quick:
         args.requests, args.latency_requests = 300, 100
     tmp = Path(tempfile.mkdtemp(prefix="tv-bench-"))
@@ -205,12 +213,16 @@ def main() -> int:
         procs.append(spawn([sys.executable, "-c", UPSTREAM, str(up_port)], env))
         upstream = f"http://127.0.0.1:{up_port}"
         targets: dict[str, tuple[str, int | None]] = {"direct": (upstream, None)}
-        for name, shadows in (("proxy", 3), ("proxy-no-shadows", 0)):
+        proxies = [("proxy", 3, ROOT), ("proxy-no-shadows", 0, ROOT)]
+        if args.baseline is not None:
+            proxies.append(("proxy-baseline", 3, args.baseline.resolve()))
+        for name, shadows, tree in proxies:
             port, admin = free_port(), free_port()
             cfg = {"proxy": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": f"127.0.0.1:{admin}"},
                    "primary": {"url": upstream}, "store": {"path": str(tmp / name), "durable": False},
                    "shadow": {"queue_size": 4096, "workers": 16}}
-            p = spawn([sys.executable, "-c", PROXY, json.dumps(cfg), str(shadows)], env)
+            p = spawn([sys.executable, "-c", PROXY, json.dumps(cfg), str(shadows)],
+                      {**env, "PYTHONPATH": str(tree)}, cwd=tree)
             procs.append(p)
             targets[name] = (f"http://127.0.0.1:{port}", p.pid)
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
@@ -283,6 +295,12 @@ def main() -> int:
             "cpu_ms_per_request": round(p["cpu_ms_per_request"], 3),
             "shadow_slowdown_ratio": round(p["c1"]["total_p50"] / ps["c1"]["total_p50"], 3),
             "direct_rps_c200": round(d["c200"]["rps"], 1),
+            **({"baseline_throughput_ratio_c200": round(results["proxy-baseline"]["c200"]["rps"] / d["c200"]["rps"], 3),
+                "baseline_cpu_ms_per_request": round(results["proxy-baseline"]["cpu_ms_per_request"], 3),
+                "baseline_added_ttft_p50_ms": round(results["proxy-baseline"]["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3),
+                "baseline_added_ttft_p50_ms_spaced": round(results["proxy-baseline"]["c1_spaced"]["ttft_p50"]
+                                                           - d["c1_spaced"]["ttft_p50"], 3)}
+               if "proxy-baseline" in results else {}),
             "load_average": round(load_avg, 2),
             "errors": sum(r["c200"]["errors"] + r["c1"]["errors"] for r in results.values()),
         }
