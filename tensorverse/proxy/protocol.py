@@ -19,7 +19,7 @@ import orjson
 from msgspec import UNSET, Raw
 
 from tensorverse.jsonbytes import RawJSON
-from tensorverse.proxy.events import NULL, ChatDelta, ChatEvent, decode_chat_run
+from tensorverse.proxy.events import NULL, ChatEvent, decode_chat_run
 from tensorverse.store.turns import UPSTREAM_LOGPROBS, chat_logprobs, logprobs_values, token_key
 
 CHAT = "chat.completions"
@@ -521,7 +521,9 @@ class ChatAccumulator(Accumulator):
             if c is None:
                 c = self.choice(index)
             delta = cget("delta") or {}
-            if delta and isinstance(delta, dict) and _fold_delta(c, delta):
+            if delta and isinstance(delta, dict) and _fold_delta(
+                    c, delta.get("role"), delta.get("content"),
+                    delta.get("reasoning_content") or delta.get("reasoning"), delta.get("tool_calls")):
                 output = True
             if _fold_ids(c, cget("token_ids")):
                 output = True
@@ -571,7 +573,8 @@ class ChatAccumulator(Accumulator):
                             if content:  # the common delta: text only
                                 c.text.append(content)
                                 output = True
-                        elif _fold_typed_delta(c, delta):
+                        elif _fold_delta(c, delta.role, content, delta.reasoning_content or delta.reasoning,
+                                         delta.tool_calls):
                             output = True
                     if _fold_ids(c, ch.token_ids):
                         output = True
@@ -590,44 +593,20 @@ def _list(value: Any) -> list | tuple:
     return value if value.__class__ is list else ()
 
 
-def _fold_delta(c: _Choice, delta: dict) -> bool:
-    """Fold a chat stream delta into its choice; True when it carried output."""
+def _fold_delta(c: _Choice, role: Any, content: Any, reasoning: Any, tool_calls: Any) -> bool:
+    """Fold a chat stream delta's values into its choice (a dict's, or the fast path's
+    `ChatDelta`'s); True when it carried output."""
     output = False
-    dget = delta.get
-    if dget("role"):
-        c.role = delta["role"]
-    content = dget("content")
+    if role:
+        c.role = role
     if content and isinstance(content, str):
         c.text.append(content)
         output = True
-    r = dget("reasoning_content") or dget("reasoning")
-    if r and isinstance(r, str):
-        c.reasoning.append(r)
+    if reasoning and isinstance(reasoning, str):
+        c.reasoning.append(reasoning)
         output = True
-    calls = dget("tool_calls")
-    if calls:
-        for i, tc in enumerate(calls):
-            if isinstance(tc, dict):
-                c.add_tool_delta(tc, i)
-                output = True
-    return output
-
-
-def _fold_typed_delta(c: _Choice, delta: ChatDelta) -> bool:
-    """`_fold_delta` of the fast path's `ChatDelta`."""
-    output = False
-    if delta.role:
-        c.role = delta.role
-    content = delta.content
-    if content and isinstance(content, str):
-        c.text.append(content)
-        output = True
-    r = delta.reasoning_content or delta.reasoning
-    if r and isinstance(r, str):
-        c.reasoning.append(r)
-        output = True
-    if delta.tool_calls:
-        for i, tc in enumerate(delta.tool_calls):
+    if tool_calls:
+        for i, tc in enumerate(tool_calls):
             if isinstance(tc, dict):
                 c.add_tool_delta(tc, i)
                 output = True

@@ -137,7 +137,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
+def decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor (the codec's rows, and the store's compressed turns)."""
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -422,7 +423,7 @@ def _dense_bytes(method: int, data: memoryview, n: int, what: str, record: str):
     if method != _ZSTD:
         raise _fail(record, f"{what}: bad method {method}")
     try:
-        out = _decompressor().decompress(data, max_output_size=n)
+        out = decompressor().decompress(data, max_output_size=n)
     except zstandard.ZstdError as e:
         raise _fail(record, f"{what}: zstd error: {e}") from None
     if len(out) != n:

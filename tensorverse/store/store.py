@@ -28,6 +28,7 @@ import zstandard
 
 from tensorverse.jsonbytes import dumps
 from tensorverse.store import schema as S
+from tensorverse.store.codec import decompressor
 from tensorverse.store.turns import read_turn
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
 
@@ -54,6 +55,7 @@ _local = threading.local()  # zstandard's objects are not thread-safe
 
 
 def _compress(blob: bytes) -> bytes:
+    """A turn's JSON as stored (zstd's defaults: the codec's compressors are tuned for logits)."""
     c = getattr(_local, "cctx", None)
     if c is None:
         c = _local.cctx = zstandard.ZstdCompressor(level=3)
@@ -63,10 +65,7 @@ def _compress(blob: bytes) -> bytes:
 def _loads(raw: bytes) -> Any:
     """A stored record: JSON, or JSON in a zstd frame (turns, from store format 2)."""
     if raw[:4] == _ZSTD_MAGIC:
-        d = getattr(_local, "dctx", None)
-        if d is None:
-            d = _local.dctx = zstandard.ZstdDecompressor()
-        raw = d.decompress(raw)
+        raw = decompressor().decompress(raw)
     return orjson.loads(raw)
 
 
