@@ -40,6 +40,9 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tensorverse.ports import free_port  # noqa: E402
 
 UPSTREAM = """
 import asyncio, sys
@@ -99,12 +102,6 @@ http {{
   }}
 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:

@@ -64,7 +64,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._viewer_store import build_long_turn  # noqa: E402
+from tensorverse.ports import free_port  # noqa: E402
 
 CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -151,12 +151,6 @@ COLLECT_JS = r"""
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), 1) if xs else None
@@ -194,7 +188,7 @@ class Viewer:
     """``tensorverse view`` in its own process, stopped on exit."""
 
     def __init__(self, store: Path, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(

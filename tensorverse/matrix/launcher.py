@@ -13,7 +13,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from tensorverse.ports import free_port
 
 __all__ = ["Launch", "ServerProcess", "StartError", "build_command", "build_env", "free_port"]
 
@@ -34,13 +35,6 @@ class StartError(RuntimeError):
         super().__init__(message)
         self.log_tail = log_tail
         self.exit_code = exit_code
-
-
-def free_port() -> int:
-    """A loopback port that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_command(python: str, model: str, served_name: str, port: int,

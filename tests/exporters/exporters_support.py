@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,6 @@ def need_tool(name: str) -> str:
         pytest.fail(f"`{name}` is not installed: apt-get install -y prometheus (Debian) provides "
                     f"promtool and prometheus; these tests need it", pytrace=False)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pipeline:

@@ -16,7 +16,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from exporters_support import ROOT, free_port, need_tool, store_comparisons  # type: ignore[import-not-found]
+from exporters_support import ROOT, need_tool, store_comparisons  # type: ignore[import-not-found]
+from tensorverse.ports import free_port
 
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tensorverse.json"

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.proxy.fake import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
+from tensorverse.ports import free_port  # noqa: E402
 
 RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS", ROOT / "out" / "reliability"))
 PY = sys.executable
@@ -54,12 +54,6 @@ ADMIN_TOKEN = "planted-admin-token-5e7a9c1b3d5f7a9b"
 SECRETS = (CLIENT_KEY, COOKIE.split("=", 1)[1], PRIMARY_KEY, SHADOW_KEY, ADMIN_TOKEN)
 
 MALFORMED_JSON = b'data: {"choices": [\n\n\xff\xfe not json'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(scenario: str, **figures: Any) -> Path:

@@ -37,7 +37,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -76,23 +75,6 @@ class RigError(RuntimeError):
     pass
 
 
-_reserved_ports: set[int] = set()
-_ports_lock = threading.Lock()
-
-
-def free_port() -> int:
-    """A loopback port that is free now and not handed out before by this process."""
-    with _ports_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _reserved_ports:
-                _reserved_ports.add(port)
-                return port
-    raise RigError("no free port")
-
-
 def _log_dir() -> Path:
     d = os.environ.get("TENSORVERSE_RIG_LOGS")
     p = Path(d) if d else Path(tempfile.gettempdir()) / f"tensorverse-rig-{os.getpid()}"
@@ -104,6 +86,7 @@ def _log_dir() -> Path:
 from tensorverse.matrix.launcher import group_pids as _pgroup_pids  # noqa: E402
 from tensorverse.matrix.launcher import reap_group  # noqa: E402
 from tensorverse.matrix.launcher import set_pdeathsig as _set_pdeathsig  # noqa: E402
+from tensorverse.ports import free_port  # noqa: E402
 
 
 def _mem_kib(pid: int, key: str) -> int:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import threading
 from pathlib import Path
 
 import pytest
+
+from tensorverse.ports import free_port
 
 CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -28,12 +29,6 @@ if not Path(CHROMIUM).exists():
     raise RuntimeError(f"no Chromium at {CHROMIUM}: run `make setup` (apt-get install chromium)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(built):
     """The viewer on a free loopback port, in a thread of its own."""
@@ -43,7 +38,7 @@ def server(built):
     from tensorverse.viz.server import create_app
 
     store = Store.open(built.path, readonly=True)
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     # inline_rows=0: every top-k panel is fetched per position, as for a long turn (the export
     # test below covers panels carried in the view)
