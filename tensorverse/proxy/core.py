@@ -1,4 +1,4 @@
-"""The proxy core: an aiohttp server that relays every request to one upstream.
+"""The proxy core: relays every request to one upstream.
 
 It knows nothing of recording, sessions or shadows (those are addons, `tensorverse.proxy.flow`).
 What it guarantees:
@@ -16,9 +16,11 @@ What it guarantees:
 * when addons changed the request (parameter injection) and the upstream rejects it with 400,
   the client's original body is sent instead, so injection can never break a request.
 
-LLM requests (``flow.kind`` set) reach a plain-HTTP upstream through the lean client of
-`tensorverse.proxy.upstream` (same interface and exceptions as aiohttp's, half the work per
-request); everything else, and https or a ``max_connections`` limit, through aiohttp's client.
+Clients reach it through the lean server of `tensorverse.proxy.http` (an asyncio protocol over
+llhttp, with aiohttp's request/response names). LLM requests (``flow.kind`` set) reach a
+plain-HTTP upstream through the lean client of `tensorverse.proxy.upstream` (same interface and
+exceptions as aiohttp's, half the work per request); everything else, and https or a
+``max_connections`` limit, through aiohttp's client.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 from typing import Any, Iterable
 
 import aiohttp
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from tensorverse.proxy import flow as F
+from tensorverse.proxy import http
 from tensorverse.proxy.flow import Addon, Flow, overrides
 from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body, first_event_end
 from tensorverse.proxy.upstream import UpstreamPool
@@ -136,8 +138,7 @@ class ProxyCore:
         self._lean = (u.scheme == "http" and not max_connections and bool(u.host) and not u.user
                       and not u.raw_query_string and not u.raw_fragment)
         self._upstream_hostport = (u.host or "", u.port or 80)
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._server: http.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.in_flight = 0  # requests whose response is not finished (a graceful stop waits)
         self._idle = asyncio.Event()
@@ -163,14 +164,7 @@ class ProxyCore:
         self.port: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
-
-    async def _on_startup(self, _app: web.Application) -> None:
+    async def _on_startup(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
         self._client = aiohttp.ClientSession(
             connector=connector,
@@ -189,7 +183,7 @@ class ProxyCore:
         for a in self.addons:
             await a.start()
 
-    async def _on_cleanup(self, _app: web.Application) -> None:
+    async def _on_cleanup(self) -> None:
         await self.drain(5.0)
         for a in reversed(self.addons):
             try:
@@ -205,18 +199,24 @@ class ProxyCore:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = any free port); returns the port."""
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port, backlog=1024)
-        await self._site.start()
-        sockets = self._site._server.sockets if self._site._server else []  # type: ignore[union-attr]
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        await self._on_startup()
+        self._server = http.Server(self.handle, error_body=lambda status, message: error_body(
+            None, status, message, "BadRequest" if status < 500 else "InternalServerError"))
+        self.port = await self._server.start(host, port, backlog=1024)
         return self.port
 
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    def stop_listening(self) -> None:
+        """New connections are refused; requests in flight go on (a graceful stop's first step)."""
+        if self._server is not None:
+            self._server.stop_listening()
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop serving: requests still in flight after ``timeout`` seconds are cut; then the
+        background hooks get 5 s and the addons stop."""
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.close(timeout)
+            await self._on_cleanup()
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) for background hook tasks."""
@@ -256,12 +256,17 @@ class ProxyCore:
         task.add_done_callback(self._tasks.discard)
 
     # -- request handling ------------------------------------------------------------------------
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: http.Request) -> bytes:
         cl = request.content_length
         if cl is not None and cl > self.max_body_bytes:
             raise _BodyTooLarge
         if not request.body_exists:
             return b""
+        if request.content.done:  # the usual case: the whole body came with the headers
+            body = request.content.read_nowait()
+            if len(body) > self.max_body_bytes:
+                raise _BodyTooLarge
+            return body
         parts = bytearray()
         async for chunk in request.content.iter_any():
             parts += chunk
@@ -269,13 +274,13 @@ class ProxyCore:
                 raise _BodyTooLarge
         return bytes(parts)
 
-    def _error(self, kind: str | None, status: int, message: str, err_type: str, retry: bool | None = None) -> web.Response:
+    def _error(self, kind: str | None, status: int, message: str, err_type: str, retry: bool | None = None) -> http.Response:
         headers = {"Content-Type": "application/json"}
         if retry is not None:
             headers["x-should-retry"] = "true" if retry else "false"
-        return web.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
+        return http.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
 
-    def _upstream_target(self, request: web.Request) -> str:
+    def _upstream_target(self, request: http.Request) -> str:
         """The request target on the upstream (below its base path)."""
         raw = request.raw_path
         p = self.upstream_prefix
@@ -285,10 +290,10 @@ class ProxyCore:
                 raw = "/" + raw
         return raw
 
-    def _upstream_url(self, request: web.Request) -> str:
+    def _upstream_url(self, request: http.Request) -> str:
         return self.upstream + self._upstream_target(request)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: http.Request) -> http.StreamResponse:
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -306,7 +311,7 @@ class ProxyCore:
             pass
         return self.in_flight == 0
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: http.Request) -> http.StreamResponse:
         self.counters["requests"] += 1
         kind = endpoint_kind(request.method, request.path)
         try:
@@ -325,7 +330,7 @@ class ProxyCore:
         try:
             return await self._exchange(request, flow)
         except asyncio.CancelledError:
-            # The client went away (aiohttp cancels the handler): the upstream request has been
+            # The client went away (the server cancels the handler): the upstream request has been
             # closed by the context managers on the way out.
             if flow.state == F.PENDING:
                 flow.state = F.ABORTED
@@ -337,7 +342,7 @@ class ProxyCore:
                     self._background(flow, "error")
             raise
 
-    async def _exchange(self, request: web.Request, flow: Flow) -> web.StreamResponse:
+    async def _exchange(self, request: http.Request, flow: Flow) -> http.StreamResponse:
         kind = flow.kind
         if kind is not None:
             for a in self._hooks["request"]:
@@ -407,7 +412,7 @@ class ProxyCore:
             except Exception:  # noqa: BLE001
                 self._hook_failed(a, "request_forwarded")
 
-    def _fail(self, flow: Flow, status: int, message: str) -> web.Response:
+    def _fail(self, flow: Flow, status: int, message: str) -> http.Response:
         flow.state = F.ERROR
         flow.error = message
         flow.status = status
@@ -418,7 +423,7 @@ class ProxyCore:
         log.warning("%s %s: %s", flow.method, flow.path, message)
         return self._error(flow.kind, status, message, "BadGateway" if status == 502 else "GatewayTimeout", retry=True)
 
-    async def _relay(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
         if flow.kind is not None:
             self._forwarded(flow)  # normally done already, once the request was written
         flow.status = up.status
@@ -445,7 +450,7 @@ class ProxyCore:
             return await self._relay_events(request, flow, up)
         return await self._relay_bytes(request, flow, up)
 
-    async def _relay_whole(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay_whole(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
         try:
             flow.response_body = await up.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -456,7 +461,7 @@ class ProxyCore:
                 a.response_body(flow)
             except Exception:  # noqa: BLE001
                 self._hook_failed(a, "response_body")
-        resp = web.Response(
+        resp = http.Response(
             status=up.status, reason=up.reason, body=flow.response_body,
             headers=forward_response_headers(up.headers, keep_length=False),
         )
@@ -468,11 +473,11 @@ class ProxyCore:
         self._finish(flow)
         return resp
 
-    async def _relay_events(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay_events(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
         self.counters["streams"] += 1
         headers = forward_response_headers(up.headers, keep_length=False)
         headers["X-Accel-Buffering"] = "no"
-        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        resp = http.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         await resp.prepare(request)
         splitter = SSESplitter()
         rewriters = self._hooks["stream_rewrite"]
@@ -512,7 +517,7 @@ class ProxyCore:
                             self._hook_failed(a, "stream_data")
                     if not ended and (b"[DONE]" in data or b"message_stop" in data):
                         ended = True
-        except ConnectionResetError as e:  # aiohttp's write error is a ClientError too: whose side?
+        except ConnectionResetError as e:  # a write to the client, or the upstream reset: whose side?
             if not _client_closed(request):
                 return self._cut(request, flow, resp, e)
             # A client that closes once it has the last event (the openai client does) has the
@@ -535,7 +540,7 @@ class ProxyCore:
         self._finish(flow)
         return resp
 
-    def _finish_or_gone(self, flow: Flow, resp: web.StreamResponse, ended: bool) -> web.StreamResponse:
+    def _finish_or_gone(self, flow: Flow, resp: http.StreamResponse, ended: bool) -> http.StreamResponse:
         if not ended:
             return self._client_gone(flow, resp)
         self._finish(flow)
@@ -553,12 +558,12 @@ class ProxyCore:
                     self._hook_failed(a, "event")
         return b"".join(ev.raw for ev in events)
 
-    async def _relay_bytes(self, request: web.Request, flow: Flow, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay_bytes(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
         keep_length = up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "")
         headers = forward_response_headers(up.headers, keep_length=keep_length)
         if flow.stream:
             headers["X-Accel-Buffering"] = "no"
-        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        resp = http.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         if keep_length:
             resp.content_length = up.content_length
         await resp.prepare(request)
@@ -581,7 +586,7 @@ class ProxyCore:
         if flow.kind is not None:
             self._background(flow, "response_done")
 
-    def _cut(self, request: web.Request, flow: Flow, resp: web.StreamResponse, e: BaseException) -> web.StreamResponse:
+    def _cut(self, request: http.Request, flow: Flow, resp: http.StreamResponse, e: BaseException) -> http.StreamResponse:
         """The upstream failed after the headers went out: end the client's connection abruptly
         (as the upstream did) so the client sees an incomplete response, not a clean end."""
         self.counters["upstream_cut"] += 1
@@ -596,7 +601,7 @@ class ProxyCore:
             request.transport.abort()
         return resp
 
-    def _client_gone(self, flow: Flow, resp: web.StreamResponse) -> web.StreamResponse:
+    def _client_gone(self, flow: Flow, resp: http.StreamResponse) -> http.StreamResponse:
         if flow.state == F.PENDING:
             flow.state = F.ABORTED
             flow.error = "client disconnected"
@@ -608,7 +613,7 @@ class ProxyCore:
         return resp
 
 
-def _client_closed(request: web.Request) -> bool:
+def _client_closed(request: http.Request) -> bool:
     t = request.transport
     return t is None or t.is_closing()
 

@@ -152,10 +152,7 @@ class Proxy:
         deadline, and what does not is dropped and reported. Returns the report."""
         t0 = time.monotonic()
         left = lambda: max(0.0, deadline_s - (time.monotonic() - t0))  # noqa: E731
-        runner = self.core._runner  # noqa: SLF001 - the core's aiohttp runner
-        if runner is not None:
-            for site in list(runner.sites):
-                await site.stop()  # the listening socket closes: new connections are refused
+        self.core.stop_listening()  # the listening socket closes: new connections are refused
         in_flight = self.core.in_flight
         streams_done = await self.core.wait_idle(left())
         await self.core.drain(left())  # background hooks: turns recorded, shadow work queued
@@ -171,14 +168,13 @@ class Proxy:
                   "shadow_turns_done": tee["turns_done"], "seconds": round(time.monotonic() - t0, 3)}
         if dropped:
             log.warning("shutdown: %d queued shadow turn(s) dropped (deadline %.0f s)", dropped, deadline_s)
-        if runner is not None:  # streams still running past the deadline are cut now
-            runner._shutdown_timeout = max(left(), 0.1)  # noqa: SLF001
-        await self.close()
+        await self.close(max(left(), 0.1))  # streams still running past the deadline are cut then
         self.shutdown_report = report
         return report
 
-    async def close(self) -> None:
-        await self.core.close()
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop; requests still in flight after ``timeout`` seconds are cut."""
+        await self.core.close(timeout)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None

@@ -1,0 +1,639 @@
+"""The proxy's client-facing HTTP/1.1 server: an asyncio protocol over httptools' llhttp parser.
+
+The core needs little of a server: each request (method, target, headers, the body as it
+arrives), a response written as it goes (status and headers once, then bytes), flow control in
+both directions, and its handler cancelled when the client goes away. aiohttp's server does that
+and much more per request (an application, a router, request and response classes with lazily
+parsed URLs, cookies and access logs); on the relay's thread that cost came before every first
+token. This server does only what the core uses, under aiohttp's names (`Request.content.iter_any`,
+`StreamResponse.prepare`/`write`/`write_eof`/`force_close`, `Response`), so the core reads like an
+aiohttp handler. The admin listener stays on aiohttp.
+
+As a server it
+* keeps connections alive (HTTP/1.1) and answers pipelined requests in order; HTTP/1.0 clients
+  get their answer and the connection closes unless they asked for keep-alive and the length is
+  known; idle connections close after ``keepalive_s``;
+* hands the request body to the handler as it arrives (Content-Length or chunked), pausing the
+  socket while more than `BODY_HIGH_WATER` bytes are unread; answers ``Expect: 100-continue``
+  when the handler starts reading;
+* refuses a request line over `MAX_LINE` bytes (414), a header field over `MAX_FIELD` bytes or
+  more than `MAX_HEADERS` fields (431) and anything llhttp cannot parse (400), then closes;
+* writes responses with Content-Length, chunked, or (HTTP/1.0) until the connection closes;
+  HEAD, 1xx, 204 and 304 answers carry no body;
+* makes ``write`` wait while the socket's buffer is over its high-water mark, so a slow client
+  slows the relay instead of growing memory;
+* cancels the handler's task when the connection is lost (the core then sees `CancelledError`;
+  a write to a closed connection raises `ConnectionResetError`, as aiohttp's does);
+* answers 500 for a handler that raises before its response began, and aborts the connection if
+  it raises after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import socket
+import time
+from collections import deque
+from email.utils import formatdate
+from typing import Awaitable, Callable, Iterable
+from urllib.parse import unquote
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+log = logging.getLogger("tensorverse.proxy")
+
+MAX_LINE = 8190  # the request target (aiohttp's limit)
+MAX_FIELD = 8190  # one header field, name and value
+MAX_HEADERS = 128  # header fields per request
+MAX_HEAD = 64 << 10  # a request line and headers still unfinished after this many bytes: 431
+BODY_HIGH_WATER = 1 << 20  # unread request body bytes before the socket is paused
+MAX_PIPELINED = 16  # requests read ahead of the one being answered
+KEEPALIVE_S = 75.0  # aiohttp's default
+
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+_NO_BODY_STATUS = frozenset({204, 304})
+_SET_BY_SERVER = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+
+
+class _Refused(Exception):
+    """A request the server answers itself (status, message) and then closes the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BodyReader:
+    """A request body as it arrives; ``iter_any()`` yields what is buffered (aiohttp's name)."""
+
+    __slots__ = ("_conn", "_chunks", "_size", "done", "_exc", "_waiter", "_continue")
+
+    def __init__(self, conn: "_Connection", expect_continue: bool) -> None:
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self.done = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._continue = expect_continue
+
+    def iter_any(self) -> "BodyReader":
+        return self
+
+    def __aiter__(self) -> "BodyReader":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._chunks:
+                return self.read_nowait()
+            if self._exc is not None:
+                raise self._exc
+            if self.done:
+                raise StopAsyncIteration
+            if self._continue:
+                self._continue = False
+                self._conn._write_continue()
+            self._waiter = w = self._conn.loop.create_future()
+            try:
+                await w
+            finally:
+                self._waiter = None
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    def read_nowait(self) -> bytes:
+        """What is buffered now (all of the body once `done`)."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._conn._consumed(self._size)
+        self._size = 0
+        return data
+
+    # the connection's side
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        self._wake()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done and self._exc is None:
+            self._exc = exc
+            self._wake()
+
+    def _discard(self) -> int:
+        """Drop what is buffered (the request is answered); returns the bytes dropped."""
+        n = self._size
+        self._chunks.clear()
+        self._size = 0
+        return n
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class Request:
+    """One request as the handler sees it (the attributes the core reads of aiohttp's)."""
+
+    __slots__ = ("method", "raw_path", "path", "query_string", "headers", "version", "keep_alive",
+                 "content_length", "body_exists", "content", "_conn", "_refused")
+
+    def __init__(self, conn: "_Connection", method: str, target: str, headers: CIMultiDictProxy[str],
+                 version: str, keep_alive: bool) -> None:
+        self._conn = conn
+        self._refused: _Refused | None = None
+        self.method = method
+        self.raw_path = target
+        self.headers = headers
+        self.version = version
+        self.keep_alive = keep_alive
+        path, _, self.query_string = target.partition("?")
+        if not path.startswith("/") and path != "*":  # absolute form: http://host/path?query
+            try:
+                url = httptools.parse_url(target.encode("utf-8", "surrogateescape"))
+                path = (url.path or b"/").decode("utf-8", "surrogateescape")
+                self.query_string = (url.query or b"").decode("utf-8", "surrogateescape")
+            except httptools.HttpParserInvalidURLError:
+                pass
+        self.path = unquote(path) if "%" in path else path
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self.body_exists = chunked or bool(self.content_length)
+        expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
+        self.content = BodyReader(conn, expect and self.body_exists)
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._conn.transport
+
+
+class StreamResponse:
+    """A response written as it goes: `prepare` sends the status line and headers."""
+
+    def __init__(self, *, status: int = 200, reason: str | None = None,
+                 headers: Iterable[tuple[str, str]] | CIMultiDict[str] | dict[str, str] | None = None) -> None:
+        self.status = status
+        self.reason = reason or _REASONS.get(status, "Unknown")
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or ())
+        self.content_length: int | None = None
+        self.prepared = False
+        self._conn: _Connection | None = None
+        self._chunked = False
+        self._body = True  # the response may carry a body (not HEAD, 1xx, 204, 304)
+        self._eof = False
+        self._close = False
+
+    def force_close(self) -> None:
+        """Close the connection once this response is out (no keep-alive)."""
+        self._close = True
+
+    def _head(self, request: Request) -> bytes:
+        status = self.status
+        self._body = request.method != "HEAD" and status >= 200 and status not in _NO_BODY_STATUS
+        keep = request.keep_alive and not self._close
+        lines = [f"HTTP/1.1 {status} {self.reason}\r\n"]
+        date = True
+        for name, value in self.headers.items():
+            low = name.lower()
+            if low in _SET_BY_SERVER:
+                continue
+            if low == "date":
+                date = False
+            lines.append(f"{name}: {value}\r\n")
+        if self.content_length is not None:
+            lines.append(f"Content-Length: {self.content_length}\r\n")
+        elif self._body and status >= 200 and status not in _NO_BODY_STATUS:
+            if request.version == "1.1":
+                self._chunked = True
+                lines.append("Transfer-Encoding: chunked\r\n")
+            else:
+                keep = False  # an HTTP/1.0 body of unknown length ends with the connection
+        if date:
+            lines.append(f"Date: {_date()}\r\n")
+        if not keep:
+            self._close = True
+            lines.append("Connection: close\r\n")
+        elif request.version == "1.0":
+            lines.append("Connection: keep-alive\r\n")
+        lines.append("\r\n")
+        head = "".join(lines)
+        if head.count("\n") != len(lines) or head.count("\r") != len(lines):
+            raise ValueError("a response header holds a line break")
+        return head.encode("utf-8", "surrogateescape")
+
+    async def prepare(self, request: Request) -> None:
+        if self.prepared:
+            return
+        conn = request._conn
+        if conn.gone():
+            raise ConnectionResetError("Cannot write to closing transport")
+        self._conn = conn
+        head = self._head(request)
+        self.prepared = True
+        conn.transport.write(head)  # type: ignore[union-attr]
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None or self._eof:
+            raise RuntimeError("write() before prepare() or after write_eof()")
+        if conn.closed:
+            raise ConnectionResetError("Cannot write to closing transport")
+        if not data or not self._body:
+            return
+        t = conn.transport
+        if self._chunked:
+            if len(data) < 65536:
+                t.write(b"%x\r\n%b\r\n" % (len(data), data))  # type: ignore[union-attr]
+            else:
+                t.writelines((b"%x\r\n" % len(data), data, b"\r\n"))  # type: ignore[union-attr]
+        else:
+            t.write(data)  # type: ignore[union-attr]
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        if self._eof:
+            return
+        self._eof = True
+        conn = self._conn
+        if conn is not None and self._chunked and self._body and not conn.gone():
+            conn.transport.write(b"0\r\n\r\n")  # type: ignore[union-attr]
+
+
+class Response(StreamResponse):
+    """A whole response (its body known up front), sent by the server after the handler returns."""
+
+    def __init__(self, *, status: int = 200, reason: str | None = None, body: bytes = b"",
+                 headers: Iterable[tuple[str, str]] | CIMultiDict[str] | dict[str, str] | None = None) -> None:
+        super().__init__(status=status, reason=reason, headers=headers)
+        self.body = body
+        self.content_length = len(body)
+
+    async def prepare(self, request: Request) -> None:
+        if self.prepared:
+            return
+        conn = request._conn
+        if conn.gone():
+            raise ConnectionResetError("Cannot write to closing transport")
+        self._conn = conn
+        head = self._head(request)
+        self.prepared = True
+        self._eof = True
+        conn.transport.write(head + self.body if self._body else head)  # type: ignore[union-attr]
+
+    async def write_eof(self) -> None:
+        self._eof = True
+
+
+Handler = Callable[[Request], Awaitable[StreamResponse]]
+ErrorBody = Callable[[int, str], bytes]
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def _date() -> str:
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, formatdate(now, usegmt=True))
+    return _date_cache[1]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: llhttp calls the ``on_*`` methods; `_serve` answers in order."""
+
+    def __init__(self, server: "Server") -> None:
+        self.server = server
+        self.loop: asyncio.AbstractEventLoop = server.loop  # type: ignore[assignment]
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.write_paused = False
+        self._drain: asyncio.Future | None = None
+        self._queue: deque[Request] = deque()  # parsed requests not yet answered (the first is being)
+        self._current: Request | None = None  # the request whose body is being parsed
+        self._task: asyncio.Task | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._in_head = False  # between a request's first byte and the end of its headers
+        self._head_bytes = 0  # bytes received while in the head (llhttp keeps partial fields)
+        self._buffered = 0  # request body bytes received and not yet read
+        self._reading_paused = False
+        self._stop_reading = False  # after an upgrade or a refused request: nothing more is parsed
+        self.active = 0.0  # loop time of the last byte received or response finished (the idle sweep)
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        self.server._connections.add(self)
+        self.active = self.loop.time()
+
+    def data_received(self, data: bytes) -> None:
+        if self._stop_reading:
+            return
+        self.active = self.loop.time()
+        try:
+            if self._head_bytes > MAX_HEAD:  # llhttp buffers a field until it ends: bound it
+                raise _Refused(431, f"request headers longer than {MAX_HEAD} bytes")
+            in_head = self._in_head
+            self.parser.feed_data(data)
+            if in_head and self._in_head:
+                self._head_bytes += len(data)
+        except httptools.HttpParserUpgrade:  # Upgrade/CONNECT: relayed as a plain request, then closed
+            self._stop_reading = True
+        except _Refused as e:
+            self._refuse(e)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__ or e.__cause__
+            self._refuse(cause if isinstance(cause, _Refused) else _Refused(400, f"bad request: {e}"))
+        except httptools.HttpParserError as e:
+            self._refuse(_Refused(400, f"bad request: {e or type(e).__name__}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server._connections.discard(self)
+        gone = ConnectionResetError("the client closed the connection")
+        for req in self._queue:
+            req.content._fail(gone)
+        w = self._drain
+        if w is not None and not w.done():
+            w.set_exception(gone)
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()  # the handler sees the client go away (aiohttp's handler_cancellation)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        w = self._drain
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def gone(self) -> bool:
+        """The connection is lost or closing (the core may have aborted it)."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("Cannot write to closing transport")
+        if not self.write_paused:
+            return
+        self._drain = w = self.loop.create_future()
+        try:
+            await w
+        finally:
+            self._drain = None
+
+    # -- llhttp callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_LINE:
+            raise _Refused(414, f"the request target is longer than {MAX_LINE} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_FIELD:
+            raise _Refused(431, f"a header field is longer than {MAX_FIELD} bytes")
+        self._headers.append((name, value))
+        if len(self._headers) > MAX_HEADERS:
+            raise _Refused(431, f"more than {MAX_HEADERS} header fields")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        p = self.parser
+        h: CIMultiDict[str] = CIMultiDict()
+        for name, value in self._headers:
+            h.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        self._headers = []
+        req = Request(self, p.get_method().decode("ascii", "replace"), self._url.decode("utf-8", "surrogateescape"),
+                      CIMultiDictProxy(h), p.get_http_version(), p.should_keep_alive())
+        self._current = req
+        self._queue.append(req)
+        if self._task is None:
+            self._task = self.loop.create_task(self._serve())
+        self._update_reading()
+
+    def on_body(self, body: bytes) -> None:
+        req = self._current
+        if req is not None:
+            req.content._feed(body)
+            self._buffered += len(body)
+            if self._buffered > BODY_HIGH_WATER:
+                self._update_reading()
+
+    def on_message_complete(self) -> None:
+        req = self._current
+        if req is not None:
+            req.content._finish()
+            self._current = None
+
+    # -- reading, writing ------------------------------------------------------------------------
+    def _consumed(self, n: int) -> None:
+        self._buffered -= n
+        if self._reading_paused:
+            self._update_reading()
+
+    def _update_reading(self) -> None:
+        t = self.transport
+        if t is None or self.closed:
+            return
+        pause = self._buffered > BODY_HIGH_WATER or len(self._queue) > MAX_PIPELINED
+        if pause != self._reading_paused:
+            self._reading_paused = pause
+            if pause:
+                t.pause_reading()
+            else:
+                t.resume_reading()
+
+    def _write_continue(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def close_if_idle(self, since: float) -> None:
+        """Close the connection if nothing happened on it since loop time ``since``."""
+        if self._task is None and not self._queue and self.active < since and not self.gone():
+            self.transport.close()  # type: ignore[union-attr]
+
+    def _refuse(self, e: _Refused) -> None:
+        """Stop parsing; the refusal is answered after the requests before it."""
+        self._stop_reading = True
+        req = self._current
+        self._current = None
+        if req is not None and not req.content.done:  # a broken body: its handler fails reading it
+            req.content._fail(ConnectionResetError(f"request body: {e}"))
+            return
+        marker = Request(self, "GET", "/", CIMultiDictProxy(CIMultiDict()), "1.1", False)
+        marker._refused = e
+        self._queue.append(marker)
+        if self._task is None:
+            self._task = self.loop.create_task(self._serve())
+
+    # -- answering -------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        handler = self.server.handler
+        try:
+            while self._queue and not self.closed:
+                req = self._queue[0]
+                if req._refused is not None:
+                    await self._answer_refused(req)
+                    return
+                resp = await self._run(handler, req)
+                if resp is None or self.gone():
+                    return
+                self._queue.popleft()
+                self._buffered -= req.content._discard()
+                keep = req.keep_alive and not resp._close and req.content.done
+                if not keep or (self._stop_reading and not self._queue):
+                    self.transport.close()  # type: ignore[union-attr]  # after what is buffered
+                    return
+                self._update_reading()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._task = None
+            self.active = self.loop.time()
+
+    async def _run(self, handler: Handler, req: Request) -> StreamResponse | None:
+        """Run the handler and finish its response; None when the connection was aborted."""
+        try:
+            resp = await handler(req)
+            if not resp.prepared:
+                await resp.prepare(req)
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            raise
+        except ConnectionResetError:
+            self._abort()
+            return None
+        except Exception:  # noqa: BLE001 - one bad request never stops the server
+            log.exception("%s %s: the handler failed", req.method, req.raw_path)
+            if self.gone():
+                return None
+            resp = Response(status=500, body=self.server.error_body(500, "internal error in the proxy"),
+                            headers={"Content-Type": "application/json"})
+            resp.force_close()
+            try:
+                await resp.prepare(req)
+            except (ConnectionResetError, ValueError):
+                pass
+            if not resp.prepared or resp._conn is None:
+                self._abort()
+                return None
+            return resp
+
+    async def _answer_refused(self, req: Request) -> None:
+        e = req._refused
+        assert e is not None
+        log.info("refused a request: %s", e)
+        resp = Response(status=e.status, body=self.server.error_body(e.status, str(e)),
+                        headers={"Content-Type": "application/json"})
+        resp.force_close()
+        await resp.prepare(req)
+        self.transport.close()  # type: ignore[union-attr]
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _plain_error(status: int, message: str) -> bytes:
+    import orjson
+
+    return orjson.dumps({"error": {"message": message, "type": _REASONS.get(status, "Error"), "code": status}})
+
+
+class Server:
+    """Serves ``handler`` on a TCP port: `start`, `stop_listening`, `close`."""
+
+    def __init__(self, handler: Handler, *, keepalive_s: float = KEEPALIVE_S,
+                 error_body: ErrorBody = _plain_error) -> None:
+        self.handler = handler
+        self.keepalive_s = keepalive_s
+        self.error_body = error_body
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
+        if self.keepalive_s:
+            self._sweeper = self.loop.create_task(self._sweep())
+        sockets = self._server.sockets or ()
+        return sockets[0].getsockname()[1] if sockets else port
+
+    def stop_listening(self) -> None:
+        """New connections are refused; the open ones go on."""
+        if self._server is not None:
+            self._server.close()
+
+    async def _sweep(self) -> None:
+        """Close connections idle for ``keepalive_s`` (one pass now and then, not a timer per
+        request: re-arming a timer after each answer cost more than the whole check)."""
+        assert self.loop is not None
+        period = min(max(self.keepalive_s / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(period)
+            since = self.loop.time() - self.keepalive_s
+            for c in list(self._connections):
+                c.close_if_idle(since)
+
+    def busy(self) -> int:
+        """Connections with a request in flight."""
+        return sum(1 for c in self._connections if c._queue)
+
+    async def close(self, timeout: float) -> None:
+        """Stop listening, close idle connections, give the busy ones ``timeout`` seconds to
+        finish their requests, then cut them."""
+        if self.loop is None:
+            return
+        self.stop_listening()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        deadline = self.loop.time() + max(timeout, 0.0)
+        while True:
+            for c in list(self._connections):
+                c.close_if_idle(float("inf"))
+            if not self.busy() or self.loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        tasks = [c._task for c in self._connections if c._task is not None]
+        for c in list(self._connections):
+            c._abort()
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+        self._connections.clear()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
