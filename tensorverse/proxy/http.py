@@ -240,9 +240,14 @@ class StreamResponse:
         if conn.gone():
             raise ConnectionResetError("Cannot write to closing transport")
         self._conn = conn
-        head = self._head(request)
+        first = self._first_bytes(self._head(request))
         self.prepared = True
-        conn.transport.write(head)  # type: ignore[union-attr]
+        conn.responding = True
+        conn.transport.write(first)  # type: ignore[union-attr]
+
+    def _first_bytes(self, head: bytes) -> bytes:
+        """What `prepare` sends: the head (a `Response` adds its body)."""
+        return head
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
@@ -281,17 +286,9 @@ class Response(StreamResponse):
         self.body = body
         self.content_length = len(body)
 
-    async def prepare(self, request: Request) -> None:
-        if self.prepared:
-            return
-        conn = request._conn
-        if conn.gone():
-            raise ConnectionResetError("Cannot write to closing transport")
-        self._conn = conn
-        head = self._head(request)
-        self.prepared = True
+    def _first_bytes(self, head: bytes) -> bytes:
         self._eof = True
-        conn.transport.write(head + self.body if self._body else head)  # type: ignore[union-attr]
+        return head + self.body if self._body else head
 
     async def write_eof(self) -> None:
         self._eof = True
@@ -333,6 +330,7 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._stop_reading = False  # after an upgrade or a refused request: nothing more is parsed
         self.active = 0.0  # loop time of the last byte received or response finished (the idle sweep)
+        self.responding = False  # the answer to the first queued request has begun
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -520,6 +518,7 @@ class _Connection(asyncio.Protocol):
 
     async def _run(self, handler: Handler, req: Request) -> StreamResponse | None:
         """Run the handler and finish its response; None when the connection was aborted."""
+        self.responding = False
         try:
             resp = await handler(req)
             if not resp.prepared:
@@ -533,7 +532,8 @@ class _Connection(asyncio.Protocol):
             return None
         except Exception:  # noqa: BLE001 - one bad request never stops the server
             log.exception("%s %s: the handler failed", req.method, req.raw_path)
-            if self.gone():
+            if self.gone() or self.responding:  # a response began: cut it, never append a second
+                self._abort()
                 return None
             resp = Response(status=500, body=self.server.error_body(500, "internal error in the proxy"),
                             headers={"Content-Type": "application/json"})
@@ -554,7 +554,10 @@ class _Connection(asyncio.Protocol):
         resp = Response(status=e.status, body=self.server.error_body(e.status, str(e)),
                         headers={"Content-Type": "application/json"})
         resp.force_close()
-        await resp.prepare(req)
+        try:
+            await resp.prepare(req)
+        except ConnectionResetError:
+            return
         self.transport.close()  # type: ignore[union-attr]
 
     def _abort(self) -> None:

@@ -230,6 +230,21 @@ def test_handler_error_gives_500_and_closes(served):
     assert data.startswith(b"HTTP/1.1 500 Internal Server Error\r\n") and b"connection: close" in data.lower()
 
 
+def test_handler_error_after_the_response_began_cuts_the_connection(served):
+    async def half(srv, req):
+        resp = http.StreamResponse()
+        await resp.prepare(req)
+        await resp.write(b"data: 1\n\n")
+        raise RuntimeError("bug mid-stream")
+
+    srv = served(half)
+    s = srv.connect()
+    s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    data = read_until_closed(s)
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"9\r\ndata: 1\n\n\r\n")
+    assert b" 500 " not in data and not data.endswith(b"0\r\n\r\n")  # no clean end, no second head
+
+
 def test_client_going_away_cancels_the_handler(served):
     started = asyncio.Event()
 
