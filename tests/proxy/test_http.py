@@ -144,6 +144,32 @@ def test_streamed_response_is_chunked_and_the_connection_is_reused(served):
         assert c.post(f"http://127.0.0.1:{srv.port}/s", content=b"{}").text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
 
 
+def test_a_stream_head_goes_out_before_the_first_event_is_there(served):
+    release = asyncio.Event()
+
+    async def slow_first(srv, req):
+        resp = http.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        await release.wait()  # a long prefill: the client has the status and headers meanwhile
+        await resp.write(b"data: 1\n\n")
+        return resp
+
+    srv = served(slow_first)
+    s = srv.connect()
+    s.sendall(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    s.settimeout(5)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    rest = head.split(b"\r\n\r\n", 1)[1]
+    assert rest == b""  # nothing of the body yet
+    srv.loop.call(release.set)
+    while not rest.endswith(b"0\r\n\r\n"):
+        rest += s.recv(65536)
+    assert rest == b"9\r\ndata: 1\n\n\r\n0\r\n\r\n"
+
+
 def test_http10_stream_ends_with_the_connection_and_head_has_no_body(served):
     srv = served(stream)
     s = srv.connect()
