@@ -200,9 +200,14 @@ class ProxyCore:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = any free port); returns the port."""
         await self._on_startup()
-        self._server = http.Server(self.handle, error_body=lambda status, message: error_body(
+        server = http.Server(self.handle, error_body=lambda status, message: error_body(
             None, status, message, "BadRequest" if status < 500 else "InternalServerError"))
-        self.port = await self._server.start(host, port, backlog=1024)
+        try:
+            self.port = await server.start(host, port, backlog=1024)
+        except BaseException:  # e.g. the address is taken: nothing started is left running
+            await self._on_cleanup()
+            raise
+        self._server = server
         return self.port
 
     def stop_listening(self) -> None:
@@ -329,9 +334,9 @@ class ProxyCore:
             self.counters["turns"] += 1
         try:
             return await self._exchange(request, flow)
-        except asyncio.CancelledError:
-            # The client went away (the server cancels the handler): the upstream request has been
-            # closed by the context managers on the way out.
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (the server cancels the handler, or a response could not
+            # begin): the upstream request has been closed on the way out (`_exchange`).
             if flow.state == F.PENDING:
                 flow.state = F.ABORTED
                 flow.error = "client disconnected"

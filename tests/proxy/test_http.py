@@ -349,3 +349,16 @@ def test_close_waits_for_busy_connections_then_cuts_them(loop, served):
     assert read_until_closed(idle) == b""
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", srv.port), timeout=2)
+
+
+def test_core_on_a_taken_port_fails_to_start_and_leaves_nothing_running(loop):
+    from tensorverse.proxy.core import ProxyCore
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    core = ProxyCore("http://127.0.0.1:9")
+    with pytest.raises(OSError):
+        loop.run(core.start("127.0.0.1", taken.getsockname()[1]))
+    assert core._client is None and core._server is None  # the upstream client was closed again
+    taken.close()
