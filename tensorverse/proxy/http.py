@@ -41,6 +41,7 @@ from typing import Awaitable, Callable, Iterable
 from urllib.parse import unquote
 
 import httptools
+import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 log = logging.getLogger("tensorverse.proxy")
@@ -111,8 +112,8 @@ class BodyReader:
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
-        self._conn._consumed(self._size)
         self._size = 0
+        self._conn._consumed()
         return data
 
     # the connection's side
@@ -130,12 +131,10 @@ class BodyReader:
             self._exc = exc
             self._wake()
 
-    def _discard(self) -> int:
-        """Drop what is buffered (the request is answered); returns the bytes dropped."""
-        n = self._size
+    def _discard(self) -> None:
+        """Drop what is buffered (the request is answered)."""
         self._chunks.clear()
         self._size = 0
-        return n
 
     def _wake(self) -> None:
         w = self._waiter
@@ -326,7 +325,6 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._in_head = False  # between a request's first byte and the end of its headers
         self._head_bytes = 0  # bytes received while in the head (llhttp keeps partial fields)
-        self._buffered = 0  # request body bytes received and not yet read
         self._reading_paused = False
         self._stop_reading = False  # after an upgrade or a refused request: nothing more is parsed
         self.active = 0.0  # loop time of the last byte received or response finished (the idle sweep)
@@ -440,9 +438,7 @@ class _Connection(asyncio.Protocol):
         req = self._current
         if req is not None:
             req.content._feed(body)
-            self._buffered += len(body)
-            if self._buffered > BODY_HIGH_WATER:
-                self._update_reading()
+            self._update_reading()
 
     def on_message_complete(self) -> None:
         req = self._current
@@ -451,8 +447,11 @@ class _Connection(asyncio.Protocol):
             self._current = None
 
     # -- reading, writing ------------------------------------------------------------------------
-    def _consumed(self, n: int) -> None:
-        self._buffered -= n
+    def _buffered(self) -> int:
+        """Request body bytes received and not yet read (all queued requests)."""
+        return sum(req.content._size for req in self._queue)
+
+    def _consumed(self) -> None:
         if self._reading_paused:
             self._update_reading()
 
@@ -460,7 +459,7 @@ class _Connection(asyncio.Protocol):
         t = self.transport
         if t is None or self.closed:
             return
-        pause = self._buffered > BODY_HIGH_WATER or len(self._queue) > MAX_PIPELINED
+        pause = len(self._queue) > MAX_PIPELINED or self._buffered() > BODY_HIGH_WATER
         if pause != self._reading_paused:
             self._reading_paused = pause
             if pause:
@@ -504,7 +503,7 @@ class _Connection(asyncio.Protocol):
                 if resp is None or self.gone():
                     return
                 self._queue.popleft()
-                self._buffered -= req.content._discard()
+                req.content._discard()
                 keep = req.keep_alive and not resp._close and req.content.done
                 if not keep or (self._stop_reading and not self._queue):
                     self.transport.close()  # type: ignore[union-attr]  # after what is buffered
@@ -542,7 +541,7 @@ class _Connection(asyncio.Protocol):
                 await resp.prepare(req)
             except (ConnectionResetError, ValueError):
                 pass
-            if not resp.prepared or resp._conn is None:
+            if not resp.prepared:
                 self._abort()
                 return None
             return resp
@@ -566,8 +565,6 @@ class _Connection(asyncio.Protocol):
 
 
 def _plain_error(status: int, message: str) -> bytes:
-    import orjson
-
     return orjson.dumps({"error": {"message": message, "type": _REASONS.get(status, "Error"), "code": status}})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import httpx
@@ -362,3 +363,27 @@ def test_core_on_a_taken_port_fails_to_start_and_leaves_nothing_running(loop):
         loop.run(core.start("127.0.0.1", taken.getsockname()[1]))
     assert core._client is None and core._server is None  # the upstream client was closed again
     taken.close()
+
+
+def test_an_unread_body_pauses_the_socket_and_arrives_whole_once_read(served):
+    release = asyncio.Event()
+    paused: list[tuple[bool, int]] = []
+
+    async def late_reader(srv, req):
+        await release.wait()
+        body = await req.content.read()
+        return http.Response(body=b"%d %d" % (len(body), body.count(b"x")))
+
+    srv = served(late_reader)
+    s = srv.connect()
+    size = 48 << 20  # more than the kernel's socket buffers on both sides hold
+    s.sendall(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % size)
+    sender = threading.Thread(target=s.sendall, args=(b"x" * size,))
+    sender.start()
+    time.sleep(1.0)
+    srv.loop.call(lambda: paused.extend((c._reading_paused, c._buffered()) for c in srv.server._connections))
+    assert sender.is_alive()  # the proxy stopped reading; the client waits
+    assert paused[0][0] is True and paused[0][1] < 2 * http.BODY_HIGH_WATER  # the unread part is bounded
+    srv.loop.call(release.set)
+    sender.join(10)
+    assert read_response(s).endswith(b"%d %d" % (size, size))
