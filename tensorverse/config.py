@@ -114,6 +114,13 @@ class ProxySection(_Listener):
     # Also relay ``/upstream/<path>`` to ``<path>`` (reach an upstream path explicitly).
     upstream_prefix: str = "/upstream"
     max_connections: int = Field(0, ge=0)  # to the primary; 0 = unlimited
+    # Slow or too many clients (tensorverse.proxy.http): a request head must arrive whole within
+    # head_timeout_s of its first byte, a request body may stall at most body_timeout_s (408, then
+    # the connection closes; 0 = no deadline); past max_client_connections the longest-idle
+    # connection is closed, or, all busy, the request gets 503 with x-should-retry (0 = no cap).
+    head_timeout_s: float = Field(30.0, ge=0)
+    body_timeout_s: float = Field(60.0, ge=0)
+    max_client_connections: int = Field(10_000, ge=0)
     strip_tensorverse_headers: bool = True  # drop X-Tensorverse-* before forwarding
 
     @field_validator("upstream_prefix")

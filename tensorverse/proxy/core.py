@@ -119,6 +119,9 @@ class ProxyCore:
         max_connections: int = 0,
         strip_header_prefixes: tuple[str, ...] = ("x-tensorverse-",),
         retry_without_injection: bool = True,
+        head_timeout_s: float = http.HEAD_TIMEOUT_S,
+        body_timeout_s: float = http.BODY_TIMEOUT_S,
+        max_client_connections: int = http.MAX_CONNECTIONS,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.addons = list(addons or [])
@@ -129,6 +132,8 @@ class ProxyCore:
         self.max_connections = max_connections
         self.strip_header_prefixes = strip_header_prefixes
         self.retry_without_injection = retry_without_injection
+        self._server_limits = {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s,
+                               "max_connections": max_client_connections}
         self._client: aiohttp.ClientSession | None = None
         # LLM endpoints go through the lean client (tensorverse.proxy.upstream) where it applies:
         # a plain-HTTP upstream without a connection limit.
@@ -158,6 +163,7 @@ class ProxyCore:
             "upstream_status_4xx": 0,
             "upstream_status_5xx": 0,
             "body_too_large": 0,
+            "connections_evicted": 0,
             "retried_without_injection": 0,
             "addon_errors": 0,
         }
@@ -200,7 +206,7 @@ class ProxyCore:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = any free port); returns the port."""
         await self._on_startup()
-        server = http.Server(self.handle, error_body=lambda status, message: error_body(
+        server = http.Server(self.handle, **self._server_limits, error_body=lambda status, message: error_body(
             None, status, message, "BadRequest" if status < 500 else "InternalServerError"))
         try:
             self.port = await server.start(host, port, backlog=1024)
@@ -229,6 +235,8 @@ class ProxyCore:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
+        if self._server is not None:
+            self.counters["connections_evicted"] = self._server.evicted
         out: dict[str, Any] = {"proxy": dict(self.counters), "background_tasks": len(self._tasks)}
         for a in self.addons:
             try:
@@ -286,7 +294,9 @@ class ProxyCore:
         return http.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
 
     def _upstream_target(self, request: http.Request) -> str:
-        """The request target on the upstream (below its base path)."""
+        """The request target on the upstream (below its base path). ``raw_path`` is a path
+        (origin form: the server reduces an absolute-form target to it and refuses the rest),
+        so the upstream's scheme and host are the only ones a request can reach."""
         raw = request.raw_path
         p = self.upstream_prefix
         if p and (raw == p or raw.startswith(p + "/") or raw.startswith(p + "?")):
@@ -319,6 +329,8 @@ class ProxyCore:
     async def _handle(self, request: http.Request) -> http.StreamResponse:
         self.counters["requests"] += 1
         kind = endpoint_kind(request.method, request.path)
+        if not request.raw_path.startswith("/"):  # the server guarantees it; never trust a caller
+            return self._error(kind, 400, "the request target must be a path", "BadRequest", retry=False)
         try:
             body = await self._read_body(request)
         except _BodyTooLarge:

@@ -17,7 +17,16 @@ As a server it
   socket while more than `BODY_HIGH_WATER` bytes are unread; answers ``Expect: 100-continue``
   when the handler starts reading;
 * refuses a request line over `MAX_LINE` bytes (414), a header field over `MAX_FIELD` bytes or
-  more than `MAX_HEADERS` fields (431) and anything llhttp cannot parse (400), then closes;
+  more than `MAX_HEADERS` fields (431), anything llhttp cannot parse (400), a target that is not
+  a path (authority form, ``*``: 400), ``CONNECT`` (405) and any transfer coding but exactly
+  ``chunked`` (501), then closes; an absolute-form target (``GET http://host/path``) is reduced
+  to its path and query, so nothing but the path ever reaches the upstream;
+* gives a request head `HEAD_TIMEOUT_S` from its first byte to arrive whole and a request body
+  at most `BODY_TIMEOUT_S` of silence (408, then closes; a slow client cannot hold a connection
+  one byte at a time);
+* holds at most ``max_connections`` client connections: past it, the connection idle the
+  longest (no request in flight) is closed to make room, and when every one is busy the new
+  connection's request gets 503 with ``x-should-retry: true``;
 * writes responses with Content-Length, chunked, or (HTTP/1.0) until the connection closes;
   HEAD, 1xx, 204 and 304 answers carry no body;
 * makes ``write`` wait while the socket's buffer is over its high-water mark, so a slow client
@@ -53,6 +62,9 @@ MAX_HEAD = 64 << 10  # a request line and headers still unfinished after this ma
 BODY_HIGH_WATER = 1 << 20  # unread request body bytes before the socket is paused
 MAX_PIPELINED = 16  # requests read ahead of the one being answered
 KEEPALIVE_S = 75.0  # aiohttp's default
+HEAD_TIMEOUT_S = 30.0  # from a request's first byte to the end of its headers
+BODY_TIMEOUT_S = 60.0  # longest silence while a request body is awaited (nginx's client_body_timeout)
+MAX_CONNECTIONS = 10_000  # client connections held at once
 
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -62,9 +74,29 @@ _SET_BY_SERVER = frozenset({"content-length", "transfer-encoding", "connection",
 class _Refused(Exception):
     """A request the server answers itself (status, message) and then closes the connection."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
+
+
+def origin_form(target: bytes) -> str:
+    """A request target as the upstream gets it: a path and query (RFC 9112 §3.2). Origin form
+    passes as it is; absolute form (``http://host/path?q``, any scheme) is reduced to its path and
+    query, its scheme and host dropped; authority form (``host:port``) and asterisk form (``*``)
+    are refused (400): nothing this proxy relays is addressed that way."""
+    if target.startswith(b"/"):
+        return target.decode("utf-8", "surrogateescape")
+    try:
+        url = httptools.parse_url(target)
+    except httptools.HttpParserInvalidURLError:
+        url = None
+    if url is None or not url.schema or not url.host or (url.path and not url.path.startswith(b"/")):
+        raise _Refused(400, "the request target must be a path (origin form) or an absolute URL")
+    path = url.path or b"/"
+    if url.query:
+        path += b"?" + url.query
+    return path.decode("utf-8", "surrogateescape")
 
 
 class BodyReader:
@@ -143,7 +175,11 @@ class BodyReader:
 
 
 class Request:
-    """One request as the handler sees it (the attributes the core reads of aiohttp's)."""
+    """One request as the handler sees it (the attributes the core reads of aiohttp's).
+
+    ``raw_path`` is the target in origin form (``/path?query``, still percent-encoded): an
+    absolute-form target arrives here reduced to it, so no scheme or host a client wrote can
+    reach the upstream."""
 
     __slots__ = ("method", "raw_path", "path", "query_string", "headers", "version", "keep_alive",
                  "content_length", "body_exists", "content", "_conn", "_refused")
@@ -158,17 +194,10 @@ class Request:
         self.version = version
         self.keep_alive = keep_alive
         path, _, self.query_string = target.partition("?")
-        if not path.startswith("/") and path != "*":  # absolute form: http://host/path?query
-            try:
-                url = httptools.parse_url(target.encode("utf-8", "surrogateescape"))
-                path = (url.path or b"/").decode("utf-8", "surrogateescape")
-                self.query_string = (url.query or b"").decode("utf-8", "surrogateescape")
-            except httptools.HttpParserInvalidURLError:
-                pass
         self.path = unquote(path) if "%" in path else path
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
-        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        chunked = "Transfer-Encoding" in headers  # exactly "chunked": the server refused the rest
         self.body_exists = chunked or bool(self.content_length)
         expect = version == "1.1" and headers.get("Expect", "").lower() == "100-continue"
         self.content = BodyReader(conn, expect and self.body_exists)
@@ -328,7 +357,9 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._stop_reading = False  # after an upgrade or a refused request: nothing more is parsed
         self.active = 0.0  # loop time of the last byte received or response finished (the idle sweep)
+        self.head_started = 0.0  # loop time of the first byte of the head being received
         self.responding = False  # the answer to the first queued request has begun
+        self.over_cap = False  # accepted past ``max_connections`` with none to evict: its request gets 503
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -339,8 +370,11 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, AttributeError):
                 pass
-        self.server._connections.add(self)
+        server = self.server
         self.active = self.loop.time()
+        if server.max_connections and len(server._connections) >= server.max_connections:
+            self.over_cap = not server._evict_idle()
+        server._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._stop_reading:
@@ -406,6 +440,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._in_head = True
         self._head_bytes = 0
+        self.head_started = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -422,11 +457,23 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         p = self.parser
+        method = p.get_method()
+        if method == b"CONNECT":
+            raise _Refused(405, "CONNECT is not supported: this proxy relays API requests only")
+        target = origin_form(self._url)
         h: CIMultiDict[str] = CIMultiDict()
+        codings: list[bytes] = []
         for name, value in self._headers:
+            if len(name) == 17 and name.lower() == b"transfer-encoding":
+                codings += [c.strip().lower() for c in value.split(b",")]
             h.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         self._headers = []
-        req = Request(self, p.get_method().decode("ascii", "replace"), self._url.decode("utf-8", "surrogateescape"),
+        if codings and codings != [b"chunked"]:  # as h11: a coding the proxy cannot undo is never relayed
+            raise _Refused(501, "unsupported Transfer-Encoding: only 'chunked' is accepted")
+        if self.over_cap:
+            raise _Refused(503, f"the proxy holds its limit of {self.server.max_connections} connections",
+                           {"x-should-retry": "true", "Retry-After": "1"})
+        req = Request(self, method.decode("ascii", "replace"), target,
                       CIMultiDictProxy(h), p.get_http_version(), p.should_keep_alive())
         self._current = req
         self._queue.append(req)
@@ -473,8 +520,26 @@ class _Connection(asyncio.Protocol):
 
     def close_if_idle(self, since: float) -> None:
         """Close the connection if nothing happened on it since loop time ``since``."""
-        if self._task is None and not self._queue and self.active < since and not self.gone():
+        if self.idle() and self.active < since:
             self.transport.close()  # type: ignore[union-attr]
+
+    def idle(self) -> bool:
+        """No request is being answered or queued (a head may be arriving): may be closed."""
+        return self._task is None and not self._queue and not self.gone()
+
+    def check_deadlines(self, now: float) -> None:
+        """The sweep's check of a slow client: a head not whole `head_timeout_s` after its first
+        byte, or a body silent for `body_timeout_s` while it is awaited, gets 408 and the
+        connection closes. Nothing is timed while the server itself holds reading back."""
+        if self._stop_reading or self._reading_paused or self.gone():
+            return
+        server = self.server
+        if self._in_head:
+            if server.head_timeout_s and now - self.head_started > server.head_timeout_s:
+                self._refuse(_Refused(408, f"the request head did not arrive within {server.head_timeout_s:g} s"))
+        elif self._current is not None:
+            if server.body_timeout_s and now - self.active > server.body_timeout_s:
+                self._refuse(_Refused(408, f"the request body stalled for {server.body_timeout_s:g} s"))
 
     def _refuse(self, e: _Refused) -> None:
         """Stop parsing; the refusal is answered after the requests before it."""
@@ -551,7 +616,7 @@ class _Connection(asyncio.Protocol):
         assert e is not None
         log.info("refused a request: %s", e)
         resp = Response(status=e.status, body=self.server.error_body(e.status, str(e)),
-                        headers={"Content-Type": "application/json"})
+                        headers={"Content-Type": "application/json", **e.headers})
         resp.force_close()
         try:
             await resp.prepare(req)
@@ -572,10 +637,15 @@ class Server:
     """Serves ``handler`` on a TCP port: `start`, `stop_listening`, `close`."""
 
     def __init__(self, handler: Handler, *, keepalive_s: float = KEEPALIVE_S,
-                 error_body: ErrorBody = _plain_error) -> None:
+                 head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS, error_body: ErrorBody = _plain_error) -> None:
         self.handler = handler
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = keepalive_s  # 0: idle connections stay open
+        self.head_timeout_s = head_timeout_s  # 0: no deadline
+        self.body_timeout_s = body_timeout_s  # 0: no deadline
+        self.max_connections = max_connections  # 0: no limit
         self.error_body = error_body
+        self.evicted = 0  # idle connections closed to make room past ``max_connections``
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
@@ -584,7 +654,7 @@ class Server:
     async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
-        if self.keepalive_s:
+        if self.keepalive_s or self.head_timeout_s or self.body_timeout_s:
             self._sweeper = self.loop.create_task(self._sweep())
         sockets = self._server.sockets or ()
         return sockets[0].getsockname()[1] if sockets else port
@@ -595,15 +665,36 @@ class Server:
             self._server.close()
 
     async def _sweep(self) -> None:
-        """Close connections idle for ``keepalive_s`` (one pass now and then, not a timer per
-        request: re-arming a timer after each answer cost more than the whole check)."""
+        """Close connections idle for ``keepalive_s`` and refuse slow clients (one pass now and
+        then, not a timer per request: re-arming a timer after each answer cost more than the
+        whole check). A deadline is met within a quarter of it (at most 5 s) late."""
         assert self.loop is not None
-        period = min(max(self.keepalive_s / 4, 0.05), 5.0)
+        limits = [t for t in (self.keepalive_s, self.head_timeout_s, self.body_timeout_s) if t]
+        period = min(max(min(limits) / 4, 0.05), 5.0)
         while True:
             await asyncio.sleep(period)
-            since = self.loop.time() - self.keepalive_s
+            now = self.loop.time()
+            since = now - self.keepalive_s if self.keepalive_s else float("-inf")
             for c in list(self._connections):
+                c.check_deadlines(now)
                 c.close_if_idle(since)
+
+    def _evict_idle(self) -> bool:
+        """Make room for one connection past ``max_connections``: close the one idle the longest
+        (connections refused for the cap first); False when every connection is busy."""
+        victim: _Connection | None = None
+        for c in self._connections:
+            if c.over_cap and not c.gone():
+                victim = c
+                break
+            if c.idle() and (victim is None or c.active < victim.active):
+                victim = c
+        if victim is None:
+            return False
+        self.evicted += 1
+        victim._abort()
+        self._connections.discard(victim)
+        return True
 
     def busy(self) -> int:
         """Connections with a request in flight."""

@@ -102,6 +102,9 @@ class Proxy:
             read_timeout_s=c.proxy.read_timeout_s,
             upstream_prefix=c.proxy.upstream_prefix,
             max_connections=c.proxy.max_connections,
+            head_timeout_s=c.proxy.head_timeout_s,
+            body_timeout_s=c.proxy.body_timeout_s,
+            max_client_connections=c.proxy.max_client_connections,
             strip_header_prefixes=("x-tensorverse-",) if c.proxy.strip_tensorverse_headers else (),
         )
         self.ingest = Ingest(self.store, c.admin.resolved_token(), max_bytes=c.admin.max_ingest_bytes)
@@ -195,10 +198,20 @@ def tune_runtime(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
     """Process-wide settings for a process that runs the proxy (`serve` calls it; so does the
     overhead benchmark): the objects of the startup (modules, configuration) are moved out of
     the collector's way (`gc.freeze`) and the collection thresholds raised. Cycles are still
-    collected."""
+    collected. The soft limit on open files is raised to the hard one, so that the client
+    connection cap (``proxy.max_client_connections``), not the file table, bounds connections."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*thresholds)
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):  # no such limit here, or not ours to change
+        log.info("the open-files limit stays as it is")
 
 
 def shutdown_deadline_s() -> float:

@@ -17,9 +17,13 @@ and raises aiohttp's exception types, so the core treats both clients alike:
 * ``close()`` before the end aborts the connection (vLLM then aborts the generation).
 
 A pooled connection the upstream closed while idle is detected (it is dropped when the close
-arrives, and idle ones are dropped after ``keepalive_s``, below uvicorn's 5 s); a request that
-fails on a reused connection before any byte of a response is sent once more on a new one, as
-HTTP clients do (the upstream never saw it, or closed it unanswered).
+arrives, and idle ones are dropped after ``keepalive_s``, below uvicorn's 5 s). A request is
+sent a second time only when it provably never reached the upstream's application: it was
+written to a reused connection that the upstream then reset (a TCP RST: the peer closed with
+the request unread in its buffer) before any byte of a response. An orderly close (FIN) after
+the request went out is ambiguous (the upstream may have read it and begun generating), so it
+gives 502 with ``x-should-retry: true`` and the client decides: a primary never generates twice
+because of the proxy.
 
 Plain ``http://`` upstreams only; the core uses aiohttp's client for anything else (https, a
 connection limit, the non-LLM paths).
@@ -44,7 +48,11 @@ class UpstreamCut(aiohttp.ClientPayloadError):
 
 
 class UpstreamDisconnected(aiohttp.ServerDisconnectedError):
-    """The upstream closed the connection before a response."""
+    """The upstream closed the connection before a response; ``reset``: by a TCP reset."""
+
+    def __init__(self, message: str, reset: bool = False) -> None:
+        super().__init__(message)
+        self.reset = reset
 
 
 class UpstreamProtocolError(aiohttp.ClientResponseError):
@@ -263,7 +271,8 @@ class _Conn(asyncio.Protocol):
         if resp._headers_done:
             resp._fail(UpstreamCut(f"the upstream closed the connection mid-response{what}"))
         else:
-            resp._fail(UpstreamDisconnected(f"the upstream closed the connection before answering{what}"))
+            resp._fail(UpstreamDisconnected(f"the upstream closed the connection before answering{what}",
+                                            reset=isinstance(exc, ConnectionResetError)))
 
     def pause_writing(self) -> None:  # a request body larger than the socket buffer: the kernel copes
         pass
@@ -333,7 +342,8 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.closed or now - conn.idle_since > self.keepalive_s:
+            if conn.closed or conn.transport is None or conn.transport.is_closing() \
+                    or now - conn.idle_since > self.keepalive_s:
                 conn.abort()
                 continue
             return conn
@@ -407,10 +417,10 @@ class UpstreamPool:
                         await w
                 else:
                     await w
-            except UpstreamDisconnected:
+            except UpstreamDisconnected as e:
                 conn.abort()
-                if reused and attempt == 0 and not resp._got_bytes:
-                    continue  # a kept-alive connection the upstream had closed: once more, anew
+                if reused and attempt == 0 and not resp._got_bytes and e.reset:
+                    continue  # a kept-alive connection the upstream reset unread: once more, anew
                 raise
             except BaseException:  # cancelled (the client went away), timed out, bad response
                 conn.abort()
