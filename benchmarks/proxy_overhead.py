@@ -9,6 +9,11 @@ is called, in the same run:
                       `tensorverse.proxy.loop.run`; recording on, store on disk, 3 shadows
                       attached whose runner sleeps 50 ms per turn)
   proxy-no-shadows    the same proxy without shadows (for shadow_slowdown_ratio)
+  proxy-top0          the proxy with ``recording.top_logprobs = 0`` (token ids only: what the
+                      default top-5 logprobs cost)
+  proxy-asgi          the same core and addons as ``proxy`` served as a raw ASGI application by
+                      uvicorn (httptools + uvloop; `benchmarks/_asgi.py`) instead of the
+                      hand-written server: the server decision of docs/proxy.md
   nginx               through nginx (Debian nginx-light; proxy_buffering off, upstream
                       keepalive), when installed; skipped otherwise
   proxy-baseline      with ``--baseline DIR``: the proxy of another checkout (e.g. ``git worktree
@@ -44,6 +49,11 @@ sys.path.insert(0, str(ROOT))
 
 from tensorverse.ports import free_port  # noqa: E402
 
+#: the server decision (docs/proxy.md): uvicorn replaces the hand-written server only if its added
+#: TTFT p50 is within this of the hand-written one's, and its c=200 throughput within this ratio
+ASGI_TTFT_MARGIN_MS = 0.1
+ASGI_THROUGHPUT_MARGIN = 0.05
+
 UPSTREAM = """
 import asyncio, sys
 from tensorverse.proxy.fake import FakeUpstream
@@ -63,12 +73,19 @@ from tensorverse.proxy.server import Proxy, tune_runtime
 from tensorverse.proxy.tee import TeeBackend
 cfg = parse_config(json.loads(sys.argv[1]))
 shadows = int(sys.argv[2])
+asgi = len(sys.argv) > 3 and sys.argv[3] == "asgi"
 class SlowShadow:
     async def __call__(self, turn, backends, store, *, modes):
         await asyncio.sleep(0.05)
 async def main():
     backends = [TeeBackend(f"shadow{i}", f"shadow{i}", concurrency=8, timeout_s=5) for i in range(shadows)]
     p = Proxy(cfg, runner=SlowShadow() if shadows else None, tee_backends=backends)
+    if asgi:  # the same proxy, its core served by uvicorn (benchmarks/_asgi.py)
+        import _asgi
+        async def start_on_uvicorn(host, port):
+            await _asgi.serve(p.core, host, port)
+            return port
+        p.core.start = start_on_uvicorn
     await p.start()
     tune_runtime()  # as `tensorverse proxy` (tensorverse.proxy.server.serve) does
     print("ready", flush=True)
@@ -197,6 +214,7 @@ def main() -> int:
                     help="pause between requests of the spaced c=1 runs (added_ttft_p50_ms_spaced)")
     ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
     ap.add_argument("--baseline", type=Path, help="another checkout whose proxy runs as one more target")
+    ap.add_argument("--no-asgi", action="store_true", help="skip the uvicorn (ASGI) target")
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "tensorverse" / "proxy" / "server.py").is_file():
         ap.error(f"--baseline {args.baseline}: not a Tensorverse checkout (no tensorverse/proxy/server.py)")
@@ -210,16 +228,21 @@ def main() -> int:
         procs.append(spawn([sys.executable, "-c", UPSTREAM, str(up_port)], env))
         upstream = f"http://127.0.0.1:{up_port}"
         targets: dict[str, tuple[str, int | None]] = {"direct": (upstream, None)}
-        proxies = [("proxy", 3, ROOT), ("proxy-no-shadows", 0, ROOT)]
+        proxies = [("proxy", 3, ROOT, {}), ("proxy-no-shadows", 0, ROOT, {}),
+                   ("proxy-top0", 3, ROOT, {"recording": {"top_logprobs": 0}})]
+        if not args.no_asgi:
+            proxies.append(("proxy-asgi", 3, ROOT, {}))
         if args.baseline is not None:
-            proxies.append(("proxy-baseline", 3, args.baseline.resolve()))
-        for name, shadows, tree in proxies:
+            proxies.append(("proxy-baseline", 3, args.baseline.resolve(), {}))
+        for name, shadows, tree, extra in proxies:
             port, admin = free_port(), free_port()
             cfg = {"proxy": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": f"127.0.0.1:{admin}"},
                    "primary": {"url": upstream}, "store": {"path": str(tmp / name), "durable": False},
-                   "shadow": {"queue_size": 4096, "workers": 16}}
-            p = spawn([sys.executable, "-c", PROXY, json.dumps(cfg), str(shadows)],
-                      {**env, "PYTHONPATH": str(tree)}, cwd=tree)
+                   "shadow": {"queue_size": 4096, "workers": 16}, **extra}
+            pythonpath = f"{tree}:{ROOT / 'benchmarks'}" if name == "proxy-asgi" else str(tree)
+            p = spawn([sys.executable, "-c", PROXY, json.dumps(cfg), str(shadows)]
+                      + (["asgi"] if name == "proxy-asgi" else []),
+                      {**env, "PYTHONPATH": pythonpath}, cwd=tree)
             procs.append(p)
             targets[name] = (f"http://127.0.0.1:{port}", p.pid)
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
@@ -274,6 +297,38 @@ def main() -> int:
                   + (f" | cpu {cpu:.2f} ms/req" if cpu is not None else ""), flush=True)
 
         d, p, ps = results["direct"], results["proxy"], results["proxy-no-shadows"]
+
+        def added(name: str, key: str = "c1") -> float:
+            return results[name][key]["ttft_p50"] - d[key]["ttft_p50"]
+
+        def vs_nginx(name: str) -> dict:
+            """The targets of docs/proxy.md: added TTFT over nginx's (<= 0.5 ms) and throughput
+            at c=200 as a fraction of nginx's (>= 0.6), both in this run."""
+            if "nginx" not in results:
+                return {"added_ttft_vs_nginx_ms": None, "added_ttft_vs_nginx_ms_spaced": None,
+                        "throughput_vs_nginx_c200": None}
+            n = results["nginx"]
+            return {"added_ttft_vs_nginx_ms": round(added(name) - added("nginx"), 3),
+                    "added_ttft_vs_nginx_ms_spaced": round(added(name, "c1_spaced") - added("nginx", "c1_spaced"), 3),
+                    "throughput_vs_nginx_c200": round(results[name]["c200"]["rps"] / n["c200"]["rps"], 3)}
+
+        asgi: dict = {}
+        if "proxy-asgi" in results:
+            a = results["proxy-asgi"]
+            ttft_gap = added("proxy-asgi") - added("proxy")
+            tput = a["c200"]["rps"] / p["c200"]["rps"]
+            cpu = a["cpu_ms_per_request"] / p["cpu_ms_per_request"]
+            asgi = {"asgi_added_ttft_p50_ms": round(added("proxy-asgi"), 3),
+                    "asgi_throughput_ratio_c200": round(a["c200"]["rps"] / d["c200"]["rps"], 3),
+                    "asgi_cpu_ms_per_request": round(a["cpu_ms_per_request"], 3),
+                    "asgi_minus_handwritten_ttft_p50_ms": round(ttft_gap, 3),
+                    "asgi_over_handwritten_throughput_c200": round(tput, 3),
+                    "asgi_over_handwritten_cpu_per_request": round(cpu, 3),
+                    # CPU per request is the capacity that wall-clock throughput shows only on an
+                    # idle machine: on a loaded one, whoever gets the cores wins the round
+                    "server_decision": "uvicorn" if ttft_gap <= ASGI_TTFT_MARGIN_MS
+                    and tput >= 1 - ASGI_THROUGHPUT_MARGIN and cpu <= 1 + ASGI_THROUGHPUT_MARGIN
+                    else "hand-written"}
         out = {
             "events_per_stream": args.events,
             "added_ttft_p50_ms": round(p["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3),
@@ -292,6 +347,11 @@ def main() -> int:
             "cpu_ms_per_request": round(p["cpu_ms_per_request"], 3),
             "shadow_slowdown_ratio": round(p["c1"]["total_p50"] / ps["c1"]["total_p50"], 3),
             "direct_rps_c200": round(d["c200"]["rps"], 1),
+            **vs_nginx("proxy"),
+            **{f"{k}_top0": v for k, v in vs_nginx("proxy-top0").items()},
+            "added_ttft_p50_ms_top0": round(added("proxy-top0"), 3),
+            "throughput_ratio_c200_top0": round(results["proxy-top0"]["c200"]["rps"] / d["c200"]["rps"], 3),
+            **asgi,
             **({"baseline_throughput_ratio_c200": round(results["proxy-baseline"]["c200"]["rps"] / d["c200"]["rps"], 3),
                 "baseline_cpu_ms_per_request": round(results["proxy-baseline"]["cpu_ms_per_request"], 3),
                 "baseline_added_ttft_p50_ms": round(results["proxy-baseline"]["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3),

@@ -105,7 +105,13 @@ class _BodyTooLarge(Exception):
 
 
 class ProxyCore:
-    """Relays requests to ``upstream`` (``http://host:port[/base]``) through ``addons``."""
+    """Relays requests to ``upstream`` (``http://host:port[/base]``) through ``addons``.
+
+    ``responses`` holds the response classes the core builds (``Response``, ``StreamResponse``):
+    `tensorverse.proxy.http`'s, which serves clients; a server of another kind (the ASGI
+    adapter that ``benchmarks/proxy_overhead.py`` measures against it) supplies its own."""
+
+    responses: Any = http
 
     def __init__(
         self,
@@ -291,7 +297,7 @@ class ProxyCore:
         headers = {"Content-Type": "application/json"}
         if retry is not None:
             headers["x-should-retry"] = "true" if retry else "false"
-        return http.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
+        return self.responses.Response(status=status, body=error_body(kind, status, message, err_type), headers=headers)
 
     def _upstream_target(self, request: http.Request) -> str:
         """The request target on the upstream (below its base path). ``raw_path`` is a path
@@ -478,7 +484,7 @@ class ProxyCore:
                 a.response_body(flow)
             except Exception:  # noqa: BLE001
                 self._hook_failed(a, "response_body")
-        resp = http.Response(
+        resp = self.responses.Response(
             status=up.status, reason=up.reason, body=flow.response_body,
             headers=forward_response_headers(up.headers, keep_length=False),
         )
@@ -494,7 +500,7 @@ class ProxyCore:
         self.counters["streams"] += 1
         headers = forward_response_headers(up.headers, keep_length=False)
         headers["X-Accel-Buffering"] = "no"
-        resp = http.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        resp = self.responses.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         await resp.prepare(request)
         splitter = SSESplitter()
         rewriters = self._hooks["stream_rewrite"]
@@ -580,7 +586,7 @@ class ProxyCore:
         headers = forward_response_headers(up.headers, keep_length=keep_length)
         if flow.stream:
             headers["X-Accel-Buffering"] = "no"
-        resp = http.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        resp = self.responses.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         if keep_length:
             resp.content_length = up.content_length
         await resp.prepare(request)

@@ -17,9 +17,10 @@ As a server it
   socket while more than `BODY_HIGH_WATER` bytes are unread; answers ``Expect: 100-continue``
   when the handler starts reading;
 * refuses a request line over `MAX_LINE` bytes (414), a header field over `MAX_FIELD` bytes or
-  more than `MAX_HEADERS` fields (431), anything llhttp cannot parse (400), a target that is not
-  a path (authority form, ``*``: 400), ``CONNECT`` (405) and any transfer coding but exactly
-  ``chunked`` (501), then closes; an absolute-form target (``GET http://host/path``) is reduced
+  more than `MAX_HEADERS` fields (431), anything llhttp cannot parse (400), a version but HTTP/1.1
+  and 1.0 (505: llhttp reads HTTP/0.9 and 2.0 heads), a target that is not
+  a path (authority form, ``*``: 400), ``CONNECT`` (405), any transfer coding but exactly
+  ``chunked`` and a request with a body that asks for a protocol upgrade (501), then closes; an absolute-form target (``GET http://host/path``) is reduced
   to its path and query, so nothing but the path ever reaches the upstream;
 * gives a request head `HEAD_TIMEOUT_S` from its first byte to arrive whole and a request body
   at most `BODY_TIMEOUT_S` of silence (408, then closes; a slow client cannot hold a connection
@@ -458,6 +459,9 @@ class _Connection(asyncio.Protocol):
         self._in_head = False
         p = self.parser
         method = p.get_method()
+        version = p.get_http_version()
+        if version not in ("1.1", "1.0"):  # llhttp also reads HTTP/0.9 (no version) and 2.0 heads
+            raise _Refused(505, f"HTTP/{version} is not supported: HTTP/1.1 or 1.0 only")
         if method == b"CONNECT":
             raise _Refused(405, "CONNECT is not supported: this proxy relays API requests only")
         target = origin_form(self._url)
@@ -470,11 +474,16 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         if codings and codings != [b"chunked"]:  # as h11: a coding the proxy cannot undo is never relayed
             raise _Refused(501, "unsupported Transfer-Encoding: only 'chunked' is accepted")
+        if p.should_upgrade() and (codings or h.get("Content-Length", "0") not in ("0", "")):
+            # httptools has llhttp skip the body of an upgrade request (it would belong to the new
+            # protocol): relayed, it would reach the primary without its body
+            raise _Refused(501, "a protocol upgrade (Upgrade + Connection: upgrade) on a request with a body "
+                                "is not supported: send the request without asking to upgrade")
         if self.over_cap:
             raise _Refused(503, f"the proxy holds its limit of {self.server.max_connections} connections",
                            {"x-should-retry": "true", "Retry-After": "1"})
         req = Request(self, method.decode("ascii", "replace"), target,
-                      CIMultiDictProxy(h), p.get_http_version(), p.should_keep_alive())
+                      CIMultiDictProxy(h), version, p.should_keep_alive())
         self._current = req
         self._queue.append(req)
         if self._task is None:

@@ -323,3 +323,31 @@ def test_a_request_reset_unread_on_a_reused_connection_is_sent_once_more(edge):
     r = _post(port)
     assert r.status_code == 200 and r.json()["id"] == "x"
     assert len(up.requests) == 2 and up.connections == 2
+
+
+def test_an_upgrade_request_with_a_body_is_refused_not_relayed_without_its_body(edge):
+    # httptools has llhttp skip the body of a request that asks to upgrade (Connection: Upgrade,
+    # Upgrade: h2c, as curl --http2 sends): relayed, the primary got the request with an empty body
+    port, up, _ = edge()
+    data = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+                          b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
+    assert data.startswith(b"HTTP/1.1 501 "), data[:200]
+    assert up.requests == []
+
+
+def test_an_upgrade_request_without_a_body_is_relayed_as_a_plain_request(edge):
+    port, up, _ = edge()
+    data = exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 200 ")
+    (line, headers, _), = up.requests
+    assert line == b"GET /v1/models HTTP/1.1" and b"upgrade" not in headers
+
+
+@pytest.mark.parametrize("request_bytes", [b"GET /v1/models\r\n\r\n",  # HTTP/0.9: no version
+                                           b"GET /v1/models HTTP/2.0\r\nHost: h\r\n\r\n"])
+def test_http_versions_other_than_1x_are_refused(edge, request_bytes):
+    port, up, _ = edge()
+    data = exchange(port, request_bytes)
+    assert data.startswith(b"HTTP/1.1 505 "), data[:200]
+    assert up.requests == []
