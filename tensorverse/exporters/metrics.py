@@ -219,7 +219,8 @@ METRICS: tuple[MetricSpec, ...] = (
 #: and ``tensorverse_recorder_<key>_total`` (any further key they gain is exported the same way).
 PROXY_COUNTERS: tuple[str, ...] = ("requests", "turns", "streams", "aborted", "upstream_unreachable",
                                    "upstream_cut", "upstream_status_4xx", "upstream_status_5xx",
-                                   "body_too_large", "retried_without_injection", "addon_errors")
+                                   "body_too_large", "retried_without_injection", "addon_errors",
+                                   "requests_refused", "connections_evicted")
 RECORDER_COUNTERS: tuple[str, ...] = ("recorded", "store_full", "store_errors", "unparsed_requests",
                                       "unparsed_events")
 

@@ -169,6 +169,7 @@ class ProxyCore:
             "upstream_status_4xx": 0,
             "upstream_status_5xx": 0,
             "body_too_large": 0,
+            "requests_refused": 0,
             "connections_evicted": 0,
             "retried_without_injection": 0,
             "addon_errors": 0,
@@ -242,6 +243,7 @@ class ProxyCore:
 
     def stats(self) -> dict[str, Any]:
         if self._server is not None:
+            self.counters["requests_refused"] = self._server.refused
             self.counters["connections_evicted"] = self._server.evicted
         out: dict[str, Any] = {"proxy": dict(self.counters), "background_tasks": len(self._tasks)}
         for a in self.addons:

@@ -624,6 +624,7 @@ class _Connection(asyncio.Protocol):
         e = req._refused
         assert e is not None
         log.info("refused a request: %s", e)
+        self.server.refused += 1
         resp = Response(status=e.status, body=self.server.error_body(e.status, str(e)),
                         headers={"Content-Type": "application/json", **e.headers})
         resp.force_close()
@@ -655,6 +656,7 @@ class Server:
         self.max_connections = max_connections  # 0: no limit
         self.error_body = error_body
         self.evicted = 0  # idle connections closed to make room past ``max_connections``
+        self.refused = 0  # requests the server answered itself (malformed, too slow, over the cap)
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()

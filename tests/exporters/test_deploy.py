@@ -8,6 +8,7 @@ import re
 import subprocess
 from urllib.parse import urlsplit
 
+import pytest
 import yaml
 from exporters_support import ROOT, need_tool  # type: ignore[import-not-found]
 
@@ -102,6 +103,7 @@ def test_ports_and_urls_agree_with_the_proxy_config():
     assert f"./prometheus/rules.yml:{prom['rule_files'][0]}:ro" in mounts
 
 
+@pytest.mark.prometheus
 def test_promtool_check_config(tmp_path):
     """The compose Prometheus config, with its rule file where the container mounts it."""
     text = (DEPLOY / "prometheus" / "prometheus.yml").read_text()

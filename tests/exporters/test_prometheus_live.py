@@ -19,6 +19,8 @@ import pytest
 from exporters_support import ROOT, need_tool, store_comparisons  # type: ignore[import-not-found]
 from tensorverse.ports import free_port
 
+pytestmark = pytest.mark.prometheus
+
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tensorverse.json"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
 from exporters_support import ROOT, need_tool, promql_metric_names, recording_names, rule_groups  # type: ignore[import-not-found]
 
 from tensorverse.exporters.metrics import exported_names
@@ -21,12 +22,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.prometheus
 def test_promtool_check_rules():
     r = _run(need_tool("promtool"), "check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
 
 
+@pytest.mark.prometheus
 def test_promtool_test_rules():
     r = _run(need_tool("promtool"), "test", "rules", str(RULE_TESTS))
     assert r.returncode == 0, r.stdout + r.stderr

@@ -191,11 +191,12 @@ def test_any_transfer_coding_but_chunked_is_refused(edge, codings):
 
 
 def test_gzip_chunked_gets_501_not_a_relay_of_the_still_encoded_body(edge):
-    port, up, _ = edge()
+    port, up, core = edge()
     data = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n"
                           b"\r\n3\r\nabc\r\n0\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 501 Not Implemented\r\n") and b'"error"' in data
     assert up.requests == []
+    assert core.stats()["proxy"]["requests_refused"] == 1
 
 
 # -- slow clients ------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ is at or below it. So a distribution installed at its latest release is checked 
 (``complete``); one behind its latest release only against the advisories still open in the
 latest (``partial``: an advisory fixed in between is not visible); both kinds are counted and
 named in the report, with the date of the check.
+
+It asks the package index, so it is not part of ``make test`` (a new upstream advisory would turn
+CI red with no change here): ``make audit`` runs it (``python tests/reliability/audit.py``), and
+``benchmarks/reliability.py --audit`` records it in RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -130,3 +134,34 @@ def audit(dists: dict[str, str] | None = None, *, index: str = INDEX, workers: i
         "vulnerable": [{"name": r["name"], "version": r["version"], "direct": r["direct"],
                         "ids": [f["id"] for f in r["findings"]]} for r in found],
     }
+
+
+def problems(report: dict[str, Any]) -> list[str]:
+    """What fails the audit: an index that could not be asked (never a pass), a report that
+    checked too little, or a known advisory against one of the project's own dependencies."""
+    out = []
+    if report["errors"]:
+        out.append(f"not checked (the index did not answer): {', '.join(sorted(report['errors']))}")
+    if report["distributions"] <= 50 or report["complete"] + len(report["partial"]) != report["distributions"]:
+        out.append(f"only {report['distributions']} distributions accounted for")
+    elif report["complete"] < report["distributions"] // 2:
+        out.append(f"only {report['complete']} of {report['distributions']} checked completely")
+    for v in report["vulnerable"]:
+        if v["direct"]:
+            out.append(f"{v['name']} {v['version']}: {', '.join(v['ids'])}")
+    return out
+
+
+def main() -> int:
+    report = audit()
+    print(json.dumps(report, indent=1))
+    found = problems(report)
+    for line in found:
+        print(f"audit: {line}")
+    print(f"audit: {report['distributions']} distributions, {report['complete']} checked completely, "
+          f"{len(report['vulnerable'])} with advisories ({sum(v['direct'] for v in report['vulnerable'])} direct)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -237,6 +237,7 @@ def test_ingest_token_is_required_and_compared_in_constant_time():
     assert got["configured/right"] == got["configured/lowercase-scheme"] == 400  # authorized; the frame is bad
 
 
+@pytest.mark.browser
 def test_viewer_xss_corpus_stays_inert(recorded):
     from playwright.sync_api import sync_playwright
 
@@ -304,18 +305,17 @@ def test_scrubbed_corpus_passes_independent_secret_scanner(recorded, tmp_path):
              scrub_report=json.loads(r.stdout) if r.stdout.strip().startswith("{") else r.stdout[-500:])
 
 
-def test_dependency_audit():
-    """Every installed distribution is checked against PyPI's advisories (how, and what
-    ``partial`` means: tests/reliability/audit.py); the report lists what was found; none of the
-    project's own pins (pyproject's dependencies) has a known advisory."""
-    r = audit.audit()
-    H.record("dependency-audit", load=f"{r['distributions']} installed distributions vs PyPI's advisories",
-             faults="none", bad_inputs=0, requests=0, requests_failed=0, records_lost=0, machine=H.machine(), **r)
-    assert not r["errors"], r["errors"]  # an index that cannot be asked fails the audit, never passes it
-    assert r["distributions"] > 50 and r["complete"] + len(r["partial"]) == r["distributions"]
-    assert r["complete"] >= r["distributions"] // 2, r["partial"]
-    mine = [v for v in r["vulnerable"] if v["direct"]]
-    assert not mine, mine
+def test_audit_verdict():
+    """The dependency audit itself asks the package index and runs as ``make audit``, not here
+    (tests/reliability/audit.py); what fails it is decided offline."""
+    ok = {"errors": {}, "distributions": 100, "complete": 80, "partial": ["x"] * 20, "vulnerable": [
+        {"name": "dep-of-dep", "version": "1", "direct": False, "ids": ["GHSA-1"]}]}
+    assert audit.problems(ok) == []
+    assert audit.problems({**ok, "errors": {"a": "timeout"}})  # an index that cannot be asked never passes
+    assert audit.problems({**ok, "complete": 10, "partial": ["x"] * 90})
+    assert audit.problems({**ok, "distributions": 101})  # one unaccounted for
+    mine = {**ok, "vulnerable": [{"name": "aiohttp", "version": "1", "direct": True, "ids": ["GHSA-2"]}]}
+    assert audit.problems(mine) == ["aiohttp 1: GHSA-2"]
 
 
 def test_audit_matches_advisories_by_fixed_version():

@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 
 import harness as H
+import pytest
 from soak import soak
 
 AGENTS = int(os.environ.get("TENSORVERSE_SOAK_AGENTS", "200"))
 DURATION_S = float(os.environ.get("TENSORVERSE_SOAK_S", "30"))
 
 
+@pytest.mark.soak
 def test_soak_shortened(tmp_path):
     r = soak(tmp_path, agents=AGENTS, duration_s=DURATION_S)
     H.record("soak-ci", load=f"{AGENTS} streaming tool-call agents, {DURATION_S:.0f} s, recording + 3 shadows",

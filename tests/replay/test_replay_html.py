@@ -87,6 +87,7 @@ def test_report_html_rebuilds_the_report_from_results_and_store(report, tmp_path
                      "--out", str(again)]) == 2
 
 
+@pytest.mark.browser
 def test_case_page_renders_in_a_browser(report):
     import playwright.sync_api as pw
 

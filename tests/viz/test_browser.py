@@ -17,6 +17,8 @@ import pytest
 
 from tensorverse.ports import free_port
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
