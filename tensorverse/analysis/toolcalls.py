@@ -38,7 +38,8 @@ Comparison (:func:`compare_tool_calls`) follows BFCL's AST checker:
 
 * Parallel calls are matched regardless of order: the assignment minimises the total cost
   (0 = identical; same name costs the number of differences; a different name costs 1000), brute
-  force over permutations when that is small (<= 50,000 assignments), greedy by cost otherwise.
+  force over permutations when that is small (<= 50,000 assignments, ties to the first), exactly
+  by scipy's linear_sum_assignment otherwise.
 * Values are type-aware: numbers compare numerically, so ``1 == 1.0`` (BFCL accepts an int where
   a float is expected; a token flip rarely turns ``1`` into ``1.0``), but booleans are not numbers
   (``True != 1``), and ``"1" != 1``. Strings are exact: case-sensitive, no whitespace trimming
@@ -67,6 +68,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 from tensorverse.analysis.regions import NextFinder
 
@@ -634,7 +638,10 @@ _MAX_PERMUTATIONS = 50_000
 
 
 def _assign(cost: list[list[int]], n: int, m: int) -> list[tuple[int, int]]:
-    """Minimum-cost matching of min(n, m) pairs. Ties go to the lexicographically first."""
+    """Minimum-cost matching of min(n, m) pairs. Small cases enumerate the matchings, so ties go
+    to the lexicographically first; larger ones (more than `_MAX_PERMUTATIONS` matchings) are
+    solved exactly by scipy's ``linear_sum_assignment`` (the Hungarian method's successor,
+    Jonker-Volgenant), whose ties are deterministic but not lexicographic."""
     k = min(n, m)
     if k == 0:
         return []
@@ -645,20 +652,13 @@ def _assign(cost: list[list[int]], n: int, m: int) -> list[tuple[int, int]]:
     elif math.perm(n, m) <= _MAX_PERMUTATIONS:
         best = min(itertools.permutations(range(n), m), key=lambda p: sum(cost[p[j]][j] for j in range(m)))
         return sorted((best[j], j) for j in range(m))
-    # greedy: cheapest pairs first (exact matches have cost 0)
-    pairs = sorted((cost[i][j], i, j) for i in range(n) for j in range(m))
-    used_i: set[int] = set()
-    used_j: set[int] = set()
-    out: list[tuple[int, int]] = []
-    for _, i, j in pairs:
-        if i in used_i or j in used_j:
-            continue
-        used_i.add(i)
-        used_j.add(j)
-        out.append((i, j))
-        if len(out) == k:
-            break
-    return sorted(out)
+    return _assign_exact(cost)
+
+
+def _assign_exact(cost: list[list[int]]) -> list[tuple[int, int]]:
+    """Minimum-cost matching of min(n, m) pairs of any size (rectangular ``cost`` allowed)."""
+    rows, cols = linear_sum_assignment(np.asarray(cost, dtype=np.int64))
+    return sorted(zip(rows.tolist(), cols.tolist()))
 
 
 def _as_extraction(x: Any) -> Extraction:

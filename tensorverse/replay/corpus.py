@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+import jsonschema
+
 from tensorverse.replay.scrub import SCRUBBER_VERSION, Scrubber
 
 __all__ = ["CASE_FORMAT", "CORPUS_FORMAT", "FORMAT_VERSION", "Corpus", "CorpusError", "load_corpus",
@@ -62,10 +64,6 @@ def schema(name: str) -> dict[str, Any]:
 
 
 def _validate(obj: Any, name: str, where: str) -> None:
-    try:
-        import jsonschema
-    except ImportError:  # the minimal checks below still run
-        return
     v = jsonschema.Draft202012Validator(schema(name))
     errs = sorted(v.iter_errors(obj), key=lambda e: list(e.absolute_path))
     if errs:

@@ -362,3 +362,29 @@ def test_many_parallel_calls_greedy_path():
     ref = [ToolCall(f"f{i}", {"i": i}) for i in range(10)]
     cand = list(reversed(ref))
     assert compare_tool_calls(ref, cand).verdict == "match"
+
+
+def test_large_assignments_are_exact_where_greedy_was_not():
+    # 9 x 9 (362,880 matchings: past the enumeration limit). Cheapest pairs first takes (0, 0) at
+    # 0 and is then left with (1, 1) at 100; the optimum crosses them for 1 + 1.
+    from tensorverse.analysis.toolcalls import _assign
+
+    n = 9
+    cost = [[0 if i == j else 50 for j in range(n)] for i in range(n)]
+    cost[0][1] = cost[1][0] = 1
+    cost[1][1] = 100
+    pairs = _assign(cost, n, n)
+    assert sum(cost[i][j] for i, j in pairs) == 2
+    assert sorted(i for i, _ in pairs) == list(range(n)) and sorted(j for _, j in pairs) == list(range(n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5).flatmap(lambda n: st.integers(1, 5).flatmap(
+    lambda m: st.lists(st.lists(st.integers(0, 9), min_size=m, max_size=m), min_size=n, max_size=n))))
+def test_exact_assignment_matches_enumeration(cost):
+    from tensorverse.analysis.toolcalls import _assign, _assign_exact
+
+    n, m = len(cost), len(cost[0])
+    total = lambda pairs: sum(cost[i][j] for i, j in pairs)  # noqa: E731
+    exact = _assign_exact(cost)
+    assert len(exact) == min(n, m) and total(exact) == total(_assign(cost, n, m))
