@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any, Sequence
 
 import numpy as np
+from scipy import stats
 
 from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics
 
@@ -42,58 +44,25 @@ REGRESSION = "regression"
 WITHIN_NOISE = "within noise"
 
 
+_NORMAL = NormalDist()
+
+
 def _norm_sf(z: float) -> float:
-    """P(Z > z) for a standard normal Z."""
-    return 0.5 * math.erfc(z / math.sqrt(2.0))
+    """P(Z > z) for a standard normal Z (scipy's, accurate in the far tail)."""
+    return float(stats.norm.sf(z))
 
 
 def _norm_ppf(p: float) -> float:
-    """Inverse standard normal CDF (Acklam's rational approximation + one Newton step)."""
+    """Inverse standard normal CDF (the standard library's `statistics.NormalDist`)."""
     if not 0.0 < p < 1.0:
         raise ValueError("p must lie in (0, 1)")
-    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
-         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
-    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
-         6.680131188771972e01, -1.328068155288572e01)
-    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
-         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00,
-         3.754408661907416e00)
-    lo = 0.02425
-    if p < lo:
-        q = math.sqrt(-2 * math.log(p))
-        x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    elif p > 1 - lo:
-        q = math.sqrt(-2 * math.log(1 - p))
-        x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    else:
-        q = p - 0.5
-        r = q * q
-        x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
-            (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
-    # one Newton step on Phi(x) - p
-    e = 0.5 * math.erfc(-x / math.sqrt(2)) - p
-    x -= e * math.sqrt(2 * math.pi) * math.exp(x * x / 2)
-    return x
-
-
-def _log_comb(n: int, k: int) -> float:
-    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+    return _NORMAL.inv_cdf(p)
 
 
 def _fisher_greater(x1: int, n1: int, x2: int, n2: int) -> float:
-    """One-sided Fisher exact p-value: P(X >= x1), X ~ Hypergeometric(N=n1+n2, K=x1+x2, n1)."""
-    N, K = n1 + n2, x1 + x2
-    hi = min(K, n1)
-    lo = max(0, K - n2)
-    if x1 <= lo:
-        return 1.0
-    denom = _log_comb(N, n1)
-    logs = [_log_comb(K, x) + _log_comb(N - K, n1 - x) - denom for x in range(x1, hi + 1)]
-    m = max(logs)
-    return min(1.0, math.exp(m) * math.fsum(math.exp(v - m) for v in logs))
+    """One-sided Fisher exact p-value: P(X >= x1), X ~ Hypergeometric(N=n1+n2, K=x1+x2, n1)
+    (scipy's hypergeometric survival function)."""
+    return min(1.0, float(stats.hypergeom.sf(x1 - 1, n1 + n2, x1 + x2, n1)))
 
 
 @dataclass(frozen=True)
