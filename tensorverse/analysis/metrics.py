@@ -70,7 +70,7 @@ __all__ = [
     "REGIONS",
 ]
 
-#: Regions a position can lie in (DESIGN.md "Definitions").
+#: Regions a position can lie in (README.md's vocabulary).
 REGIONS: tuple[str, ...] = ("thinking", "content", "tool_name", "tool_args", "tool_syntax")
 
 #: Percentiles of the KL report, in llama.cpp's order (max and min are reported separately).

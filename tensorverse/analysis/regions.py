@@ -1,4 +1,4 @@
-"""The ``region`` of each output position (DESIGN.md, Definitions).
+"""The ``region`` of each output position (README.md's vocabulary).
 
 ``tag_regions(pieces)`` takes the decoded text of each output token, in order, and returns one
 region per token: ``thinking``, ``content``, ``tool_syntax``, ``tool_name`` or ``tool_args``.

@@ -1,4 +1,4 @@
-"""Tool-call extraction and comparison (the *tool-call verdict* of DESIGN.md).
+"""Tool-call extraction and comparison (the *tool-call verdict*; docs/architecture.md).
 
 Extraction understands the three formats a vLLM-served agent meets:
 

@@ -5,7 +5,7 @@ DIR (``sessions``, ``turns``, ``runs``, ``comparisons``, ``positions``; ``logits
 ``--logits``), each ``<table>.parquet`` or ``<table>.jsonl``. The schema (:data:`SCHEMA`) is the
 same in both formats and documented in ``docs/metrics.md``: one row per session, turn, run,
 comparison, and **one row per position per forced comparison** (the per-position metrics of
-DESIGN.md). Texts (prompts, outputs) are left out unless ``include_text``; request headers and
+``tensorverse analyze``, README.md). Texts (prompts, outputs) are left out unless ``include_text``; request headers and
 credentials never leave the store.
 
 Tables are written in batches (``batch_rows``), so a store larger than memory exports in bounded

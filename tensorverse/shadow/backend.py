@@ -1,6 +1,6 @@
 """A backend: one OpenAI-compatible (vLLM) endpoint the shadow runner talks to.
 
-Roles (DESIGN.md, "Noise floor"):
+Roles (README.md's vocabulary; the noise floor is `tensorverse.analysis.noise`):
 
 ``primary``    the production endpoint the agent talks to; never run by the shadow runner, only
                fingerprinted (its recorded turns are the reference tokens).

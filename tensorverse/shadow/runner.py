@@ -1,4 +1,4 @@
-"""Forced and free runs of one recorded turn on shadow backends (DESIGN.md, "Shadow runner").
+"""Forced and free runs of one recorded turn on shadow backends (docs/architecture.md, "Data flow").
 
 For each shadow backend and each recorded turn, two runs, both through the backend's
 ``/v1/completions`` with the primary's prompt *token ids* (so a chat-template difference cannot
