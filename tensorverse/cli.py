@@ -265,21 +265,22 @@ def _run_replay(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="the one-command demo: a tiny tool-calling Qwen3 on four vLLM-CPU runtimes",
-        description="Build (or reuse) the demo model, start four vLLM-CPU servers of it (bfloat16 "
-        "primary; float32 and float16 shadows; a bfloat16 secondary for the noise floor), put the "
-        "recording proxy in front, drive a scripted network-automation agent session through it, "
-        "print the summary (flips per shadow by region, tool-call verdicts, the first flip and its "
-        "margin), write OUT/report.html and OUT/summary.json, then serve the viewer until Ctrl-C. "
+        help="the one-command demo: a tiny tool-calling Qwen3 on vLLM-CPU, shadow-testing an FP8 KV cache",
+        description="Build (or reuse) the demo model, start vLLM-CPU servers of it (bfloat16 "
+        "primary; the shadow under test, fp8_kv = the primary's config with --kv-cache-dtype fp8; a "
+        "float32 shadow; a bfloat16 secondary for the noise floor), put the recording proxy in front, "
+        "drive a scripted network-automation agent session through it, print the summary (the FP8-KV "
+        "verdict first: flips by region, the first broken tool call, the excess over the noise floor; "
+        "then every backend), write OUT/report.html and OUT/summary.json, then serve the viewer until Ctrl-C. "
         "Ctrl-C at any point stops every process the demo started. See docs/demo.md.",
     )
     p.add_argument("--out", default="out/demo", metavar="DIR",
                    help="output directory: store/, report.html, summary.json, logs/ (default out/demo)")
     p.add_argument("--turns", type=int, default=4, metavar="N",
                    help="user tasks in the scripted session, 1-5 (default 4); each takes 2-3 model turns")
-    p.add_argument("--runtimes", default="fp32,fp16,secondary", metavar="LIST",
-                   help="backends besides the bfloat16 primary, from fp32, fp16, secondary "
-                   "(default all three)")
+    p.add_argument("--runtimes", default="fp8_kv,fp32,secondary", metavar="LIST",
+                   help="backends besides the bfloat16 primary, from fp8_kv, fp32, fp16, secondary "
+                   "(default fp8_kv,fp32,secondary)")
     p.add_argument("--no-view", action="store_true", help="exit after the report instead of serving the viewer")
     p.add_argument("--port", type=int, default=8765, help="viewer port (default 8765; another if busy)")
     p.add_argument("--keep-store", action="store_true",
@@ -331,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tensorverse.matrix.cli import register as register_matrix
     from tensorverse.replay.cli import register_report
 
+    from tensorverse.sessions_cli import register as register_sessions
+
+    register_sessions(sub)  # tensorverse sessions [list|merge|split]
     register_report(sub)  # tensorverse report ...
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     for name, what in PLANNED.items():

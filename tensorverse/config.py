@@ -208,6 +208,8 @@ class SessionsSection(_Section):
     tags: dict[str, str] = Field(default_factory=dict)
     idle_timeout_s: float = Field(3600.0, gt=0)  # forget prefix state of idle sessions
     max_tracked: int = Field(10_000, gt=0)  # prefix entries kept in memory (LRU)
+    # request headers that carry a conversation id some clients send; the first present wins
+    client_id_headers: list[str] = Field(default_factory=lambda: ["x-session-id", "session_id", "conversation_id"])
 
 
 class CaptureSection(_Section):

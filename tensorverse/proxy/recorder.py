@@ -121,6 +121,10 @@ class Recorder(Addon):
             "timings": flow.timings(),
             "injected": dict(flow.injected),
             "retried_without_injection": flow.retried_without_injection,
+            # `main` (a turn of the conversation) or `side` (a request the agent makes beside it:
+            # a title, a compaction summary, an approval judge), and why it joined its session
+            "kind": flow.meta.get("turn_kind", "main"),
+            "grouping": flow.meta.get("grouping"),
         }
         if isinstance(req, dict):
             turn["request"] = req

@@ -61,6 +61,7 @@ class Proxy:
             tags=c.sessions.tags,
             idle_timeout_s=c.sessions.idle_timeout_s,
             max_tracked=c.sessions.max_tracked,
+            client_id_headers=c.sessions.client_id_headers,
         )
         addons: list[Any] = []
         if c.recording.enabled:

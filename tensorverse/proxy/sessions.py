@@ -1,9 +1,13 @@
 """Sessions: group the turns of one agent conversation.
 
-An agent resends the whole history every turn. A turn joins the session of an earlier turn when
-its messages start with that turn's messages followed by that turn's answer (prefix match), or
-when the client names the session in the ``X-Tensorverse-Session`` header. Otherwise it starts a
-new session. Sessions are stored with the configured tags (agent name, environment...), merged
+An agent resends the whole history every turn. A turn joins the session the client names
+(``X-Tensorverse-Session``, or an id the client sends anyway: `grouping.client_session_id`), else
+the session of an earlier turn when its messages start with that turn's messages followed by that
+turn's answer (exact prefix, below), else the session whose latest history it continues best
+under the tolerant rule of `tensorverse.proxy.grouping` (edited assistant messages, transient
+notes, compaction), else it is a side request of a session it quotes, else it starts a new
+session. Each turn is marked ``main`` or ``side`` (``flow.meta["turn_kind"]``) with the evidence
+that grouped it (``flow.meta["grouping"]``). Sessions are stored with the configured tags (agent name, environment...), merged
 with ``X-Tensorverse-Tags: key=value,key=value`` from the request that created them.
 
 Messages are compared in a canonical form that survives what agent frameworks do to a history
@@ -22,12 +26,14 @@ import os
 import random
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import orjson
 
 from tensorverse.jsonbytes import dumps
+from tensorverse.proxy import grouping as G
 from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import CHAT, MESSAGES
 
@@ -156,13 +162,38 @@ def parse_tags(value: str | None) -> dict[str, str]:
     return tags
 
 
+@dataclass(slots=True)
 class _Session:
-    __slots__ = ("id", "next_index", "last_used")
+    """What the proxy remembers of a session (bounded: `Sessions.max_tracked` sessions)."""
 
-    def __init__(self, sid: str, next_index: int = 0) -> None:
-        self.id = sid
-        self.next_index = next_index
-        self.last_used = time.monotonic()
+    id: str
+    next_index: int = 0
+    last_used: float = 0.0
+    latest: G.History | None = None  # the latest main turn's messages + answer
+    anchor: tuple[bytes, bytes] | None = None  # of the request that opened it (before `latest` exists)
+    latest_index: int = -1
+    first_user: str = ""
+    last_user: str = ""
+    side_texts: deque = field(default_factory=lambda: deque(maxlen=8))  # side answers (norm)
+    probes: tuple[str, ...] = ()  # starts of the latest tool results (for `quotes`)
+
+
+@dataclass(slots=True)
+class _Orphan:
+    """A request with no tools that opened a session of its own: it may be the side request of
+    a conversation whose first turn has not reached the proxy yet (turnstone sends its title
+    request alongside the first turn)."""
+
+    session_id: str
+    flow: Flow
+    text: str
+    at: float
+
+
+DEFAULT_CLIENT_ID_HEADERS = ("x-session-id", "session_id", "conversation_id")
+_CANDIDATES = 8  # sessions evaluated by the tolerant rule per request
+_QUOTE_SCAN = 32  # recent sessions a side request is looked for in
+_ORPHAN_S = 300.0
 
 
 class Sessions(Addon):
@@ -179,6 +210,7 @@ class Sessions(Addon):
         tags: dict[str, str] | None = None,
         idle_timeout_s: float = 3600.0,
         max_tracked: int = 10_000,
+        client_id_headers: tuple[str, ...] | list[str] = DEFAULT_CLIENT_ID_HEADERS,
         new_id: Callable[[], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -188,11 +220,16 @@ class Sessions(Addon):
         self.tags = dict(tags or {})
         self.idle_timeout_s = idle_timeout_s
         self.max_tracked = max_tracked
+        self.client_id_headers = tuple(client_id_headers)
         self.clock = clock
         self.new_id = new_id or _new_session_id
         self._prefixes: OrderedDict[bytes, str] = OrderedDict()  # chain hash -> session id
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self.counters = {"created": 0, "by_header": 0, "by_prefix": 0, "store_errors": 0, "evicted": 0}
+        self._by_key: OrderedDict[bytes, str] = OrderedDict()  # loose message key -> session id
+        self._orphans: deque[_Orphan] = deque(maxlen=64)
+        self._pending_moves: dict[str, list[tuple[str, int]]] = {}  # session id -> (turn id, index)
+        self.counters = {"created": 0, "by_header": 0, "by_client_id": 0, "by_prefix": 0, "by_rule": 0,
+                         "side": 0, "side_linked_late": 0, "store_errors": 0, "evicted": 0}
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "tracked_sessions": len(self._sessions), "tracked_prefixes": len(self._prefixes)}
@@ -209,6 +246,8 @@ class Sessions(Addon):
                 break
         while len(self._prefixes) > self.max_tracked:
             self._prefixes.popitem(last=False)
+        while len(self._by_key) > 16 * self.max_tracked:
+            self._by_key.popitem(last=False)
 
     def _touch(self, s: _Session) -> None:
         s.last_used = self.clock()
@@ -232,19 +271,25 @@ class Sessions(Addon):
     def _put(self, record: dict) -> None:
         if self.store is None:
             return
+        self._watch(self._submit(lambda: self.store.put_session(record)), f"session {record.get('id')}")
+
+    def _submit(self, call: Callable[[], Any]) -> Any:
         try:
-            fut = self.store.put_session(record)
+            return call()
         except Exception:  # noqa: BLE001 - a closed or broken store never breaks proxying
             self.counters["store_errors"] += 1
-            log.exception("cannot store session %s", record.get("id"))
+            log.exception("store write refused")
+            return None
+
+    def _watch(self, fut: Any, what: str) -> None:
+        if fut is None:
             return
 
         def done(f: Any) -> None:
             if f.exception() is not None:
                 self.counters["store_errors"] += 1
                 if worth_logging(self.counters["store_errors"]):
-                    log.warning("session %s not stored: %s (%d so far)", record.get("id"), f.exception(),
-                                self.counters["store_errors"])
+                    log.warning("%s not stored: %s (%d so far)", what, f.exception(), self.counters["store_errors"])
 
         fut.add_done_callback(done)
 
@@ -256,52 +301,160 @@ class Sessions(Addon):
         except Exception:  # noqa: BLE001 - RecordNotFound, or a store we cannot read
             return None
 
+    def _named(self, sid: str, flow: Flow, source: str) -> _Session:
+        s = self._sessions.get(sid)
+        if s is None:
+            stored = self._from_store(sid)
+            s = self._create(sid, flow, source, stored or 0)
+        return s
+
     # -- hooks -----------------------------------------------------------------------------------
     def request_forwarded(self, flow: Flow) -> None:
         # Not `request`: hashing a long history (~0.1 ms for 40 messages) would delay the request;
-        # here it runs while the primary works on it.
+        # here it runs while the primary works on it. The tolerant rule runs only when the exact
+        # prefix finds nothing; the latest histories it compares with are made in `response_done`.
         self._evict()
         named = flow.headers.get(self.header)
         msgs = request_messages(flow.kind, flow.request_json)
         hashes = chain(msgs) if msgs else []
         flow.meta["chain_tip"] = hashes[-1] if hashes else None
+        flow.meta["messages"] = msgs
+        kind, evidence, score = G.MAIN, G.NEW, 0
         s: _Session | None = None
         if named:
             sid = named.strip() if _ID_OK.match(named.strip()) else "h-" + hashlib.blake2b(
                 named.encode("utf-8", "replace"), digest_size=12).hexdigest()
-            s = self._sessions.get(sid)
-            if s is None:
-                stored = self._from_store(sid)
-                s = self._create(sid, flow, "header", stored or 0)
+            s = self._named(sid, flow, "header")
+            evidence = G.HEADER
             self.counters["by_header"] += 1
+        elif (cid := G.client_session_id(flow.headers, flow.request_json, self.client_id_headers)) is not None:
+            s = self._named("c-" + hashlib.blake2b(cid.encode("utf-8", "replace"), digest_size=12).hexdigest(),
+                            flow, "client_id")
+            evidence = G.CLIENT_ID
+            self.counters["by_client_id"] += 1
         else:
-            for h in reversed(hashes):
-                sid = self._prefixes.get(h)
+            for i in range(len(hashes) - 1, -1, -1):
+                sid = self._prefixes.get(hashes[i])
                 if sid is not None:
                     s = self._sessions.get(sid)
                     if s is None:  # evicted from memory but known: continue it from the store
                         stored = self._from_store(sid)
                         s = self._create(sid, flow, "prefix", stored or 0)
+                    evidence, score = G.PREFIX, i + 1
                     self.counters["by_prefix"] += 1
                     break
+            if s is None and msgs:
+                tools = flow.request_json.get("tools") if isinstance(flow.request_json, dict) else None
+                hist = G.history(msgs, tools)
+                flow.meta["history"] = hist
+                found = self._by_rule(hist)
+                if found is not None:
+                    s, m = found
+                    evidence, score = m.evidence, m.score
+                    self.counters["by_rule"] += 1
+                else:
+                    text = G.request_text(msgs)
+                    side = self._quoted_by(text, hist)
+                    if side is not None:
+                        s, kind, evidence = side, G.SIDE, G.QUOTES
+                        self.counters["side"] += 1
+                    else:
+                        s = self._create(self.new_id(), flow, "prefix")
+                        s.anchor = hist.anchor
+                        if not tools:
+                            self._orphans.append(_Orphan(s.id, flow, text, self.clock()))
+                        else:
+                            self._adopt_orphans(s, msgs, flow.meta.get("session_record"))
             if s is None:
                 s = self._create(self.new_id(), flow, "prefix")
         flow.session_id = s.id
         flow.turn_index = s.next_index
+        flow.meta["turn_kind"] = kind
+        flow.meta["grouping"] = {"evidence": evidence, "score": score}
         s.next_index += 1
+        if kind == G.MAIN and msgs:
+            s.last_user = G.last_user_text(msgs) or s.last_user
+            if not s.first_user:
+                s.first_user = G.first_user_text(msgs)
         self._touch(s)
+
+    def _by_rule(self, hist: G.History) -> tuple[_Session, G.Match] | None:
+        """The tolerant rule over the sessions that share a message with the request."""
+        hits: dict[str, int] = {}
+        for k in hist.body:
+            sid = self._by_key.get(k.loose) or (self._by_key.get(k.head) if k.role == "assistant" else None)
+            if sid is not None:
+                hits[sid] = hits.get(sid, 0) + 1
+        if not hits:
+            return None
+        order = sorted(hits, key=lambda sid: -hits[sid])[:_CANDIDATES]
+        cands = [self._sessions[sid] for sid in order if sid in self._sessions]
+        cands.sort(key=lambda s: -s.last_used)
+        best = G.choose((s.id, G.continuation(s.latest, hist, s.side_texts) if s.latest else None) for s in cands)
+        return None if best is None else (self._sessions[best[0]], best[1])
+
+    def _quoted_by(self, text: str, hist: G.History) -> _Session | None:
+        """The most recent session this request quotes and whose anchor it does not share."""
+        for i, s in enumerate(reversed(self._sessions.values())):
+            if i >= _QUOTE_SCAN:
+                break
+            if (s.latest.anchor if s.latest is not None else s.anchor) == hist.anchor:
+                continue  # the same system prompt and tools: a conversation of its own, not a side request
+            if G.quotes(text, (s.first_user, s.last_user, *s.side_texts, *s.probes)):
+                return s
+        return None
+
+    def _adopt_orphans(self, s: _Session, msgs: list[Any], record: dict | None) -> None:
+        """Link to a new conversation the side requests that reached the proxy before it."""
+        first = G.first_user_text(msgs)
+        now = self.clock()
+        for o in list(self._orphans):
+            if now - o.at > _ORPHAN_S or not G.quotes(o.text, (first,)):
+                continue
+            self._orphans.remove(o)
+            f = o.flow
+            orphan = self._sessions.pop(o.session_id, None)
+            if orphan is None or orphan.next_index != 1:
+                continue  # the orphan session went on: it is a conversation of its own
+            f.meta["turn_kind"] = G.SIDE
+            f.meta["grouping"] = {"evidence": G.QUOTES, "score": 0, "linked_late": True}
+            self.counters["side"] += 1
+            self.counters["side_linked_late"] += 1
+            index = s.next_index
+            s.next_index += 1
+            if not f.meta.get("recorded"):
+                # its turn is not stored yet: it is simply recorded in this session, whose record
+                # it carries too (it may finish first; the store keeps one record, `put_session`)
+                f.meta.pop("session_record", None)
+                if record is not None:
+                    f.meta["session_record"] = dict(record)
+                f.session_id, f.turn_index = s.id, index
+                self.counters["created"] -= 1
+            else:  # stored already: moved once this turn's session record is (`_put_pending`)
+                f.meta["linked_to"] = s.id
+                turn = f.meta.get("turn") or {}
+                if turn.get("id"):
+                    self._pending_moves.setdefault(s.id, []).append((turn["id"], index))
 
     async def response_done(self, flow: Flow) -> None:
         self._put_pending(flow)
         self._remember(flow)
+        flow.meta["recorded"] = True  # the recorder, next in line, stores the turn now
 
     async def error(self, flow: Flow) -> None:
         self._put_pending(flow)
+        flow.meta["recorded"] = True
 
     def _put_pending(self, flow: Flow) -> None:
         record = flow.meta.pop("session_record", None)
         if record is not None:
             self._put(record)
+        moves = self._pending_moves.pop(flow.session_id, None) if flow.session_id else None
+        for tid, index in moves or ():
+            if self.store is not None:
+                self._watch(self._submit(lambda t=tid, i=index, sid=flow.session_id: self.store.move_turn(
+                    t, sid, i, kind=G.SIDE, by="proxy", reason="side request linked to its conversation",
+                    drop_empty=True)), f"side turn {tid}")
 
     def _remember(self, flow: Flow) -> None:
         tip = flow.meta.get("chain_tip")
@@ -311,10 +464,35 @@ class Sessions(Addon):
         answer = answer_message(acc.result())
         if answer is None:
             return
+        s = self._sessions.get(flow.session_id)
+        if flow.meta.get("turn_kind") == G.SIDE:
+            if s is not None and answer["content"]:
+                s.side_texts.append(G.norm(answer["content"]))
+                self._index(G.message_key(answer).loose, s.id)
+                self._index(G.message_key(answer).head, s.id)
+            return
         key = _extend(tip, answer)
         self._prefixes[key] = flow.session_id
         self._prefixes.move_to_end(key)
+        if s is not None and (flow.turn_index or 0) >= s.latest_index:
+            hist = flow.meta.get("history")
+            req = flow.request_json if isinstance(flow.request_json, dict) else {}
+            if hist is None:
+                hist = G.history(flow.meta.get("messages") or (), req.get("tools"))
+            s.latest = G.History(hist.system, hist.tools, hist.body + (G.message_key(answer),))
+            s.latest_index = flow.turn_index or 0
+            msgs = flow.meta.get("messages") or ()
+            # tool results only: user messages are quoted whole (first_user/last_user), as two
+            # conversations may open alike ("Read f0.txt ... (run 0)" / "(run 1)")
+            s.probes = tuple(t[:96] for m in msgs[-12:] if isinstance(m, dict) and m.get("role") == "tool"
+                             and len(t := G.message_text(m)) >= G.MIN_QUOTE_CHARS)
+            for k in s.latest.body:
+                self._index(k.loose, s.id)
         self._evict()
+
+    def _index(self, key: bytes, sid: str) -> None:
+        self._by_key[key] = sid
+        self._by_key.move_to_end(key)
 
 
 __all__ = ["Sessions", "canonical_message", "chain", "request_messages", "answer_message", "parse_tags", "CHAT"]

@@ -66,6 +66,8 @@ class CapturePolicy:
             return "not_ok"
         if flow.kind not in self.endpoints:
             return "endpoint"
+        if turn.get("kind") == "side":  # a title, summary or judge request: not the agent's turn
+            return "side_request"
         if self.only_with_tools and not turn.get("tools_offered"):
             return "no_tools"
         if not turn.get("prompt_token_ids") or turn.get("output_token_ids") is None:

@@ -69,6 +69,18 @@ def _loads(raw: bytes) -> Any:
     return orjson.loads(raw)
 
 
+_STORE_KEPT = ("created_ns", "turns", "side_turns", "tool_call_turns", "updated_ns", "edits")
+
+
+def _count(session: dict, turn: dict, sign: int) -> None:
+    """A session's ``side_turns`` / ``tool_call_turns`` counters for one turn added (+1) or
+    removed (-1). Side requests are never tool-call turns."""
+    if turn.get("kind") == "side":
+        session["side_turns"] = max(0, int(session.get("side_turns", 0)) + sign)
+    elif turn.get("tool_calls"):
+        session["tool_call_turns"] = max(0, int(session.get("tool_call_turns", 0)) + sign)
+
+
 class Store:
     """See the module docstring. Open with `Store.open(path)`; close with `close()`."""
 
@@ -206,17 +218,28 @@ class Store:
         return self._put_json(S.BACKENDS, S.check_id(name, "backend"), {**info, "name": name})
 
     def put_session(self, session: dict) -> Future:
-        """Create or replace a session; `id` and `created_ns` are filled in if missing."""
+        """Create or replace a session; `id` and `created_ns` are filled in if missing. Replacing
+        keeps what the store maintains itself: the turn counters, the hand edits and the creation
+        time (the proxy may submit the same new session's record twice: once with a conversation's
+        first turn, once with a side request of it that finished first)."""
         session = {"created_ns": time.time_ns(), "tags": {}, **session}
         if "id" not in session:  # not setdefault: no id is made for records that have one
             session["id"] = S.new_id()
         sid = session["id"]
-        fut = self._put_json(
-            S.SESSIONS,
-            S.check_id(sid, "session"),
-            session,
-            (S.SESSIONS_BY_TIME, S.session_time_key(session["created_ns"], sid), b""),
-        )
+        skey = S.check_id(sid, "session")
+        blob = _dumps(session)
+
+        def op(txn: lmdb.Transaction) -> None:
+            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            if raw is None:
+                txn.put(skey, blob, db=self._dbs[S.SESSIONS])
+                txn.put(S.session_time_key(session["created_ns"], sid), b"", db=self._dbs[S.SESSIONS_BY_TIME])
+                return
+            old = orjson.loads(raw)
+            kept = {k: old[k] for k in _STORE_KEPT if k in old}
+            txn.put(skey, _dumps({**session, **kept}), db=self._dbs[S.SESSIONS])
+
+        fut = self.submit(op)
         fut.add_done_callback(lambda f: self._note_refused_session(sid, f))
         return fut
 
@@ -232,6 +255,10 @@ class Store:
         """Store a turn of a session (`session_id`, `index`) and bump the session's counters.
 
         The session must exist (created by `put_session`) — checked in the same transaction.
+        When another turn already holds that index (the session was merged or split by hand while
+        a proxy kept writing it), the turn takes the session's next free index instead.
+        Counters: ``turns`` (one past the highest index), ``side_turns`` (turns of ``kind``
+        ``side``), ``tool_call_turns`` (other turns whose answer calls a tool).
         """
         turn = {"created_ns": time.time_ns(), **turn}
         if "id" not in turn:  # not setdefault: no id is made for records that have one
@@ -248,14 +275,142 @@ class Store:
                     raise StoreFullError(f"turn {tid}: its session {sid} was not stored (store full)")
                 raise RecordNotFound(f"turn {tid}: session {sid} does not exist")
             session = orjson.loads(raw)
-            session["turns"] = max(int(session.get("turns", 0)), index + 1)
+            data = blob
+            held = txn.get(S.turn_index_key(sid, index), db=self._dbs[S.TURNS_BY_SESSION])
+            if held is not None and held != tkey:
+                moved = {**turn, "index": max(int(session.get("turns", 0)), index + 1)}
+                moved["index_requested"] = index
+                data = _dumps(moved)
+                idx = moved["index"]
+            else:
+                idx = index
+            session["turns"] = max(int(session.get("turns", 0)), idx + 1)
+            _count(session, turn, +1)
             session["updated_ns"] = turn["created_ns"]
             txn.put(skey, _dumps(session), db=self._dbs[S.SESSIONS])
-            txn.put(tkey, _compress(blob), db=self._dbs[S.TURNS])
-            txn.put(S.turn_index_key(sid, index), tkey, db=self._dbs[S.TURNS_BY_SESSION])
+            txn.put(tkey, _compress(data), db=self._dbs[S.TURNS])
+            txn.put(S.turn_index_key(sid, idx), tkey, db=self._dbs[S.TURNS_BY_SESSION])
             return tid
 
         return self.submit(op)
+
+    # -- by-hand corrections of the grouping (recorded in the sessions' ``edits``) --------------
+
+    def move_turn(self, turn_id: str, session_id: str, index: int | None = None, *, kind: str | None = None,
+                  by: str = "user", reason: str = "", drop_empty: bool = False) -> Future:
+        """Move one turn into another session (at ``index``, default its next free one), in one
+        transaction; both sessions get an ``edits`` entry, the turn a ``moved_from`` entry.
+        ``kind`` relabels it (``side``/``main``); ``drop_empty`` deletes the session it leaves
+        when that has no turn left (its record then lives on in the target's edit)."""
+
+        def op(txn: lmdb.Transaction) -> int:
+            return self._move(txn, [turn_id], session_id, index, kind=kind, by=by, reason=reason,
+                              op="move", drop_empty=drop_empty)
+
+        return self.submit(op)
+
+    def merge_sessions(self, into: str, other: str, *, by: str = "user", reason: str = "") -> Future:
+        """Move every turn of ``other`` after the turns of ``into``, in ``other``'s order, and
+        delete ``other``; recorded in ``into``'s ``edits`` (with ``other``'s record) and in
+        each moved turn's ``moved_from``. Runs (shadow runs, rows, comparisons) stay with their
+        turns. Resolves to the number of turns moved."""
+        if into == other:
+            raise ValueError("a session cannot be merged into itself")
+
+        def op(txn: lmdb.Transaction) -> int:
+            self._session_in(txn, other)
+            tids = [v.decode() for _, v in self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(other, "session"))]
+            return self._move(txn, tids, into, None, by=by, reason=reason, op="merge", drop_empty=True,
+                              source=other)
+
+        return self.submit(op)
+
+    def split_session(self, session_id: str, at: int, *, new_id: str | None = None, by: str = "user",
+                      reason: str = "") -> Future:
+        """Move the turns of ``session_id`` from index ``at`` on into a new session (same tags,
+        ``grouping`` = ``split``), renumbered from 0; recorded in both sessions' ``edits``.
+        Resolves to the new session's id."""
+        nid = new_id or S.new_id()
+        nkey = S.check_id(nid, "session")
+
+        def op(txn: lmdb.Transaction) -> str:
+            src = self._session_in(txn, session_id)
+            pairs = [(S.row_position(k), v.decode()) for k, v in
+                     self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(session_id, "session"))]
+            tids = [t for i, t in pairs if i >= at]
+            if not tids:
+                raise ValueError(f"session {session_id} has no turn at index {at} or later")
+            if txn.get(nkey, db=self._dbs[S.SESSIONS]) is not None:
+                raise ValueError(f"session {nid} exists")
+            first = _loads(txn.get(tids[0].encode(), db=self._dbs[S.TURNS]))
+            created = int(first.get("created_ns") or time.time_ns())
+            new = {"id": nid, "created_ns": created, "tags": src.get("tags", {}), "grouping": "split",
+                   "endpoint": src.get("endpoint"), "turns": 0, "split_from": session_id}
+            txn.put(nkey, _dumps(new), db=self._dbs[S.SESSIONS])
+            txn.put(S.session_time_key(created, nid), b"", db=self._dbs[S.SESSIONS_BY_TIME])
+            self._move(txn, tids, nid, 0, by=by, reason=reason, op="split", source=session_id)
+            return nid
+
+        return self.submit(op)
+
+    def _session_in(self, txn: lmdb.Transaction, sid: str) -> dict:
+        raw = txn.get(S.check_id(sid, "session"), db=self._dbs[S.SESSIONS])
+        if raw is None:
+            raise RecordNotFound(f"no session {sid!r} in {self.path}")
+        return orjson.loads(raw)
+
+    def _move(self, txn: lmdb.Transaction, tids: list[str], target: str, index: int | None, *,
+              kind: str | None = None, by: str, reason: str, op: str, drop_empty: bool = False,
+              source: str | None = None) -> int:
+        """Move turns (in this order) into ``target`` from ``index`` on; see the callers."""
+        dst = self._session_in(txn, target)
+        tkey_db, idx_db = self._dbs[S.TURNS], self._dbs[S.TURNS_BY_SESSION]
+        now = time.time_ns()
+        nxt = int(dst.get("turns", 0)) if index is None else index
+        sources: dict[str, dict] = {}
+        moved = []
+        for tid in tids:
+            tkey = S.check_id(tid, "turn")
+            raw = txn.get(tkey, db=tkey_db)
+            if raw is None:
+                raise RecordNotFound(f"no turn {tid!r} in {self.path}")
+            turn = _loads(raw)
+            old_sid, old_idx = turn["session_id"], int(turn["index"])
+            src = sources.get(old_sid)
+            if src is None and old_sid != target:
+                src = sources[old_sid] = self._session_in(txn, old_sid)
+            while txn.get(S.turn_index_key(target, nxt), db=idx_db) not in (None, tkey):
+                nxt += 1
+            txn.delete(S.turn_index_key(old_sid, old_idx), db=idx_db)
+            if src is not None:
+                _count(src, turn, -1)
+            turn.setdefault("moved_from", []).append({"session_id": old_sid, "index": old_idx, "at_ns": now,
+                                                      "by": by, "op": op})
+            if kind is not None and turn.get("kind", "main") != kind:
+                turn["kind"] = kind
+            turn["session_id"], turn["index"] = target, nxt
+            txn.put(tkey, _compress(_dumps(turn)), db=tkey_db)
+            txn.put(S.turn_index_key(target, nxt), tkey, db=idx_db)
+            _count(dst, turn, +1)
+            dst["turns"] = max(int(dst.get("turns", 0)), nxt + 1)
+            moved.append({"turn_id": tid, "from_session": old_sid, "from_index": old_idx, "index": nxt})
+            nxt += 1
+        edit = {"op": op, "at_ns": now, "by": by, "reason": reason, "turns": moved}
+        for sid, src in sources.items():
+            left = [k for k, _ in self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(sid, "session"))]
+            src["turns"] = (S.row_position(left[-1]) + 1) if left else 0
+            if not left and drop_empty:
+                txn.delete(S.session_time_key(src["created_ns"], sid), db=self._dbs[S.SESSIONS_BY_TIME])
+                txn.delete(S.check_id(sid, "session"), db=self._dbs[S.SESSIONS])
+                edit.setdefault("deleted_sessions", []).append(src)
+            else:
+                src.setdefault("edits", []).append({**edit, "to_session": target})
+                txn.put(S.check_id(sid, "session"), _dumps(src), db=self._dbs[S.SESSIONS])
+        if source is not None:
+            edit["from_session"] = source
+        dst.setdefault("edits", []).append(edit)
+        txn.put(S.check_id(target, "session"), _dumps(dst), db=self._dbs[S.SESSIONS])
+        return len(moved)
 
     def put_run(self, run: dict) -> Future:
         """Store or update a run (turn x backend x mode). Its id is the capture id."""

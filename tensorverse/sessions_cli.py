@@ -1,0 +1,156 @@
+"""``tensorverse sessions``: list the recorded sessions, and correct the automatic grouping by hand.
+
+    tensorverse sessions [list] [--store PATH] [--limit N] [--json]
+    tensorverse sessions merge INTO OTHER [--reason TEXT]     # OTHER's turns go after INTO's
+    tensorverse sessions split SESSION --at INDEX [--reason TEXT]
+
+The list shows, per session, its turns (main and side: a side request is a title, summary or
+judge request the agent made beside the conversation), how many main turns called a tool, how it
+was grouped, how many times it was edited by hand, and its first user message with addresses,
+names and secrets scrubbed (`tensorverse.replay.scrub.Scrubber`). A merge or split is one store
+transaction; it is recorded in the sessions' ``edits`` (who, when, why, which turns from where)
+and in each moved turn's ``moved_from``, never silent. Run them on a store no proxy is writing to
+the same sessions at that moment (a proxy that does keeps writing; a turn that finds its index
+taken takes the next free one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import orjson
+
+FIRST_USER_CHARS = 80
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    id: str
+    created_ns: int
+    turns: int
+    side_turns: int
+    tool_call_turns: int
+    grouping: str
+    edits: int
+    first_user: str
+
+
+def _first_user(store: Any, sid: str, scrubber: Any) -> str:
+    from tensorverse.proxy import grouping as G
+    from tensorverse.proxy.sessions import request_messages
+
+    for turn in store.iter_turns(sid):
+        if turn.get("kind", "main") != "main":
+            continue
+        msgs = request_messages(turn.get("endpoint"), turn.get("request")) or []
+        text = G.first_user_text(msgs)
+        if text:
+            text = scrubber.scrub_text(text)
+            return text if len(text) <= FIRST_USER_CHARS else text[: FIRST_USER_CHARS - 1] + "…"
+    return ""
+
+
+def session_rows(store: Any, limit: int | None = None) -> Iterator[SessionRow]:
+    """The newest ``limit`` sessions (all when None), oldest first."""
+    from tensorverse.replay.scrub import Scrubber
+
+    sessions = list(store.iter_sessions())
+    if limit:
+        sessions = sessions[-limit:]
+    scrubber = Scrubber()  # one mapping for the whole list: the same host gets the same placeholder
+    for s in sessions:
+        yield SessionRow(id=s["id"], created_ns=int(s.get("created_ns", 0)), turns=int(s.get("turns", 0)),
+                         side_turns=int(s.get("side_turns", 0)), tool_call_turns=int(s.get("tool_call_turns", 0)),
+                         grouping=str(s.get("grouping", "")), edits=len(s.get("edits") or ()),
+                         first_user=_first_user(store, s["id"], scrubber))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sessions",
+        help="list recorded sessions; merge or split them by hand",
+        description="List sessions (turns, side requests, tool-call turns, grouping, scrubbed first "
+        "user message), or correct the grouping: `merge INTO OTHER` moves OTHER's turns after "
+        "INTO's; `split SESSION --at INDEX` moves the turns from INDEX on into a new session. "
+        "Both are recorded in the sessions' `edits`. See docs/proxy.md#sessions.",
+    )
+    p.add_argument("--store", default=None, metavar="PATH",
+                   help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
+    p.set_defaults(func=_run_list, json=False, limit=None)
+    acts = p.add_subparsers(dest="action", metavar="ACTION")
+    ls = acts.add_parser("list", help="list sessions (the default)")
+    ls.add_argument("--limit", type=int, default=None, metavar="N", help="only the newest N")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    ls.set_defaults(func=_run_list)
+    m = acts.add_parser("merge", help="move OTHER's turns after INTO's and delete OTHER")
+    m.add_argument("into")
+    m.add_argument("other")
+    m.add_argument("--reason", default="", help="why (recorded)")
+    m.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    m.set_defaults(func=_run_merge)
+    s = acts.add_parser("split", help="move the turns from INDEX on into a new session")
+    s.add_argument("session")
+    s.add_argument("--at", type=int, required=True, metavar="INDEX")
+    s.add_argument("--reason", default="", help="why (recorded)")
+    s.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    s.set_defaults(func=_run_split)
+
+
+def _store_path(args: argparse.Namespace) -> str:
+    from tensorverse.cli import _store_path as default
+
+    return default(args.store)
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    from tensorverse.store import Store, StoreVersionError
+
+    try:
+        with Store.open(_store_path(args), readonly=True) as store:
+            rows = list(session_rows(store, args.limit))
+    except (FileNotFoundError, StoreVersionError) as e:
+        print(f"tensorverse sessions: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for r in rows:
+            sys.stdout.write(orjson.dumps(asdict(r)).decode() + "\n")
+        return 0
+    import time
+
+    print(f"{'session':<26} {'created (UTC)':<19} {'turns':>5} {'side':>4} {'tools':>5} {'grouping':<9} {'edits':>5}  first user message")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created_ns / 1e9))
+        print(f"{r.id:<26} {when:<19} {r.turns:>5} {r.side_turns:>4} {r.tool_call_turns:>5} {r.grouping:<9} "
+              f"{r.edits:>5}  {r.first_user}")
+    print(f"{len(rows)} session(s), {sum(r.turns for r in rows)} turn(s), "
+          f"{sum(r.side_turns for r in rows)} side request(s)")
+    return 0
+
+
+def _edit(args: argparse.Namespace, what: str, call: Any) -> tuple[bool, Any]:
+    from tensorverse.store import RecordNotFound, Store, StoreVersionError
+
+    try:
+        with Store.open(_store_path(args)) as store:
+            return True, call(store).result()
+    except (FileNotFoundError, StoreVersionError, RecordNotFound, ValueError) as e:
+        print(f"tensorverse sessions {what}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return False, None
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    ok, n = _edit(args, "merge", lambda st: st.merge_sessions(args.into, args.other, reason=args.reason))
+    if ok:
+        print(f"merged {args.other} into {args.into}: {n} turn(s) moved (recorded in {args.into}'s edits)")
+    return 0 if ok else 2
+
+
+def _run_split(args: argparse.Namespace) -> int:
+    ok, nid = _edit(args, "split", lambda st: st.split_session(args.session, args.at, reason=args.reason))
+    if ok:
+        print(f"split {args.session} at turn {args.at}: turns moved into {nid} (recorded in both sessions' edits)")
+    return 0 if ok else 2

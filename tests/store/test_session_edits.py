@@ -1,0 +1,89 @@
+"""Merging and splitting sessions by hand (`Store.merge_sessions`, `Store.split_session`,
+`tensorverse sessions`): turns move with their runs, counters follow, every change is recorded."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tensorverse.cli import main
+from tensorverse.store import RecordNotFound, Store
+
+
+def _turn(sid, i, kind="main", calls=False, text="hello"):
+    req = {"messages": [{"role": "user", "content": f"{text} from 10.1.2.3"}]}
+    return {"id": f"{sid}-t{i}", "session_id": sid, "index": i, "endpoint": "chat.completions", "kind": kind,
+            "request": req, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] if calls else []}
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store.open(tmp_path / "s") as st:
+        for sid, n in (("a", 3), ("b", 2)):
+            st.put_session({"id": sid, "created_ns": 1000 if sid == "a" else 2000, "grouping": "prefix"}).result()
+            for i in range(n):
+                st.put_turn(_turn(sid, i, kind="side" if (sid, i) == ("b", 1) else "main", calls=i == 0,
+                                  text=f"task {sid}")).result()
+        st.put_run({"id": "run-b0", "turn_id": "b-t0", "backend": "fp32"}).result()
+        yield st
+
+
+def test_counters(store):
+    a, b = store.get_session("a"), store.get_session("b")
+    assert (a["turns"], a.get("side_turns", 0), a["tool_call_turns"]) == (3, 0, 1)
+    assert (b["turns"], b["side_turns"], b["tool_call_turns"]) == (2, 1, 1)
+
+
+def test_merge_is_recorded_and_moves_turns_with_their_runs(store):
+    assert store.merge_sessions("a", "b", reason="one conversation").result() == 2
+    with pytest.raises(RecordNotFound):
+        store.get_session("b")
+    a = store.get_session("a")
+    assert (a["turns"], a["side_turns"], a["tool_call_turns"]) == (5, 1, 2)
+    [edit] = a["edits"]
+    assert edit["op"] == "merge" and edit["from_session"] == "b" and edit["reason"] == "one conversation"
+    assert [t["from_index"] for t in edit["turns"]] == [0, 1] and edit["deleted_sessions"][0]["id"] == "b"
+    turns = list(store.iter_turns("a"))
+    assert [t["id"] for t in turns] == ["a-t0", "a-t1", "a-t2", "b-t0", "b-t1"]
+    assert turns[3]["index"] == 3 and turns[3]["moved_from"][0]["session_id"] == "b"
+    assert [r["id"] for r in store.iter_runs("b-t0")] == ["run-b0"]
+    assert list(store.iter_turns("b")) == []
+
+
+def test_split_is_recorded_and_renumbers(store):
+    nid = store.split_session("a", 1, reason="two tasks").result()
+    a, n = store.get_session("a"), store.get_session(nid)
+    assert a["turns"] == 1 and n["turns"] == 2 and n["grouping"] == "split" and n["split_from"] == "a"
+    assert a["edits"][0]["op"] == "split" and a["edits"][0]["to_session"] == nid
+    assert [t["index"] for t in store.iter_turns(nid)] == [0, 1]
+    assert [t["id"] for t in store.iter_turns(nid)] == ["a-t1", "a-t2"]
+    # a proxy that still writes turn 1 of "a" (it does not know of the split) gets a free index
+    store.put_turn(_turn("a", 1)).result()
+    assert [t["index"] for t in store.iter_turns("a")] == [0, 1]
+    with pytest.raises(ValueError):
+        store.split_session("a", 9).result()
+
+
+def test_put_turn_never_overwrites_an_index_held_by_another_turn(store):
+    t = _turn("a", 0)
+    t["id"] = "late"
+    store.put_turn(t).result()
+    assert [x["id"] for x in store.iter_turns("a")] == ["a-t0", "a-t1", "a-t2", "late"]
+    assert store.get_turn("late")["index_requested"] == 0
+
+
+def test_cli_list_merge_split(store, tmp_path, capsys):
+    path = str(store.path)
+    store.close()
+    assert main(["sessions", "--store", path]) == 0
+    out = capsys.readouterr().out
+    assert "task a from" in out and "10.1.2.3" not in out  # scrubbed
+    assert "2 session(s), 5 turn(s), 1 side request(s)" in out
+    assert main(["sessions", "merge", "a", "b", "--store", path, "--reason", "same"]) == 0
+    assert "2 turn(s) moved" in capsys.readouterr().out
+    assert main(["sessions", "split", "a", "--at", "3", "--store", path]) == 0
+    capsys.readouterr()
+    assert main(["sessions", "list", "--json", "--store", path]) == 0
+    rows = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["turns"], r["edits"]) for r in rows] == [(3, 2), (2, 1)]
+    assert main(["sessions", "merge", "a", "nope", "--store", path]) == 2
