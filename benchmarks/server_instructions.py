@@ -40,7 +40,7 @@ def _total(dump: Path) -> int:
     return int(m.group(1))
 
 
-def measure(server: str, upstream: str, tmp: Path, requests: int, concurrency: int) -> dict:
+def measure(server: str, upstream: str, tmp: Path, requests: int, concurrency: int, tree: Path = ROOT) -> dict:
     port, admin = free_port(), free_port()
     cfg = {"proxy": {"listen": f"127.0.0.1:{port}"}, "admin": {"listen": f"127.0.0.1:{admin}"},
            "primary": {"url": upstream}, "store": {"path": str(tmp / server), "durable": False},
@@ -48,8 +48,8 @@ def measure(server: str, upstream: str, tmp: Path, requests: int, concurrency: i
     out = tmp / f"callgrind.{server}"
     args = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", sys.executable, "-c", PROXY,
             json.dumps(cfg), "3"] + (["asgi"] if server == "uvicorn" else [])
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"}
-    p = spawn(args, env)
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{ROOT / 'benchmarks'}"}
+    p = spawn(args, env, cwd=tree)
     try:
         url = f"http://127.0.0.1:{port}"
         warm = asyncio.run(load(url, 50, concurrency, 32))
@@ -82,6 +82,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--baseline", type=Path, help="another checkout whose hand-written server is measured too")
+    ap.add_argument("--no-uvicorn", action="store_true", help="measure the hand-written server only")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind (Debian's valgrind package) is needed", file=sys.stderr)
@@ -91,18 +93,25 @@ def main() -> int:
     try:
         up_port = free_port()
         up = spawn([sys.executable, "-c", UPSTREAM, str(up_port)], {**os.environ, "PYTHONPATH": str(ROOT)})
-        results = {s: measure(s, f"http://127.0.0.1:{up_port}", tmp, args.requests, args.concurrency)
-                   for s in ("hand-written", "uvicorn")}
+        upstream = f"http://127.0.0.1:{up_port}"
+        results = {s: measure(s, upstream, tmp, args.requests, args.concurrency)
+                   for s in ("hand-written",) + (() if args.no_uvicorn else ("uvicorn",))}
+        if args.baseline is not None:
+            results["baseline"] = measure("baseline", upstream, tmp, args.requests, args.concurrency,
+                                          args.baseline.resolve())
         for s, r in results.items():
             print(f"{s:13s} {r['instructions_per_request'] / 1e6:.3f} M instructions per request "
                   f"({r['requests']} requests, {r['errors']} errors)", flush=True)
-        hw, uv = results["hand-written"], results["uvicorn"]
-        print(json.dumps({"requests": args.requests, "concurrency": args.concurrency,
-                          "handwritten_instructions_per_request": hw["instructions_per_request"],
-                          "uvicorn_instructions_per_request": uv["instructions_per_request"],
-                          "uvicorn_over_handwritten": round(uv["instructions_per_request"]
-                                                            / hw["instructions_per_request"], 3),
-                          "errors": hw["errors"] + uv["errors"]}))
+        hw = results["hand-written"]
+        out = {"requests": args.requests, "concurrency": args.concurrency,
+               "handwritten_instructions_per_request": hw["instructions_per_request"]}
+        for name, key in (("uvicorn", "uvicorn"), ("baseline", "baseline")):
+            if name in results:
+                out[f"{key}_instructions_per_request"] = results[name]["instructions_per_request"]
+                out[f"{key}_over_handwritten"] = round(results[name]["instructions_per_request"]
+                                                       / hw["instructions_per_request"], 3)
+        out["errors"] = sum(r["errors"] for r in results.values())
+        print(json.dumps(out))
         return 0
     finally:
         if up is not None:
