@@ -7,7 +7,8 @@ and much more per request (an application, a router, request and response classe
 parsed URLs, cookies and access logs); on the relay's thread that cost came before every first
 token. This server does only what the core uses, under aiohttp's names (`Request.content.iter_any`,
 `StreamResponse.prepare`/`write`/`write_eof`/`force_close`, `Response`), so the core reads like an
-aiohttp handler. The admin listener stays on aiohttp.
+aiohttp handler. The admin listener stays on aiohttp. uvicorn serving the same core as an ASGI
+application costs about a fifth more CPU per request (docs/proxy.md, "Why a hand-written server").
 
 As a server it
 * keeps connections alive (HTTP/1.1) and answers pipelined requests in order; HTTP/1.0 clients
