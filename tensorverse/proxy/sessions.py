@@ -395,13 +395,15 @@ class Sessions(Addon):
 
     def _quoted_by(self, text: str, hist: G.History) -> _Session | None:
         """The most recent session this request quotes and whose anchor it does not share."""
+        if len(text) < G.MIN_QUOTE_CHARS:  # too short to quote anything (a health check, "hi")
+            return None
+        anchor = hist.anchor
         for i, s in enumerate(reversed(self._sessions.values())):
             if i >= _QUOTE_SCAN:
                 break
-            if (s.latest.anchor if s.latest is not None else s.anchor) == hist.anchor:
-                continue  # the same system prompt and tools: a conversation of its own, not a side request
-            if G.quotes(text, (s.first_user, s.last_user, *s.side_texts, *s.probes)):
-                return s
+            if G.quotes(text, (s.first_user, s.last_user, *s.side_texts, *s.probes)) and \
+                    (s.latest.anchor if s.latest is not None else s.anchor) != anchor:
+                return s  # quoted, with another system prompt or tools: a side request
         return None
 
     def _adopt_orphans(self, s: _Session, msgs: list[Any], record: dict | None) -> None:
