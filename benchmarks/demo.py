@@ -1,14 +1,17 @@
 """The demo's figures: time per step, memory peak, flips found (issue: one-command demo).
 
-    python benchmarks/demo.py [--tasks N] [--out DIR]
+    python benchmarks/demo.py [--tasks N] [--out DIR] [--runtimes fp8_kv,fp32,secondary]
 
 Runs ``tensorverse demo --no-view`` in-process (the model is built first if it is not cached:
 that time is the ``model`` step) and reports:
 
 steps_s              seconds per step (install, model, servers, agent, shadows, report)
 total_s              the whole run; target <= 600 s after install
-servers_rss_gib      resident memory of the four vLLM-CPU servers together, after the agent
-                     (and after the shadows); ``servers_pss_gib`` counts shared pages once
+servers_rss_gib      resident memory of the vLLM-CPU servers together, after the agent
+                     (and after the shadows); ``servers_pss_gib`` counts shared pages once;
+                     ``rss_per_server_gib`` each server's
+under_test           the FP8-KV verdict: flips by region, excess over the noise floor, the first
+                     broken tool call
 demo_peak_rss_gib    peak RSS of the demo process itself (proxy, store, agent, analysis)
 flips                forced flips per runtime against the primary; ``diverged`` free runs
 first_flip / closest the first flip (turn, position, region, margin) or the closest call
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -28,18 +32,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorverse.demo.agent import MAX_TASKS  # noqa: E402
-from tensorverse.demo.run import DemoOptions, run_demo  # noqa: E402
+from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, DemoOptions, run_demo  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=int, default=MAX_TASKS)
     ap.add_argument("--out", help="demo output directory (default: a temporary one)")
+    ap.add_argument("--runtimes", default=",".join(DEFAULT_RUNTIMES),
+                    help=f"backends besides the primary, from {', '.join(RUNTIMES)} (default: the demo's)")
     args = ap.parse_args()
+    runtimes = tuple(r for r in args.runtimes.split(",") if r)
+    if any(r not in RUNTIMES for r in runtimes):
+        ap.error(f"--runtimes: choose from {', '.join(RUNTIMES)}")
     with tempfile.TemporaryDirectory(prefix="tv-demo-bench-") as tmp:
         out = Path(args.out or tmp)
         t0 = time.monotonic()
-        res = run_demo(DemoOptions(out=out, tasks=args.tasks, view=False))
+        res = run_demo(DemoOptions(out=out, tasks=args.tasks, runtimes=runtimes, view=False))
         total = time.monotonic() - t0
     s = res.summary
     mem = s.get("server_memory") or {}
@@ -54,6 +63,8 @@ def main() -> int:
         "servers_rss_gib": mem.get("rss_gib"),
         "servers_pss_gib": mem.get("pss_gib"),
         "servers_rss_after_shadows_gib": mem.get("rss_after_shadows_gib"),
+        "rss_per_server_gib": {n: m["rss_gib"] for n, m in (mem.get("per_server") or {}).items()},
+        "runtimes": list(runtimes),
         "demo_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "flips": {n: b["flips"] for n, b in s["backends"].items()},
         "flips_by_region": {n: b["flips_by_region"] for n, b in s["backends"].items()},
@@ -63,6 +74,9 @@ def main() -> int:
                                               "token_text", "cand_token_text")} if ff else None,
         "closest_call": {k: cc.get(k) for k in ("turn", "position", "region", "margin")} if cc else None,
         "broken_tool_call": s.get("broken_tool_call"),
+        "under_test": {k: v for k, v in (s.get("under_test") or {}).items()
+                       if k not in ("first_flip",)} or None,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     print(json.dumps(result, default=str))
     return 0

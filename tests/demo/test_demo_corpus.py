@@ -4,6 +4,7 @@ summary helpers of the demo runner. No vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -223,3 +224,53 @@ def test_summary_of_an_empty_session_is_honest(tmp_path):
         s = summarize_session(st, "nope")
     assert s["turns"] == 0 and s["first_flip"] is None and not s["any_flip"]
     assert "no flip" in format_summary(s)
+
+
+def _backend(role, flips, regions, diverged, verdicts, n=100, turns=4):
+    return {"role": role, "forced_turns": turns, "positions": n, "flips": flips, "flips_by_region": regions,
+            "kl_mean": 1e-3, "kl_max": 1e-2, "free_turns": turns, "diverged_turns": diverged,
+            "verdicts": verdicts, "noise_floor_flips": None, "failed_runs": 0}
+
+
+def test_fp8_kv_verdict_against_the_noise_floor():
+    from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, format_summary, shadow_verdict
+
+    assert DEFAULT_RUNTIMES[0] == "fp8_kv" and "secondary" in DEFAULT_RUNTIMES
+    fp8 = RUNTIMES["fp8_kv"]
+    assert (fp8.dtype, fp8.role, fp8.extra_args) == ("bfloat16", "shadow", ("--kv-cache-dtype", "fp8"))
+    assert RUNTIMES["secondary"].dtype == "bfloat16" and RUNTIMES["secondary"].extra_args == ()
+    broken = {"turn": 0, "turn_id": "t0", "backend": "fp8_kv", "verdict": "value_mismatch",
+              "path": "$.arguments.description", "reference": "uplink to dist-sw3", "candidate": "uplink to core-sw1"}
+    first = {"turn": 0, "turn_id": "t0", "backend": "fp8_kv", "ref_backend": "secondary", "position": 38,
+             "region": "tool_args", "token": 1, "cand_token": 2, "margin": 0.25, "kl": 0.1,
+             "token_text": " dist", "cand_token_text": " core"}
+    s = {"session_id": "s", "turns": 4, "output_tokens": 100, "first_flip": first, "closest_call": None,
+         "broken_tool_call": broken, "any_flip": True,
+         "backends": {"fp8_kv": _backend("shadow", 5, {"content": 2, "tool_args": 3}, 2,
+                                         {"match": 3, "value_mismatch": 1}),
+                      "secondary": _backend("secondary", 1, {"content": 1}, 1, {"match": 4})},
+         "first_flip_by_backend": {"fp8_kv": first}, "broken_tool_call_by_backend": {"fp8_kv": broken}}
+    v = shadow_verdict(s, "fp8_kv")
+    assert (v.flips, v.floor_flips, v.excess_flips) == (5, 1, 4)
+    assert (v.diverged_turns, v.excess_diverged_turns) == (2, 1)
+    assert (v.broken_tool_calls, v.floor_broken_tool_calls, v.excess_broken_tool_calls) == (1, 0, 1)
+    assert v.first_broken_tool_call == broken and v.first_flip == first and v.departs
+    assert shadow_verdict(s, "fp16") is None
+    s["under_test"] = dataclasses.asdict(v) | {"departs": v.departs}
+    text = format_summary(s)
+    lines = text.splitlines()
+    # the FP8-KV verdict leads, before the per-backend table
+    assert lines[2].startswith("FP8-KV verdict: fp8_kv (bfloat16 + FP8 KV cache") and "DEPARTS" in lines[2]
+    assert "content 2, tool_args 3" in lines[3] and "excess +4" in lines[3]
+    assert "2/4 turns diverged" in lines[4] and "excess +1" in lines[4]
+    assert 'first broken tool call: turn 0: value_mismatch at $.arguments.description: primary ' \
+           '"uplink to dist-sw3" vs fp8_kv "uplink to core-sw1"' in text
+    assert text.index("FP8-KV verdict") < text.index("backend    role")
+    # as many flips as its own noise floor: within it
+    s["backends"]["fp8_kv"] = _backend("shadow", 1, {"content": 1}, 1, {"match": 4})
+    v = shadow_verdict(s, "fp8_kv")
+    assert v.excess_flips == 0 and not v.departs
+    # no secondary: no floor, any flip departs
+    del s["backends"]["secondary"]
+    v = shadow_verdict(s, "fp8_kv")
+    assert v.floor_backend is None and v.excess_flips is None and v.departs

@@ -83,7 +83,7 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, tmp_path, capsys)
     from tensorverse.store import Store
 
     before = set(_live)
-    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=1, runtimes=("fp32", "secondary"), view=False))
+    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=1, runtimes=("fp8_kv", "secondary"), view=False))
     out = capsys.readouterr().out
     assert set(_live) <= before, "the demo left vLLM servers running"
     printed = json.loads((tmp_path / "demo" / "summary.json").read_text())
@@ -97,15 +97,22 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, tmp_path, capsys)
         # every recorded turn was shadowed by both backends, forced and free
         for t in turns:
             runs = {(r["backend"], r["mode"]) for r in st.iter_runs(t["id"]) if r.get("status") == "ok"}
-            assert {("fp32", "forced"), ("fp32", "free"), ("secondary", "forced"), ("secondary", "free")} <= runs
+            assert {("fp8_kv", "forced"), ("fp8_kv", "free"), ("secondary", "forced"), ("secondary", "free")} <= runs
     assert printed["turns"] == len(turns) == again["turns"] >= 2  # a tool call and an answer at least
     assert printed["output_tokens"] == sum(len(t["output_token_ids"]) for t in turns)
-    for name in ("fp32", "secondary"):
+    for name in ("fp8_kv", "secondary"):
         a, b = printed["backends"][name], again["backends"][name]
         assert a["flips"] == b["flips"] and a["flips_by_region"] == b["flips_by_region"]
         assert a["verdicts"] == b["verdicts"] and a["free_turns"] == len(turns)
         assert a["positions"] == printed["output_tokens"]
     assert printed["backends"]["secondary"]["role"] == "secondary"
+    # the summary leads with the FP8-KV verdict, computed from the same store
+    v = printed["under_test"]
+    assert v["backend"] == "fp8_kv" and v["floor_backend"] == "secondary"
+    assert v == json.loads(json.dumps(again["under_test"], default=str))
+    assert v["flips"] == printed["backends"]["fp8_kv"]["flips"]
+    assert v["excess_flips"] == v["flips"] - printed["backends"]["secondary"]["flips"]
+    assert out.index("FP8-KV verdict") < out.index("noise floor (secondary")
     if printed["first_flip"]:
         assert printed["first_flip"]["margin"] is not None
     else:

