@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from rig.prompts import PROMPTS
 
 from tensorverse.analysis.metrics import position_metrics
 from tensorverse.store import Store
@@ -28,15 +29,7 @@ from tensorverse.store.codec import decode_row
 
 pytestmark = pytest.mark.vllm
 
-# The rig's network-automation prompts (tests/rig/test_rig.py), sent as token ids.
-PROMPTS = [
-    "show mac address-table | include aabb.ccdd.eeff",
-    "configure interface GigabitEthernet0/0/1.201 description uplink",
-    "show ip route vrf CUSTOMER-A 10.20.30.0/24",
-    "interface Vlan201\n ip address 192.168.201.1 255.255.255.0",
-    "show running-config interface TenGigabitEthernet1/1/4",
-    "router bgp 65001\n neighbor 10.0.0.2 remote-as 65002",
-]
+# The rig's network-automation prompts, sent as token ids.
 N = 48
 VOCAB = 151936
 
