@@ -19,10 +19,11 @@ As a server it
   when the handler starts reading;
 * refuses a request line over `MAX_LINE` bytes (414), a header field over `MAX_FIELD` bytes or
   more than `MAX_HEADERS` fields (431), anything llhttp cannot parse (400), a version but HTTP/1.1
-  and 1.0 (505: llhttp reads HTTP/0.9 and 2.0 heads), a target that is not
-  a path (authority form, ``*``: 400), ``CONNECT`` (405), any transfer coding but exactly
-  ``chunked`` and a request with a body that asks for a protocol upgrade (501), then closes; an absolute-form target (``GET http://host/path``) is reduced
-  to its path and query, so nothing but the path ever reaches the upstream;
+  and 1.0 (505: llhttp reads HTTP/0.9 and 2.0 heads), a target that is not a path (authority
+  form, ``*``: 400), ``CONNECT`` (405), any transfer coding but exactly ``chunked`` and a request
+  with a body that asks for a protocol upgrade (501), then closes; an absolute-form target
+  (``GET http://host/path``) is reduced to its path and query, so nothing but the path ever
+  reaches the upstream;
 * gives a request head `HEAD_TIMEOUT_S` from its first byte to arrive whole and a request body
   at most `BODY_TIMEOUT_S` of silence (408, then closes; a slow client cannot hold a connection
   one byte at a time);
