@@ -26,7 +26,6 @@ from statistics import NormalDist
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import stats
 
 from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics
 
@@ -48,7 +47,10 @@ _NORMAL = NormalDist()
 
 
 def _norm_sf(z: float) -> float:
-    """P(Z > z) for a standard normal Z (scipy's, accurate in the far tail)."""
+    """P(Z > z) for a standard normal Z (scipy's, accurate in the far tail; scipy is imported
+    where it is used: the proxy imports this package and need not carry scipy)."""
+    from scipy import stats
+
     return float(stats.norm.sf(z))
 
 
@@ -62,6 +64,8 @@ def _norm_ppf(p: float) -> float:
 def _fisher_greater(x1: int, n1: int, x2: int, n2: int) -> float:
     """One-sided Fisher exact p-value: P(X >= x1), X ~ Hypergeometric(N=n1+n2, K=x1+x2, n1)
     (scipy's hypergeometric survival function)."""
+    from scipy import stats
+
     return min(1.0, float(stats.hypergeom.sf(x1 - 1, n1 + n2, x1 + x2, n1)))
 
 
