@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
-
-# Subcommands whose issue has not landed yet: they say so and exit 2 rather than pretend.
-PLANNED: dict[str, str] = {}
-
+from typing import Sequence
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -304,14 +300,6 @@ def _run_demo(args: argparse.Namespace) -> int:
                             port=args.port, keep_store=args.keep_store))
 
 
-def _planned(name: str, what: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"tensorverse {name}: not built yet ({what}).", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tensorverse import __version__
 
@@ -337,10 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
     register_sessions(sub)  # tensorverse sessions [list|merge|split]
     register_report(sub)  # tensorverse report ...
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
-    for name, what in PLANNED.items():
-        p = sub.add_parser(name, help=f"(not built yet) {what}")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        p.set_defaults(func=_planned(name, what))
     return parser
 
 

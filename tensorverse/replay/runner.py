@@ -181,8 +181,6 @@ async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
     async def one(b: Backend) -> tuple[str, dict[str, Any]]:
         try:
             r = await doctor(b.url, b.model, api_key=b.api_key, timeout_s=min(b.timeout_s, 30))
-        except TypeError:  # an older doctor signature
-            r = await doctor(b.url, b.model)
         except Exception as e:  # noqa: BLE001
             return b.name, {"error": f"{type(e).__name__}: {e}"}
         keep = ("version", "model", "max_model_len", "max_logprobs", "vocab_size", "plugin",
