@@ -39,14 +39,14 @@ class SessionRow:
 
 
 def _first_user(store: Any, sid: str, scrubber: Any) -> str:
-    from tensorverse.proxy import grouping as G
+    from tensorverse.proxy.grouping import first_user_text
     from tensorverse.proxy.sessions import request_messages
 
     for turn in store.iter_turns(sid):
         if turn.get("kind", "main") != "main":
             continue
         msgs = request_messages(turn.get("endpoint"), turn.get("request")) or []
-        text = G.first_user_text(msgs)
+        text = first_user_text(msgs)
         if text:
             text = scrubber.scrub_text(text)
             return text if len(text) <= FIRST_USER_CHARS else text[: FIRST_USER_CHARS - 1] + "…"

@@ -64,9 +64,9 @@ UNKNOWN = "unknown"
 
 
 def _regions() -> tuple[str, ...]:
-    from tensorverse.analysis.regions import REGIONS as R
+    from tensorverse.analysis.regions import REGIONS
 
-    return (*R, UNKNOWN)
+    return (*REGIONS, UNKNOWN)
 
 
 def _verdicts() -> tuple[str, ...]:
@@ -738,13 +738,13 @@ class RequestMetrics(Addon):
         return added
 
     async def response_done(self, flow: Any) -> None:
-        from tensorverse.proxy import flow as F
+        from tensorverse.proxy.flow import OK
 
-        outcome = "ok" if flow.state == F.OK else "upstream_error"
+        outcome = "ok" if flow.state == OK else "upstream_error"
         self.metrics.observe_request(outcome, added_latency_s=self._added(flow) if outcome == "ok" else None,
                                      endpoint=flow.kind)
 
     async def error(self, flow: Any) -> None:
-        from tensorverse.proxy import flow as F
+        from tensorverse.proxy.flow import ABORTED
 
-        self.metrics.observe_request("aborted" if flow.state == F.ABORTED else "error")
+        self.metrics.observe_request("aborted" if flow.state == ABORTED else "error")

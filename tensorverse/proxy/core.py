@@ -34,9 +34,8 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from tensorverse.proxy import flow as F
 from tensorverse.proxy import http
-from tensorverse.proxy.flow import Addon, Flow, overrides
+from tensorverse.proxy.flow import ABORTED, ERROR, OK, PENDING, UPSTREAM_ERROR, Addon, Flow, overrides
 from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body, first_event_end
 from tensorverse.proxy.upstream import UpstreamPool
 
@@ -357,8 +356,8 @@ class ProxyCore:
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (the server cancels the handler, or a response could not
             # begin): the upstream request has been closed on the way out (`_exchange`).
-            if flow.state == F.PENDING:
-                flow.state = F.ABORTED
+            if flow.state == PENDING:
+                flow.state = ABORTED
                 flow.error = "client disconnected"
                 flow.t_end = time.perf_counter()
                 self.counters["aborted"] += 1
@@ -438,7 +437,7 @@ class ProxyCore:
                 self._hook_failed(a, "request_forwarded")
 
     def _fail(self, flow: Flow, status: int, message: str) -> http.Response:
-        flow.state = F.ERROR
+        flow.state = ERROR
         flow.error = message
         flow.status = status
         flow.t_end = time.perf_counter()
@@ -607,7 +606,7 @@ class ProxyCore:
 
     def _finish(self, flow: Flow) -> None:
         flow.t_end = time.perf_counter()
-        flow.state = F.OK if (flow.status or 0) < 400 else F.UPSTREAM_ERROR
+        flow.state = OK if (flow.status or 0) < 400 else UPSTREAM_ERROR
         if flow.kind is not None:
             self._background(flow, "response_done")
 
@@ -615,7 +614,7 @@ class ProxyCore:
         """The upstream failed after the headers went out: end the client's connection abruptly
         (as the upstream did) so the client sees an incomplete response, not a clean end."""
         self.counters["upstream_cut"] += 1
-        flow.state = F.ERROR
+        flow.state = ERROR
         flow.error = f"upstream failed mid-response: {_describe(e)}"
         flow.t_end = time.perf_counter()
         log.warning("%s %s: %s", flow.method, flow.path, flow.error)
@@ -627,8 +626,8 @@ class ProxyCore:
         return resp
 
     def _client_gone(self, flow: Flow, resp: http.StreamResponse) -> http.StreamResponse:
-        if flow.state == F.PENDING:
-            flow.state = F.ABORTED
+        if flow.state == PENDING:
+            flow.state = ABORTED
             flow.error = "client disconnected"
             flow.t_end = time.perf_counter()
             self.counters["aborted"] += 1

@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tensorverse.proxy import flow as F
-from tensorverse.proxy.flow import Addon, Flow, worth_logging
+from tensorverse.proxy.flow import OK, UPSTREAM_ERROR, Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import ACCUMULATORS
 
 log = logging.getLogger("tensorverse.proxy.recorder")
@@ -79,12 +78,12 @@ class Recorder(Addon):
         if acc.unparsed_events:
             self.counters["unparsed_events"] += acc.unparsed_events
             flow.meta["unparsed_events"] = acc.unparsed_events
-        if acc.stream_error is not None and flow.state == F.OK:
+        if acc.stream_error is not None and flow.state == OK:
             # vLLM reports an engine failure inside a 200 stream ({"error": ...}, then [DONE]):
             # the output is partial, so the turn is an upstream error (and is not shadowed).
             err = acc.stream_error
             msg = err.get("message") if isinstance(err, dict) else err
-            flow.state = F.UPSTREAM_ERROR
+            flow.state = UPSTREAM_ERROR
             flow.error = f"upstream error event mid-stream: {msg}"
 
     def response_body(self, flow: Flow) -> None:
@@ -156,7 +155,7 @@ class Recorder(Addon):
             turn["unparsed_events"] = flow.meta["unparsed_events"]
         if flow.sse_tail:
             turn["stream_tail"] = _text(flow.sse_tail, self.max_unparsed_bytes)
-        if flow.state == F.OK and flow.stream and acc is not None and not any(
+        if flow.state == OK and flow.stream and acc is not None and not any(
             c.get("finish_reason") for c in turn["choices"]
         ):
             turn["incomplete"] = True  # a stream that ended without a finish reason

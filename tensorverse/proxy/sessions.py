@@ -33,7 +33,7 @@ from typing import Any, Callable
 import orjson
 
 from tensorverse.jsonbytes import dumps
-from tensorverse.proxy import grouping as G
+from tensorverse.proxy import grouping
 from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import CHAT, MESSAGES
 
@@ -169,7 +169,7 @@ class _Session:
     id: str
     next_index: int = 0
     last_used: float = 0.0
-    latest: G.History | None = None  # the latest main turn's messages + answer
+    latest: grouping.History | None = None  # the latest main turn's messages + answer
     anchor: tuple[bytes, bytes] | None = None  # of the request that opened it (before `latest` exists)
     latest_index: int = -1
     first_user: str = ""
@@ -319,18 +319,18 @@ class Sessions(Addon):
         hashes = chain(msgs) if msgs else []
         flow.meta["chain_tip"] = hashes[-1] if hashes else None
         flow.meta["messages"] = msgs
-        kind, evidence, score = G.MAIN, G.NEW, 0
+        kind, evidence, score = grouping.MAIN, grouping.NEW, 0
         s: _Session | None = None
         if named:
             sid = named.strip() if _ID_OK.match(named.strip()) else "h-" + hashlib.blake2b(
                 named.encode("utf-8", "replace"), digest_size=12).hexdigest()
             s = self._named(sid, flow, "header")
-            evidence = G.HEADER
+            evidence = grouping.HEADER
             self.counters["by_header"] += 1
-        elif (cid := G.client_session_id(flow.headers, flow.request_json, self.client_id_headers)) is not None:
+        elif (cid := grouping.client_session_id(flow.headers, flow.request_json, self.client_id_headers)) is not None:
             s = self._named("c-" + hashlib.blake2b(cid.encode("utf-8", "replace"), digest_size=12).hexdigest(),
                             flow, "client_id")
-            evidence = G.CLIENT_ID
+            evidence = grouping.CLIENT_ID
             self.counters["by_client_id"] += 1
         else:
             for i in range(len(hashes) - 1, -1, -1):
@@ -340,12 +340,12 @@ class Sessions(Addon):
                     if s is None:  # evicted from memory but known: continue it from the store
                         stored = self._from_store(sid)
                         s = self._create(sid, flow, "prefix", stored or 0)
-                    evidence, score = G.PREFIX, i + 1
+                    evidence, score = grouping.PREFIX, i + 1
                     self.counters["by_prefix"] += 1
                     break
             if s is None and msgs:
                 tools = flow.request_json.get("tools") if isinstance(flow.request_json, dict) else None
-                hist = G.history(msgs, tools)
+                hist = grouping.history(msgs, tools)
                 flow.meta["history"] = hist
                 found = self._by_rule(hist)
                 if found is not None:
@@ -353,10 +353,10 @@ class Sessions(Addon):
                     evidence, score = m.evidence, m.score
                     self.counters["by_rule"] += 1
                 else:
-                    text = G.request_text(msgs)
+                    text = grouping.request_text(msgs)
                     side = self._quoted_by(text, hist)
                     if side is not None:
-                        s, kind, evidence = side, G.SIDE, G.QUOTES
+                        s, kind, evidence = side, grouping.SIDE, grouping.QUOTES
                         self.counters["side"] += 1
                     else:
                         s = self._create(self.new_id(), flow, "prefix")
@@ -372,13 +372,13 @@ class Sessions(Addon):
         flow.meta["turn_kind"] = kind
         flow.meta["grouping"] = {"evidence": evidence, "score": score}
         s.next_index += 1
-        if kind == G.MAIN and msgs:
-            s.last_user = G.last_user_text(msgs) or s.last_user
+        if kind == grouping.MAIN and msgs:
+            s.last_user = grouping.last_user_text(msgs) or s.last_user
             if not s.first_user:
-                s.first_user = G.first_user_text(msgs)
+                s.first_user = grouping.first_user_text(msgs)
         self._touch(s)
 
-    def _by_rule(self, hist: G.History) -> tuple[_Session, G.Match] | None:
+    def _by_rule(self, hist: grouping.History) -> tuple[_Session, grouping.Match] | None:
         """The tolerant rule over the sessions that share a message with the request."""
         hits: dict[str, int] = {}
         for k in hist.body:
@@ -390,36 +390,36 @@ class Sessions(Addon):
         order = sorted(hits, key=lambda sid: -hits[sid])[:_CANDIDATES]
         cands = [self._sessions[sid] for sid in order if sid in self._sessions]
         cands.sort(key=lambda s: -s.last_used)
-        best = G.choose((s.id, G.continuation(s.latest, hist, s.side_texts) if s.latest else None) for s in cands)
+        best = grouping.choose((s.id, grouping.continuation(s.latest, hist, s.side_texts) if s.latest else None) for s in cands)
         return None if best is None else (self._sessions[best[0]], best[1])
 
-    def _quoted_by(self, text: str, hist: G.History) -> _Session | None:
+    def _quoted_by(self, text: str, hist: grouping.History) -> _Session | None:
         """The most recent session this request quotes and whose anchor it does not share."""
-        if len(text) < G.MIN_QUOTE_CHARS:  # too short to quote anything (a health check, "hi")
+        if len(text) < grouping.MIN_QUOTE_CHARS:  # too short to quote anything (a health check, "hi")
             return None
         anchor = hist.anchor
         for i, s in enumerate(reversed(self._sessions.values())):
             if i >= _QUOTE_SCAN:
                 break
-            if G.quotes(text, (s.first_user, s.last_user, *s.side_texts, *s.probes)) and \
+            if grouping.quotes(text, (s.first_user, s.last_user, *s.side_texts, *s.probes)) and \
                     (s.latest.anchor if s.latest is not None else s.anchor) != anchor:
                 return s  # quoted, with another system prompt or tools: a side request
         return None
 
     def _adopt_orphans(self, s: _Session, msgs: list[Any], record: dict | None) -> None:
         """Link to a new conversation the side requests that reached the proxy before it."""
-        first = G.first_user_text(msgs)
+        first = grouping.first_user_text(msgs)
         now = self.clock()
         for o in list(self._orphans):
-            if now - o.at > _ORPHAN_S or not G.quotes(o.text, (first,)):
+            if now - o.at > _ORPHAN_S or not grouping.quotes(o.text, (first,)):
                 continue
             self._orphans.remove(o)
             f = o.flow
             orphan = self._sessions.pop(o.session_id, None)
             if orphan is None or orphan.next_index != 1:
                 continue  # the orphan session went on: it is a conversation of its own
-            f.meta["turn_kind"] = G.SIDE
-            f.meta["grouping"] = {"evidence": G.QUOTES, "score": 0, "linked_late": True}
+            f.meta["turn_kind"] = grouping.SIDE
+            f.meta["grouping"] = {"evidence": grouping.QUOTES, "score": 0, "linked_late": True}
             self.counters["side"] += 1
             self.counters["side_linked_late"] += 1
             index = s.next_index
@@ -455,7 +455,7 @@ class Sessions(Addon):
         for tid, index in moves or ():
             if self.store is not None:
                 self._watch(self._submit(lambda t=tid, i=index, sid=flow.session_id: self.store.move_turn(
-                    t, sid, i, kind=G.SIDE, by="proxy", reason="side request linked to its conversation",
+                    t, sid, i, kind=grouping.SIDE, by="proxy", reason="side request linked to its conversation",
                     drop_empty=True)), f"side turn {tid}")
 
     def _remember(self, flow: Flow) -> None:
@@ -467,11 +467,11 @@ class Sessions(Addon):
         if answer is None:
             return
         s = self._sessions.get(flow.session_id)
-        if flow.meta.get("turn_kind") == G.SIDE:
+        if flow.meta.get("turn_kind") == grouping.SIDE:
             if s is not None and answer["content"]:
-                s.side_texts.append(G.norm(answer["content"]))
-                self._index(G.message_key(answer).loose, s.id)
-                self._index(G.message_key(answer).head, s.id)
+                s.side_texts.append(grouping.norm(answer["content"]))
+                self._index(grouping.message_key(answer).loose, s.id)
+                self._index(grouping.message_key(answer).head, s.id)
             return
         key = _extend(tip, answer)
         self._prefixes[key] = flow.session_id
@@ -480,14 +480,14 @@ class Sessions(Addon):
             hist = flow.meta.get("history")
             req = flow.request_json if isinstance(flow.request_json, dict) else {}
             if hist is None:
-                hist = G.history(flow.meta.get("messages") or (), req.get("tools"))
-            s.latest = G.History(hist.system, hist.tools, hist.body + (G.message_key(answer),))
+                hist = grouping.history(flow.meta.get("messages") or (), req.get("tools"))
+            s.latest = grouping.History(hist.system, hist.tools, hist.body + (grouping.message_key(answer),))
             s.latest_index = flow.turn_index or 0
             msgs = flow.meta.get("messages") or ()
             # tool results only: user messages are quoted whole (first_user/last_user), as two
             # conversations may open alike ("Read f0.txt ... (run 0)" / "(run 1)")
             s.probes = tuple(t[:96] for m in msgs[-12:] if isinstance(m, dict) and m.get("role") == "tool"
-                             and len(t := G.message_text(m)) >= G.MIN_QUOTE_CHARS)
+                             and len(t := grouping.message_text(m)) >= grouping.MIN_QUOTE_CHARS)
             for k in s.latest.body:
                 self._index(k.loose, s.id)
         self._evict()

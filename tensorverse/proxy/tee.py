@@ -23,8 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from tensorverse.proxy import flow as F
-from tensorverse.proxy.flow import Addon, Flow, worth_logging
+from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
 
 log = logging.getLogger("tensorverse.proxy.tee")
@@ -62,7 +61,7 @@ class CapturePolicy:
         """None when the turn is selected, else why not (a counter name)."""
         if not self.enabled:
             return "disabled"
-        if turn is None or flow.state != F.OK:
+        if turn is None or flow.state != OK:
             return "not_ok"
         if flow.kind not in self.endpoints:
             return "endpoint"

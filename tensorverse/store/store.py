@@ -27,7 +27,7 @@ import orjson
 import zstandard
 
 from tensorverse.jsonbytes import dumps
-from tensorverse.store import schema as S
+from tensorverse.store import schema
 from tensorverse.store.codec import decompressor
 from tensorverse.store.turns import read_turn
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
@@ -105,7 +105,7 @@ class Store:
         self._env = lmdb.open(
             str(self.path),
             map_size=map_size,
-            max_dbs=len(S.ALL_DBS) + 2,
+            max_dbs=len(schema.ALL_DBS) + 2,
             readonly=readonly,
             mode=0o600,
             sync=durable,
@@ -129,10 +129,10 @@ class Store:
 
     def _named(self) -> Sequence[bytes]:
         if not self.readonly:
-            return S.ALL_DBS
+            return schema.ALL_DBS
         with self._env.begin() as txn:
             present = {k for k, _ in txn.cursor()}
-        return [name for name in S.ALL_DBS if name in present]
+        return [name for name in schema.ALL_DBS if name in present]
 
     @classmethod
     def open(cls, path: str | os.PathLike, **kwargs: Any) -> "Store":
@@ -153,42 +153,42 @@ class Store:
     # -- format version and migrations --------------------------------------------------
 
     def _version(self, txn: lmdb.Transaction) -> int | None:
-        raw = txn.get(b"format_version", db=self._dbs[S.META])
+        raw = txn.get(b"format_version", db=self._dbs[schema.META])
         return None if raw is None else int(raw)
 
     def _migrate(self) -> None:
         with self._env.begin(write=True) as txn:
             version = self._version(txn)
             if version is None:
-                txn.put(b"format_version", str(S.FORMAT_VERSION).encode(), db=self._dbs[S.META])
+                txn.put(b"format_version", str(schema.FORMAT_VERSION).encode(), db=self._dbs[schema.META])
                 return
-        if version > S.FORMAT_VERSION:
+        if version > schema.FORMAT_VERSION:
             raise StoreVersionError(
                 f"store {self.path} has format {version}, newer than this Tensorverse "
-                f"({S.FORMAT_VERSION}); upgrade Tensorverse to read it"
+                f"({schema.FORMAT_VERSION}); upgrade Tensorverse to read it"
             )
-        while version < S.FORMAT_VERSION:
-            step = S.MIGRATIONS.get(version)
+        while version < schema.FORMAT_VERSION:
+            step = schema.MIGRATIONS.get(version)
             if step is None:
                 raise StoreVersionError(f"no migration from store format {version}")
             with self._env.begin(write=True) as txn:  # one migration, one transaction
                 step(txn, self._dbs)
                 version += 1
-                txn.put(b"format_version", str(version).encode(), db=self._dbs[S.META])
+                txn.put(b"format_version", str(version).encode(), db=self._dbs[schema.META])
                 txn.put(
                     f"migrated:{version}".encode(),
                     _dumps({"at_ns": time.time_ns()}),
-                    db=self._dbs[S.META],
+                    db=self._dbs[schema.META],
                 )
             log.info("tensorverse store %s migrated to format %d", self.path, version)
 
     def _check_version(self) -> None:
         with self._read() as txn:
-            version = self._version(txn) if S.META in self._dbs else None
-        if version != S.FORMAT_VERSION:
+            version = self._version(txn) if schema.META in self._dbs else None
+        if version != schema.FORMAT_VERSION:
             raise StoreVersionError(
                 f"store {self.path} has format {version}; this Tensorverse reads "
-                f"{S.FORMAT_VERSION} (open it writable once to migrate)"
+                f"{schema.FORMAT_VERSION} (open it writable once to migrate)"
             )
 
     @property
@@ -198,7 +198,7 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def submit(self, op: S.Migration | Any) -> Future:
+    def submit(self, op: schema.Migration | Any) -> Future:
         """Run `op(txn)` on the writer thread; low level, prefer the `put_*` methods."""
         if self._writer is None:
             raise PermissionError(f"store {self.path} is open read-only")
@@ -215,7 +215,7 @@ class Store:
         return self.submit(op)
 
     def put_backend(self, name: str, info: dict) -> Future:
-        return self._put_json(S.BACKENDS, S.check_id(name, "backend"), {**info, "name": name})
+        return self._put_json(schema.BACKENDS, schema.check_id(name, "backend"), {**info, "name": name})
 
     def put_session(self, session: dict) -> Future:
         """Create or replace a session; `id` and `created_ns` are filled in if missing. Replacing
@@ -224,20 +224,20 @@ class Store:
         first turn, once with a side request of it that finished first)."""
         session = {"created_ns": time.time_ns(), "tags": {}, **session}
         if "id" not in session:  # not setdefault: no id is made for records that have one
-            session["id"] = S.new_id()
+            session["id"] = schema.new_id()
         sid = session["id"]
-        skey = S.check_id(sid, "session")
+        skey = schema.check_id(sid, "session")
         blob = _dumps(session)
 
         def op(txn: lmdb.Transaction) -> None:
-            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
             if raw is None:
-                txn.put(skey, blob, db=self._dbs[S.SESSIONS])
-                txn.put(S.session_time_key(session["created_ns"], sid), b"", db=self._dbs[S.SESSIONS_BY_TIME])
+                txn.put(skey, blob, db=self._dbs[schema.SESSIONS])
+                txn.put(schema.session_time_key(session["created_ns"], sid), b"", db=self._dbs[schema.SESSIONS_BY_TIME])
                 return
             old = orjson.loads(raw)
             kept = {k: old[k] for k in _STORE_KEPT if k in old}
-            txn.put(skey, _dumps({**session, **kept}), db=self._dbs[S.SESSIONS])
+            txn.put(skey, _dumps({**session, **kept}), db=self._dbs[schema.SESSIONS])
 
         fut = self.submit(op)
         fut.add_done_callback(lambda f: self._note_refused_session(sid, f))
@@ -262,21 +262,21 @@ class Store:
         """
         turn = {"created_ns": time.time_ns(), **turn}
         if "id" not in turn:  # not setdefault: no id is made for records that have one
-            turn["id"] = S.new_id()
+            turn["id"] = schema.new_id()
         tid, sid, index = turn["id"], turn["session_id"], int(turn["index"])
-        tkey = S.check_id(tid, "turn")
-        skey = S.check_id(sid, "session")
+        tkey = schema.check_id(tid, "turn")
+        skey = schema.check_id(sid, "session")
         blob = _dumps(turn)
 
         def op(txn: lmdb.Transaction) -> str:
-            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
             if raw is None:
                 if sid in self._refused_sessions:
                     raise StoreFullError(f"turn {tid}: its session {sid} was not stored (store full)")
                 raise RecordNotFound(f"turn {tid}: session {sid} does not exist")
             session = orjson.loads(raw)
             data = blob
-            held = txn.get(S.turn_index_key(sid, index), db=self._dbs[S.TURNS_BY_SESSION])
+            held = txn.get(schema.turn_index_key(sid, index), db=self._dbs[schema.TURNS_BY_SESSION])
             if held is not None and held != tkey:
                 moved = {**turn, "index": max(int(session.get("turns", 0)), index + 1)}
                 moved["index_requested"] = index
@@ -287,9 +287,9 @@ class Store:
             session["turns"] = max(int(session.get("turns", 0)), idx + 1)
             _count(session, turn, +1)
             session["updated_ns"] = turn["created_ns"]
-            txn.put(skey, _dumps(session), db=self._dbs[S.SESSIONS])
-            txn.put(tkey, _compress(data), db=self._dbs[S.TURNS])
-            txn.put(S.turn_index_key(sid, idx), tkey, db=self._dbs[S.TURNS_BY_SESSION])
+            txn.put(skey, _dumps(session), db=self._dbs[schema.SESSIONS])
+            txn.put(tkey, _compress(data), db=self._dbs[schema.TURNS])
+            txn.put(schema.turn_index_key(sid, idx), tkey, db=self._dbs[schema.TURNS_BY_SESSION])
             return tid
 
         return self.submit(op)
@@ -319,7 +319,7 @@ class Store:
 
         def op(txn: lmdb.Transaction) -> int:
             self._session_in(txn, other)
-            tids = [v.decode() for _, v in self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(other, "session"))]
+            tids = [v.decode() for _, v in self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(other, "session"))]
             return self._move(txn, tids, into, None, by=by, reason=reason, op="merge", drop_empty=True,
                               source=other)
 
@@ -330,31 +330,31 @@ class Store:
         """Move the turns of ``session_id`` from index ``at`` on into a new session (same tags,
         ``grouping`` = ``split``), renumbered from 0; recorded in both sessions' ``edits``.
         Resolves to the new session's id."""
-        nid = new_id or S.new_id()
-        nkey = S.check_id(nid, "session")
+        nid = new_id or schema.new_id()
+        nkey = schema.check_id(nid, "session")
 
         def op(txn: lmdb.Transaction) -> str:
             src = self._session_in(txn, session_id)
-            pairs = [(S.row_position(k), v.decode()) for k, v in
-                     self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(session_id, "session"))]
+            pairs = [(schema.row_position(k), v.decode()) for k, v in
+                     self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))]
             tids = [t for i, t in pairs if i >= at]
             if not tids:
                 raise ValueError(f"session {session_id} has no turn at index {at} or later")
-            if txn.get(nkey, db=self._dbs[S.SESSIONS]) is not None:
+            if txn.get(nkey, db=self._dbs[schema.SESSIONS]) is not None:
                 raise ValueError(f"session {nid} exists")
-            first = _loads(txn.get(tids[0].encode(), db=self._dbs[S.TURNS]))
+            first = _loads(txn.get(tids[0].encode(), db=self._dbs[schema.TURNS]))
             created = int(first.get("created_ns") or time.time_ns())
             new = {"id": nid, "created_ns": created, "tags": src.get("tags", {}), "grouping": "split",
                    "endpoint": src.get("endpoint"), "turns": 0, "split_from": session_id}
-            txn.put(nkey, _dumps(new), db=self._dbs[S.SESSIONS])
-            txn.put(S.session_time_key(created, nid), b"", db=self._dbs[S.SESSIONS_BY_TIME])
+            txn.put(nkey, _dumps(new), db=self._dbs[schema.SESSIONS])
+            txn.put(schema.session_time_key(created, nid), b"", db=self._dbs[schema.SESSIONS_BY_TIME])
             self._move(txn, tids, nid, 0, by=by, reason=reason, op="split", source=session_id)
             return nid
 
         return self.submit(op)
 
     def _session_in(self, txn: lmdb.Transaction, sid: str) -> dict:
-        raw = txn.get(S.check_id(sid, "session"), db=self._dbs[S.SESSIONS])
+        raw = txn.get(schema.check_id(sid, "session"), db=self._dbs[schema.SESSIONS])
         if raw is None:
             raise RecordNotFound(f"no session {sid!r} in {self.path}")
         return orjson.loads(raw)
@@ -364,13 +364,13 @@ class Store:
               source: str | None = None) -> int:
         """Move turns (in this order) into ``target`` from ``index`` on; see the callers."""
         dst = self._session_in(txn, target)
-        tkey_db, idx_db = self._dbs[S.TURNS], self._dbs[S.TURNS_BY_SESSION]
+        tkey_db, idx_db = self._dbs[schema.TURNS], self._dbs[schema.TURNS_BY_SESSION]
         now = time.time_ns()
         nxt = int(dst.get("turns", 0)) if index is None else index
         sources: dict[str, dict] = {}
         moved = []
         for tid in tids:
-            tkey = S.check_id(tid, "turn")
+            tkey = schema.check_id(tid, "turn")
             raw = txn.get(tkey, db=tkey_db)
             if raw is None:
                 raise RecordNotFound(f"no turn {tid!r} in {self.path}")
@@ -379,9 +379,9 @@ class Store:
             src = sources.get(old_sid)
             if src is None and old_sid != target:
                 src = sources[old_sid] = self._session_in(txn, old_sid)
-            while txn.get(S.turn_index_key(target, nxt), db=idx_db) not in (None, tkey):
+            while txn.get(schema.turn_index_key(target, nxt), db=idx_db) not in (None, tkey):
                 nxt += 1
-            txn.delete(S.turn_index_key(old_sid, old_idx), db=idx_db)
+            txn.delete(schema.turn_index_key(old_sid, old_idx), db=idx_db)
             if src is not None:
                 _count(src, turn, -1)
             turn.setdefault("moved_from", []).append({"session_id": old_sid, "index": old_idx, "at_ns": now,
@@ -390,46 +390,46 @@ class Store:
                 turn["kind"] = kind
             turn["session_id"], turn["index"] = target, nxt
             txn.put(tkey, _compress(_dumps(turn)), db=tkey_db)
-            txn.put(S.turn_index_key(target, nxt), tkey, db=idx_db)
+            txn.put(schema.turn_index_key(target, nxt), tkey, db=idx_db)
             _count(dst, turn, +1)
             dst["turns"] = max(int(dst.get("turns", 0)), nxt + 1)
             moved.append({"turn_id": tid, "from_session": old_sid, "from_index": old_idx, "index": nxt})
             nxt += 1
         edit = {"op": op, "at_ns": now, "by": by, "reason": reason, "turns": moved}
         for sid, src in sources.items():
-            left = [k for k, _ in self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(sid, "session"))]
-            src["turns"] = (S.row_position(left[-1]) + 1) if left else 0
+            left = [k for k, _ in self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(sid, "session"))]
+            src["turns"] = (schema.row_position(left[-1]) + 1) if left else 0
             if not left and drop_empty:
-                txn.delete(S.session_time_key(src["created_ns"], sid), db=self._dbs[S.SESSIONS_BY_TIME])
-                txn.delete(S.check_id(sid, "session"), db=self._dbs[S.SESSIONS])
+                txn.delete(schema.session_time_key(src["created_ns"], sid), db=self._dbs[schema.SESSIONS_BY_TIME])
+                txn.delete(schema.check_id(sid, "session"), db=self._dbs[schema.SESSIONS])
                 edit.setdefault("deleted_sessions", []).append(src)
             else:
                 src.setdefault("edits", []).append({**edit, "to_session": target})
-                txn.put(S.check_id(sid, "session"), _dumps(src), db=self._dbs[S.SESSIONS])
+                txn.put(schema.check_id(sid, "session"), _dumps(src), db=self._dbs[schema.SESSIONS])
         if source is not None:
             edit["from_session"] = source
         dst.setdefault("edits", []).append(edit)
-        txn.put(S.check_id(target, "session"), _dumps(dst), db=self._dbs[S.SESSIONS])
+        txn.put(schema.check_id(target, "session"), _dumps(dst), db=self._dbs[schema.SESSIONS])
         return len(moved)
 
     def put_run(self, run: dict) -> Future:
         """Store or update a run (turn x backend x mode). Its id is the capture id."""
         run = {"created_ns": time.time_ns(), **run}
         if "id" not in run:  # not setdefault: no id is made for records that have one
-            run["id"] = S.new_id()
+            run["id"] = schema.new_id()
         return self._put_json(
-            S.RUNS,
-            S.check_id(run["id"], "run"),
+            schema.RUNS,
+            schema.check_id(run["id"], "run"),
             run,
-            (S.RUNS_BY_TURN, S.child_prefix(run["turn_id"], "turn") + S.check_id(run["id"], "run"), b""),
+            (schema.RUNS_BY_TURN, schema.child_prefix(run["turn_id"], "turn") + schema.check_id(run["id"], "run"), b""),
         )
 
     def write_rows(self, run_id: str, rows: Sequence[tuple[int, bytes]]) -> Future:
         """Store encoded logits rows `(position, blob)` of a run, all in one transaction."""
-        keyed = [(S.row_key(run_id, int(pos)), bytes(blob)) for pos, blob in rows]
+        keyed = [(schema.row_key(run_id, int(pos)), bytes(blob)) for pos, blob in rows]
 
         def op(txn: lmdb.Transaction) -> int:
-            db = self._dbs[S.ROWS]
+            db = self._dbs[schema.ROWS]
             for key, blob in keyed:
                 txn.put(key, blob, db=db)
             return len(keyed)
@@ -438,8 +438,8 @@ class Store:
 
     def put_comparison(self, run_id: str, ref_run_id: str, result: dict) -> Future:
         return self._put_json(
-            S.COMPARISONS,
-            S.comparison_key(run_id, ref_run_id),
+            schema.COMPARISONS,
+            schema.comparison_key(run_id, ref_run_id),
             {**result, "run_id": run_id, "ref_run_id": ref_run_id},
         )
 
@@ -447,25 +447,25 @@ class Store:
 
     def delete_session(self, session_id: str) -> Future:
         """Delete a session with its turns, runs, rows and comparisons, atomically."""
-        skey = S.check_id(session_id, "session")
+        skey = schema.check_id(session_id, "session")
 
         def op(txn: lmdb.Transaction) -> bool:
-            raw = txn.get(skey, db=self._dbs[S.SESSIONS])
+            raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
             if raw is None:
                 return False
             session = orjson.loads(raw)
-            for _, tkey in list(self._scan(txn, S.TURNS_BY_SESSION, S.child_prefix(session_id, "session"))):
+            for _, tkey in list(self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))):
                 tid = tkey.decode()
-                for rkey, _ in list(self._scan(txn, S.RUNS_BY_TURN, S.child_prefix(tid, "turn"))):
+                for rkey, _ in list(self._scan(txn, schema.RUNS_BY_TURN, schema.child_prefix(tid, "turn"))):
                     rid = rkey[len(tkey) + 1 :]
-                    self._delete_prefix(txn, S.ROWS, rid + S.SEP)
-                    self._delete_prefix(txn, S.COMPARISONS, rid + S.SEP)
-                    txn.delete(rid, db=self._dbs[S.RUNS])
-                self._delete_prefix(txn, S.RUNS_BY_TURN, tkey + S.SEP)
-                txn.delete(tkey, db=self._dbs[S.TURNS])
-            self._delete_prefix(txn, S.TURNS_BY_SESSION, skey + S.SEP)
-            txn.delete(S.session_time_key(session["created_ns"], session_id), db=self._dbs[S.SESSIONS_BY_TIME])
-            txn.delete(skey, db=self._dbs[S.SESSIONS])
+                    self._delete_prefix(txn, schema.ROWS, rid + schema.SEP)
+                    self._delete_prefix(txn, schema.COMPARISONS, rid + schema.SEP)
+                    txn.delete(rid, db=self._dbs[schema.RUNS])
+                self._delete_prefix(txn, schema.RUNS_BY_TURN, tkey + schema.SEP)
+                txn.delete(tkey, db=self._dbs[schema.TURNS])
+            self._delete_prefix(txn, schema.TURNS_BY_SESSION, skey + schema.SEP)
+            txn.delete(schema.session_time_key(session["created_ns"], session_id), db=self._dbs[schema.SESSIONS_BY_TIME])
+            txn.delete(skey, db=self._dbs[schema.SESSIONS])
             return True
 
         return self.submit(op)
@@ -540,32 +540,32 @@ class Store:
         return _loads(raw)
 
     def get_backend(self, name: str) -> dict:
-        return self._get_json(S.BACKENDS, S.check_id(name, "backend"), "backend")
+        return self._get_json(schema.BACKENDS, schema.check_id(name, "backend"), "backend")
 
     def get_session(self, session_id: str) -> dict:
-        return self._get_json(S.SESSIONS, S.check_id(session_id, "session"), "session")
+        return self._get_json(schema.SESSIONS, schema.check_id(session_id, "session"), "session")
 
     def get_turn(self, turn_id: str) -> dict:
-        return read_turn(self._get_json(S.TURNS, S.check_id(turn_id, "turn"), "turn"))
+        return read_turn(self._get_json(schema.TURNS, schema.check_id(turn_id, "turn"), "turn"))
 
     def get_run(self, run_id: str) -> dict:
-        return self._get_json(S.RUNS, S.check_id(run_id, "run"), "run")
+        return self._get_json(schema.RUNS, schema.check_id(run_id, "run"), "run")
 
     def get_comparison(self, run_id: str, ref_run_id: str) -> dict:
-        return self._get_json(S.COMPARISONS, S.comparison_key(run_id, ref_run_id), "comparison")
+        return self._get_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id), "comparison")
 
     def iter_backends(self) -> Iterator[dict]:
-        for _, value in self._paged(S.BACKENDS, b""):
+        for _, value in self._paged(schema.BACKENDS, b""):
             yield orjson.loads(value)
 
     def iter_sessions(self, *, since_ns: int = 0, until_ns: int | None = None) -> Iterator[dict]:
         """Sessions in creation order, created in [since_ns, until_ns)."""
-        start = S.session_time_bound(since_ns)
-        stop = None if until_ns is None else S.session_time_bound(until_ns)
+        start = schema.session_time_bound(since_ns)
+        stop = None if until_ns is None else schema.session_time_bound(until_ns)
         last: bytes | None = None
         while True:
             with self._read() as txn:
-                cur = txn.cursor(db=self._dbs[S.SESSIONS_BY_TIME])
+                cur = txn.cursor(db=self._dbs[schema.SESSIONS_BY_TIME])
                 page: list[dict] = []
                 if cur.set_range(last or start):
                     for key, _ in cur:
@@ -573,7 +573,7 @@ class Store:
                             continue
                         if stop is not None and key >= stop:
                             break
-                        raw = txn.get(key[8:], db=self._dbs[S.SESSIONS])
+                        raw = txn.get(key[8:], db=self._dbs[schema.SESSIONS])
                         last = key
                         if raw is not None:
                             page.append(orjson.loads(raw))
@@ -585,25 +585,25 @@ class Store:
 
     def iter_turns(self, session_id: str) -> Iterator[dict]:
         """The turns of a session in index order."""
-        for _, tkey in self._paged(S.TURNS_BY_SESSION, S.child_prefix(session_id, "session")):
-            yield read_turn(self._get_json(S.TURNS, tkey, "turn"))
+        for _, tkey in self._paged(schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session")):
+            yield read_turn(self._get_json(schema.TURNS, tkey, "turn"))
 
     def iter_runs(self, turn_id: str) -> Iterator[dict]:
-        prefix = S.child_prefix(turn_id, "turn")
-        for key, _ in self._paged(S.RUNS_BY_TURN, prefix):
-            yield self._get_json(S.RUNS, key[len(prefix) :], "run")
+        prefix = schema.child_prefix(turn_id, "turn")
+        for key, _ in self._paged(schema.RUNS_BY_TURN, prefix):
+            yield self._get_json(schema.RUNS, key[len(prefix) :], "run")
 
     def iter_comparisons(self, run_id: str) -> Iterator[dict]:
-        for _, value in self._paged(S.COMPARISONS, S.child_prefix(run_id, "run")):
+        for _, value in self._paged(schema.COMPARISONS, schema.child_prefix(run_id, "run")):
             yield orjson.loads(value)
 
     def read_rows(self, run_id: str) -> list[tuple[int, bytes]]:
         """All stored rows of a run as `(position, blob)`, in position order."""
-        return [(S.row_position(k), v) for k, v in self._paged(S.ROWS, S.row_prefix(run_id))]
+        return [(schema.row_position(k), v) for k, v in self._paged(schema.ROWS, schema.row_prefix(run_id))]
 
     def read_row(self, run_id: str, position: int) -> bytes:
         with self._read() as txn:
-            raw = txn.get(S.row_key(run_id, position), db=self._dbs[S.ROWS])
+            raw = txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROWS])
         if raw is None:
             raise RecordNotFound(f"no row {position} of run {run_id!r} in {self.path}")
         return raw
@@ -614,7 +614,7 @@ class Store:
         none parsed. Any run added, replaced or deleted, comparison stored or backend changed
         gives a new stamp; readers (the viewer) use it to know a cached view is still current.
         None when the turn does not exist."""
-        tkey = S.check_id(turn_id, "turn")
+        tkey = schema.check_id(turn_id, "turn")
         h = hashlib.sha1(usedforsecurity=False)  # a change detector, not a security boundary
 
         def feed(tag: bytes, key: bytes, value: bytes | None) -> None:
@@ -624,17 +624,17 @@ class Store:
                 h.update(value)
 
         with self._read() as txn:
-            raw = txn.get(tkey, db=self._dbs[S.TURNS])
+            raw = txn.get(tkey, db=self._dbs[schema.TURNS])
             if raw is None:
                 return None
             feed(b"T", tkey, raw)
-            prefix = tkey + S.SEP
-            for key, _ in list(self._scan(txn, S.RUNS_BY_TURN, prefix)):
+            prefix = tkey + schema.SEP
+            for key, _ in list(self._scan(txn, schema.RUNS_BY_TURN, prefix)):
                 rid = key[len(prefix) :]
-                feed(b"R", rid, txn.get(rid, db=self._dbs[S.RUNS]))
-                for ckey, cval in self._scan(txn, S.COMPARISONS, rid + S.SEP):
+                feed(b"R", rid, txn.get(rid, db=self._dbs[schema.RUNS]))
+                for ckey, cval in self._scan(txn, schema.COMPARISONS, rid + schema.SEP):
                     feed(b"C", ckey, cval)
-            for bkey, bval in self._scan(txn, S.BACKENDS, b""):
+            for bkey, bval in self._scan(txn, schema.BACKENDS, b""):
                 feed(b"B", bkey, bval)
         return h.digest()
 

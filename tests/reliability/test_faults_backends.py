@@ -63,7 +63,11 @@ PRIMARY_FAULTS = {
     "cut": ({"X-Fake-Cut": "3"}, "incomplete", {"error", "upstream_error"}),
     "reset": ({"X-Fake-Reset": "3"}, "incomplete", {"error", "upstream_error"}),
     "error-event": ({"X-Fake-Error-Event": "3"}, "error", {"upstream_error"}),
-    "malformed-sse": ({"X-Fake-Malformed": "3", "X-Fake-Tools": "0"}, "relayed", {"ok"}),
+    # the openai client gives up at the malformed event and closes: the turn is "ok" when the whole
+    # stream was relayed before it closed, "aborted" when the close came first (a race; before,
+    # the test expected "ok" only and failed about one run in three, on the code before this
+    # session too)
+    "malformed-sse": ({"X-Fake-Malformed": "3", "X-Fake-Tools": "0"}, "relayed", {"ok", "aborted"}),
     "status-500": ({"X-Fake-Status": "500"}, "error", {"upstream_error"}),
 }
 
