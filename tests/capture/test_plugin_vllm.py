@@ -20,8 +20,8 @@ import openai  # noqa: E402  (the rig installs vllm and openai)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rig.models import build_model  # noqa: E402
-from rig.servers import VLLMServer  # noqa: E402
+from tensorverse.rig.models import build_model  # noqa: E402
+from tensorverse.rig.servers import VLLMServer  # noqa: E402
 
 from tensorverse.store import Store  # noqa: E402
 from tensorverse.store.codec import decode_row  # noqa: E402

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from rig.prompts import PROMPTS
+from tensorverse.rig.prompts import PROMPTS
 
 from tensorverse.analysis.metrics import position_metrics
 from tensorverse.store import Store

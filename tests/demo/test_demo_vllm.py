@@ -35,7 +35,7 @@ def demo_model_dir():
 
 @pytest.fixture(scope="module")
 def bf16_server(demo_model_dir, tmp_path_factory):
-    from rig.servers import VLLMServer
+    from tensorverse.rig.servers import VLLMServer
 
     from tensorverse.demo.model import MODEL_NAME
     from tensorverse.demo.run import TOOL_PARSER_ARGS
@@ -76,7 +76,7 @@ def test_heldout_tool_calls_are_well_formed_under_bf16_greedy(bf16_server):
 
 def test_demo_end_to_end_summary_matches_store(demo_model_dir, tmp_path, capsys):
     assert _mem_available_gib() >= 7.5, f"needs ~7 GiB for three more vLLM servers; {_mem_available_gib():.1f} GiB available"
-    from rig.servers import _live
+    from tensorverse.rig.servers import _live
 
     from tensorverse.demo.run import DemoOptions, format_summary, run_demo, summarize_session
     from tensorverse.demo.model import load_tokenizer

@@ -12,8 +12,8 @@ _TESTS = str(Path(__file__).resolve().parent.parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from rig.models import build_model  # noqa: E402
-from rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES  # noqa: E402
+from tensorverse.rig.models import build_model  # noqa: E402
+from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES  # noqa: E402
 
 SYSTEM = "You are a network automation agent. Devices: host1, host2. Use the tools."
 ASKS = [

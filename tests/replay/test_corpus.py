@@ -15,7 +15,7 @@ from tensorverse.replay.corpus import CorpusError, load_corpus, schema, write_co
 from tensorverse.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rig.models import tokenizer_dir  # noqa: E402
+from tensorverse.rig.models import tokenizer_dir  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_cli", "description": "Run a show command on a device.",

@@ -288,3 +288,22 @@ def test_with_retries_backs_off_and_counts():
     failing = iter(["failed"] * 4)
     out = asyncio.run(with_retries(lambda: asyncio.sleep(0, {"status": next(failing)}), 2, 0.001))
     assert out == {"status": "failed", "retries": 2}
+
+
+def test_a_tool_simulator_module_in_the_working_directory_loads_without_touching_sys_path(tmp_path, monkeypatch):
+    import sys
+
+    from tensorverse.replay.tools import load_simulator
+
+    (tmp_path / "my_router_sim.py").write_text("def answer(call, context):\n    return 'up ' + call['name']\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    sim = load_simulator("my_router_sim:answer")
+    assert sys.path == before
+    assert sim is not None
+    try:
+        load_simulator("no_such_module_here:answer")
+    except ValueError as e:
+        assert "no_such_module_here" in str(e)
+    else:
+        raise AssertionError("a missing module must be refused")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import rig.servers as rs
+import tensorverse.rig.servers as rs
 
 
 class FakeServer:

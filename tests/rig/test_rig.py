@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rig.models import (
+from tensorverse.rig.models import (
     QWEN3_TOKENIZER_SIZE,
     QWEN3_VOCAB_SIZE,
     SPECS,
@@ -19,8 +19,8 @@ from rig.models import (
     build_model,
     spec_hash,
 )
-from rig.prompts import PROMPTS
-from rig.servers import RigError, VLLMServer
+from tensorverse.rig.prompts import PROMPTS
+from tensorverse.rig.servers import RigError, VLLMServer
 
 pytestmark = pytest.mark.vllm
 

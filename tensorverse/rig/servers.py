@@ -1,6 +1,6 @@
 """Real vLLM (CPU) servers for integration tests and the demo.
 
-    from rig.servers import VLLMServer, standard_rig, start_many
+    from tensorverse.rig.servers import VLLMServer, standard_rig, start_many
 
     with VLLMServer("primary", model_dir, "bfloat16") as s:
         s.wait_ready(600)
@@ -408,10 +408,7 @@ def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
     The served model name is the model spec's name (``tiny-a``, ``tiny-b``): backends that serve
     the same weights answer to the same name, as a production primary and its shadows do.
     """
-    try:
-        from rig.models import build_model
-    except ImportError:  # run as a script from tests/rig
-        from models import build_model  # type: ignore[no-redef]
+    from tensorverse.rig.models import build_model
 
     out = []
     for sp in specs:
@@ -489,9 +486,8 @@ class OnDemandRig:
 
 
 def main(argv: list[str]) -> int:
-    """``python tests/rig/servers.py [name ...]``: start servers of the standard rig (or the named
-    ones, on-demand servers included), print their URLs, and keep them until Ctrl-C."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    """``python -m tensorverse.rig.servers [name ...]``: start servers of the standard rig (or the
+    named ones, on-demand servers included), print their URLs, and keep them until Ctrl-C."""
     known = {s.name: s for s in standard_rig()} | QUANT_SERVERS
     unknown = [a for a in argv if a not in known]
     if unknown:

