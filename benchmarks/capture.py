@@ -35,7 +35,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from tensorverse.rig.models import build_model  # noqa: E402
 from tensorverse.rig.servers import VLLMServer, start_many, stop_many  # noqa: E402

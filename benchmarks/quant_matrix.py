@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES, VLLMServer  # noqa: E402
 
