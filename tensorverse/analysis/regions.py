@@ -401,3 +401,17 @@ def tag_regions(pieces: Sequence[str], *, start_in_thinking: bool | None = None)
         out.append(chosen)
         pos = end
     return out
+
+
+UNKNOWN = "unknown"  # the region of a position with no pieces to tag
+
+
+def region_at(pieces: Sequence[str] | None, position: int | None) -> str:
+    """The region of one output position, from the primary's decoded pieces (``unknown`` when the
+    pieces or the position are missing, or the pieces cannot be tagged)."""
+    if not pieces or position is None or not 0 <= position < len(pieces):
+        return UNKNOWN
+    try:
+        return tag_regions(list(pieces))[position]
+    except Exception:  # noqa: BLE001 - a label is never worth an exception
+        return UNKNOWN

@@ -36,12 +36,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from tensorverse.proxy.flow import Addon
+from tensorverse.analysis.regions import UNKNOWN, region_at
 
 __all__ = [
     "Metrics",
     "MetricsCollector",
-    "RequestMetrics",
     "METRICS",
     "MetricSpec",
     "exported_names",
@@ -53,14 +52,12 @@ __all__ = [
     "FIRST_FLIP_BUCKETS",
     "LATENCY_BUCKETS",
     "RUN_DURATION_BUCKETS",
-    "region_at",
 ]
 
 # --------------------------------------------------------------------------- label values
 
 MODES: tuple[str, ...] = ("forced", "free")
 REF_ROLES: tuple[str, ...] = ("primary", "secondary", "reference")
-UNKNOWN = "unknown"
 
 
 def _regions() -> tuple[str, ...]:
@@ -319,18 +316,6 @@ def _le(b: float) -> str:
     from prometheus_client.utils import floatToGoString
 
     return floatToGoString(b)
-
-
-def region_at(pieces: Sequence[str] | None, position: int | None) -> str:
-    """The region of an output position, from the primary's decoded pieces (``unknown`` if none)."""
-    if not pieces or position is None or not 0 <= position < len(pieces):
-        return UNKNOWN
-    from tensorverse.analysis.regions import tag_regions
-
-    try:
-        return tag_regions(list(pieces))[position]
-    except Exception:  # noqa: BLE001 - a label is never worth an exception
-        return UNKNOWN
 
 
 # --------------------------------------------------------------------------- Metrics
@@ -703,48 +688,3 @@ class MetricsCollector:
         for table in ("sessions", "turns", "runs", "rows", "comparisons"):
             rec.add_metric([table], float((st.get("entries") or {}).get(table, 0)))
         yield rec
-
-
-# --------------------------------------------------------------------------- the proxy addon
-
-
-class RequestMetrics(Addon):
-    """Proxy addon: each LLM request's outcome and the latency the proxy added.
-
-    Added latency = (upstream request about to be sent − request body read) + (client response
-    finished − upstream's last byte or event). It leaves out the relay of the events in the middle
-    of a stream (measured by ``benchmarks/proxy_overhead.py``). Put it last among the addons, so
-    its ``request`` hook runs after every other addon's."""
-
-    name = "metrics"
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    async def request(self, flow: Any) -> None:
-        flow.meta["t_upstream_send"] = time.perf_counter()
-
-    def response_body(self, flow: Any) -> None:
-        flow.meta["t_upstream_last"] = time.perf_counter()
-
-    def _added(self, flow: Any) -> float | None:
-        sent = flow.meta.get("t_upstream_send")
-        if sent is None:
-            return None
-        added = max(0.0, sent - flow.t0)
-        last = flow.meta.get("t_upstream_last", flow.t_last_event)  # a stream's: set by the core
-        if last is not None and flow.t_end is not None:
-            added += max(0.0, flow.t_end - last)
-        return added
-
-    async def response_done(self, flow: Any) -> None:
-        from tensorverse.proxy.flow import OK
-
-        outcome = "ok" if flow.state == OK else "upstream_error"
-        self.metrics.observe_request(outcome, added_latency_s=self._added(flow) if outcome == "ok" else None,
-                                     endpoint=flow.kind)
-
-    async def error(self, flow: Any) -> None:
-        from tensorverse.proxy.flow import ABORTED
-
-        self.metrics.observe_request("aborted" if flow.state == ABORTED else "error")

@@ -22,13 +22,14 @@ import orjson
 from aiohttp import web
 
 from tensorverse.config import Config
-from tensorverse.exporters.metrics import Metrics, RequestMetrics
+from tensorverse.exporters.metrics import Metrics
+from tensorverse.proxy.request_metrics import RequestMetrics
 from tensorverse.proxy.admin import Ingest, make_admin_app
 from tensorverse.proxy.core import ProxyCore
 from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
-from tensorverse.proxy.tee import CapturePolicy, ShadowRunner, ShadowTee, runner_from_config, tee_backends_from_config
+from tensorverse.proxy.tee import CapturePolicy, ShadowTee, TurnShadower, runner_from_config, tee_backends_from_config
 
 log = logging.getLogger("tensorverse.proxy")
 
@@ -43,7 +44,7 @@ class Proxy:
     package's, `tensorverse.proxy.tee.PackageRunner`); ``tee_backends``: override the shadows.
     """
 
-    def __init__(self, config: Config, *, store: Any = None, runner: ShadowRunner | None = None,
+    def __init__(self, config: Config, *, store: Any = None, runner: TurnShadower | None = None,
                  tee_backends: list | None = None) -> None:
         self.config = config
         self._own_store = store is None

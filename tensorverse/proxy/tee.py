@@ -29,7 +29,10 @@ from tensorverse.shadow.runner import ROWS_TIMEOUT_S
 log = logging.getLogger("tensorverse.proxy.tee")
 
 
-class ShadowRunner(Protocol):
+class TurnShadower(Protocol):
+    """What the tee calls to shadow one turn on some backends (`PackageRunner` in production, a
+    plain coroutine function in tests)."""
+
     def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Awaitable[Any]: ...
 
 
@@ -106,7 +109,7 @@ class ShadowTee(Addon):
 
     def __init__(
         self,
-        runner: ShadowRunner | None,
+        runner: TurnShadower | None,
         backends: Sequence[TeeBackend],
         *,
         store: Any = None,
@@ -290,9 +293,9 @@ class PackageRunner:
 
     def __init__(self, store: Any, backends: Sequence[Any], primary: Any = None, *, metrics: Any = None,
                  **kwargs: Any) -> None:
-        from tensorverse.shadow.runner import ShadowRunner as _Runner
+        from tensorverse.shadow.runner import ShadowRunner
 
-        self._runner = _Runner(store, list(backends), primary=primary, **kwargs)
+        self._runner = ShadowRunner(store, list(backends), primary=primary, **kwargs)
         self.metrics = metrics
 
     async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Any:
@@ -317,7 +320,7 @@ class PackageRunner:
 
         results = compare_turn(store, turn_id)
         if self.metrics is not None:
-            from tensorverse.exporters.metrics import region_at
+            from tensorverse.analysis.regions import region_at
 
             compared = {r.get("run_id") for r in results}
             runs = [r for r in store.iter_runs(turn_id) if r.get("id") in compared]

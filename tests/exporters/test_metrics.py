@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tensorverse.analysis.regions import region_at
 from tensorverse.config import parse_config
 from tensorverse.exporters.metrics import (
     KL_BUCKETS,
@@ -21,7 +22,6 @@ from tensorverse.exporters.metrics import (
     VERDICTS,
     Metrics,
     exported_names,
-    region_at,
 )
 
 LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "verdict", "reason", "outcome", "endpoint", "table"}
