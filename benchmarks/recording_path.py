@@ -35,7 +35,8 @@ import aiohttp  # noqa: E402
 
 from tensorverse.proxy import inject  # noqa: E402
 from tensorverse.proxy.fake import FakeUpstream  # noqa: E402
-from tensorverse.proxy.protocol import CHAT, ChatAccumulator  # noqa: E402
+from tensorverse.proxy.accumulate import ChatAccumulator  # noqa: E402
+from tensorverse.proxy.protocol import CHAT  # noqa: E402
 
 STRIP = {"token_ids": True, "logprobs": "drop"}
 

@@ -69,7 +69,7 @@ Fixed afterwards (2026-11-30, the same session; the tests now expect the fixed b
   suite's `lost_flows` must be 0.
 - `shadow/runner.py`: runs cut by the shadow tee's per-turn deadline (a shadow that never answers)
   left no run record; they are now stored as `timeout` (fault-shadow-hang: no run missing).
-- `proxy/recorder.py` / `protocol.py`: a stream ending with vLLM's mid-stream error event
+- `proxy/recorder.py` / `accumulate.py`: a stream ending with vLLM's mid-stream error event
   (`data: {"error": ...}` then `[DONE]`) is now an `upstream_error` turn, not shadowed.
 - `proxy/inject.py`, `proxy/sessions.py`: bodies nested 255-1023 levels deep are re-serialised
   with the standard library (`tensorverse/jsonbytes.py`): no addon error.
@@ -95,7 +95,7 @@ is why the full soak served 4x the turns of the first one):
   (an advisory fixed in between is invisible to this source): the row names them.
 - `replay/scrub.py`: AWS keys become `AKIA_REDACTED_N`, which no secret scanner takes for a key;
   detect-secrets now finds nothing in scrubbed corpora (the test asserts zero findings).
-- `proxy/protocol.py`: a stream event whose `choices` is not a list (fault-primary-malformed-sse's
+- `proxy/accumulate.py`: a stream event whose `choices` is not a list (fault-primary-malformed-sse's
   `{"choices": 7}`) raised in the recorder's fold: the turn was stored truncated (the sessions
   addon met the error first: `addon_errors` 1 in that row before), or not stored at all when the
   client had already gone (CI once saw 3 turns of 4). Such events now fold to nothing and every

@@ -36,7 +36,8 @@ from yarl import URL
 
 from tensorverse.proxy import http
 from tensorverse.proxy.flow import ABORTED, ERROR, OK, PENDING, UPSTREAM_ERROR, Addon, Flow, overrides
-from tensorverse.proxy.protocol import SSEParser, SSESplitter, endpoint_kind, error_body, first_event_end
+from tensorverse.proxy.protocol import endpoint_kind, error_body
+from tensorverse.proxy.sse import SSEParser, SSESplitter, first_event_end
 from tensorverse.proxy.upstream import UpstreamPool
 
 log = logging.getLogger("tensorverse.proxy")

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
-from tensorverse.proxy.protocol import SSEEvent
+from tensorverse.proxy.sse import SSEEvent
 
 _ids = itertools.count(1)
 _prefix = os.urandom(3).hex()

@@ -36,7 +36,8 @@ import orjson
 from tensorverse.jsonbytes import dumps
 from tensorverse.proxy.events import NULL, ChatEvent, decode_chat_run
 from tensorverse.proxy.flow import Addon, Flow
-from tensorverse.proxy.protocol import CHAT, COMPLETIONS, SSEParser, _parse_block
+from tensorverse.proxy.protocol import CHAT, COMPLETIONS
+from tensorverse.proxy.sse import SSEParser, _parse_block
 
 log = logging.getLogger("tensorverse.proxy.inject")
 

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from tensorverse.proxy.flow import OK, UPSTREAM_ERROR, Addon, Flow, worth_logging
-from tensorverse.proxy.protocol import ACCUMULATORS
+from tensorverse.proxy.accumulate import ACCUMULATORS
 
 log = logging.getLogger("tensorverse.proxy.recorder")
 

@@ -14,7 +14,8 @@ import json
 from tensorverse.jsonbytes import dumps
 from tensorverse.proxy.events import ChatEvent, decode_chat_run
 from tensorverse.proxy.inject import splice_chat_run, strip_response, strip_run, strip_stream
-from tensorverse.proxy.protocol import Accumulator, ChatAccumulator, CompletionAccumulator, SSEParser, SSESplitter
+from tensorverse.proxy.accumulate import Accumulator, ChatAccumulator, CompletionAccumulator
+from tensorverse.proxy.sse import SSEParser, SSESplitter
 from tensorverse.store.turns import read_turn
 
 CHAT_STRIP = {"token_ids": True, "logprobs": "drop"}

@@ -15,7 +15,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from tensorverse.proxy import grouping as G
 from tensorverse.proxy.flow import Flow
-from tensorverse.proxy.protocol import ACCUMULATORS, CHAT
+from tensorverse.proxy.accumulate import ACCUMULATORS
+from tensorverse.proxy.protocol import CHAT
 from tensorverse.proxy.sessions import Sessions
 
 SYSTEM = {"role": "system", "content": "You are a network automation agent."}

@@ -7,13 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorverse.proxy.inject import Injector, strip_response
-from tensorverse.proxy.protocol import (
-    ChatAccumulator,
-    CompletionAccumulator,
-    MessagesAccumulator,
-    SSEParser,
-    endpoint_kind,
-)
+from tensorverse.proxy.accumulate import ChatAccumulator, CompletionAccumulator, MessagesAccumulator
+from tensorverse.proxy.protocol import endpoint_kind
+from tensorverse.proxy.sse import SSEParser
 from tensorverse.proxy.sessions import canonical_message, chain
 
 STREAM = (b'data: {"a": 1}\n\n'
