@@ -19,7 +19,10 @@ is called, in the same run:
   proxy-baseline      with ``--baseline DIR``: the proxy of another checkout (e.g. ``git worktree
                       add /tmp/base <commit>``), same configuration, same upstream: a before/after
                       in one run (``baseline_*`` keys)
-at concurrency 1 (TTFT and total latency p50/p99, back to back and, as ``*_spaced``, with a pause
+``--upstream-ttft-ms`` makes the upstream wait that long before its first event, as a model
+does (default 0: the upstream answers at once, so any work of the proxy's that follows the
+forwarded request, session grouping among it, shows in the TTFT).
+At concurrency 1 (TTFT and total latency p50/p99, back to back and, as ``*_spaced``, with a pause
 of ``--think-ms`` between requests as an agent runs its tool between turns; the targets take
 turns in rounds, so that a change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
 aiohttp in this process. On a small machine the generator, the upstream and the proxy share the
@@ -155,10 +158,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-async def load(url: str, n: int, concurrency: int, events: int, think_s: float = 0.0) -> dict:
+async def load(url: str, n: int, concurrency: int, events: int, think_s: float = 0.0, first_s: float = 0.0) -> dict:
     body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
-    headers = {"Content-Type": "application/json", "X-Fake-Events": str(events), "Authorization": "Bearer bench"}
+    headers = {"Content-Type": "application/json", "X-Fake-Events": str(events), "Authorization": "Bearer bench",
+               "X-Fake-First-Delay": str(first_s)}
     ttft: list[float] = []
     total: list[float] = []
     errors = 0
@@ -212,6 +216,8 @@ def main() -> int:
     ap.add_argument("--throughput-rounds", type=int, default=4, help="the same for the c=200 runs")
     ap.add_argument("--think-ms", type=float, default=5.0,
                     help="pause between requests of the spaced c=1 runs (added_ttft_p50_ms_spaced)")
+    ap.add_argument("--upstream-ttft-ms", type=float, default=0.0,
+                    help="the upstream's time to first event, as a model's (default 0)")
     ap.add_argument("--quick", action="store_true", help="small runs (smoke test)")
     ap.add_argument("--baseline", type=Path, help="another checkout whose proxy runs as one more target")
     ap.add_argument("--no-asgi", action="store_true", help="skip the uvicorn (ASGI) target")
@@ -259,27 +265,28 @@ def main() -> int:
         if load_avg > (os.cpu_count() or 1):
             print(f"warning: load average {load_avg:.1f} on {os.cpu_count()} CPUs: figures will be noisy", flush=True)
         results: dict[str, dict] = {}
+        first_s = args.upstream_ttft_ms / 1000
         # c=1 (latency): the targets take turns, in rounds, so that a change of the machine's
         # load in the meantime (other processes) affects them alike; then each at c=200.
         rounds = max(1, min(args.rounds, args.latency_requests))
         c1_runs: dict[str, list[dict]] = {name: [] for name in targets}
         spaced_runs: dict[str, list[dict]] = {name: [] for name in targets}
         for name, (url, _pid) in targets.items():
-            asyncio.run(load(url, 50, 8, args.events))  # warm up
+            asyncio.run(load(url, 50, 8, args.events, first_s=first_s))  # warm up
         for _ in range(rounds):
             for name, (url, _pid) in targets.items():
-                c1_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events)))
+                c1_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events, first_s=first_s)))
                 # the same with a pause between requests, as an agent runs its tool between turns:
                 # the proxy has finished recording the previous turn when the next one arrives
                 spaced_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events,
-                                                          think_s=args.think_ms / 1000)))
+                                                          think_s=args.think_ms / 1000, first_s=first_s)))
         # c=200 (throughput): in rounds too (throughput = requests / time over a target's rounds)
         c200_rounds = max(1, min(args.throughput_rounds, args.requests // 200))
         done = {name: {"n": 0, "errors": 0, "wall": 0.0, "cpu": 0.0} for name in targets}
         for _ in range(c200_rounds):
             for name, (url, pid) in targets.items():
                 cpu0 = cpu_ms(pid) if pid else 0.0
-                r = asyncio.run(load(url, args.requests // c200_rounds, 200, args.events))
+                r = asyncio.run(load(url, args.requests // c200_rounds, 200, args.events, first_s=first_s))
                 acc = done[name]
                 acc["cpu"] += (cpu_ms(pid) - cpu0) if pid else 0.0
                 acc["n"] += r["n"]
@@ -331,6 +338,7 @@ def main() -> int:
                     else "hand-written"}
         out = {
             "events_per_stream": args.events,
+            "upstream_ttft_ms": args.upstream_ttft_ms,
             "added_ttft_p50_ms": round(p["c1"]["ttft_p50"] - d["c1"]["ttft_p50"], 3),
             "added_ttft_p99_ms": round(p["c1"]["ttft_p99"] - d["c1"]["ttft_p99"], 3),
             "added_total_p50_ms": round(p["c1"]["total_p50"] - d["c1"]["total_p50"], 3),

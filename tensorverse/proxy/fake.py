@@ -15,6 +15,7 @@ vLLM (fields not asked for are ``null``, ``token_ids``/``prompt_token_ids`` only
 ``X-Fake-Reset``   reset the connection (TCP RST) after N events
 ``X-Fake-Malformed`` insert malformed SSE events (broken JSON, invalid UTF-8...) after N events
 ``X-Fake-Linger``   seconds between the last event and the end of the response
+``X-Fake-First-Delay`` seconds before the first event (a model's time to first token)
 ``X-Fake-Error-Event`` after N events send vLLM's mid-stream error event and ``[DONE]``
 
 Every request is logged in ``fake.requests`` (method, path, headers, body); the time a streaming
@@ -158,6 +159,7 @@ class FakeUpstream:
                       headers: dict[str, str] | None = None) -> web.StreamResponse:
         h = request.headers
         reset = int(h["X-Fake-Reset"]) if "X-Fake-Reset" in h else None
+        first_delay = float(h.get("X-Fake-First-Delay", "0"))  # a model's time to first token
         if "X-Fake-Malformed" in h:  # garbage events at that index (the stream then goes on)
             k = int(h["X-Fake-Malformed"])
             events = events[:k] + MALFORMED_EVENTS + events[k:]
@@ -178,6 +180,8 @@ class FakeUpstream:
                     return resp
                 if delay and i:
                     await asyncio.sleep(delay)
+                elif first_delay and not i:
+                    await asyncio.sleep(first_delay)
                 await resp.write(ev)
                 self.last_event_sent = time.monotonic()
             if "X-Fake-Linger" in h:  # the end of the stream comes late (a slow network, a busy server)
