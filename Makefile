@@ -25,9 +25,9 @@ setup-system:
 test: setup setup-system
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak, no turnstone.
+## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak, no turnstone, no Ray cluster.
 test-fast: setup
-	$(PY) -m pytest -m 'not vllm and not browser and not prometheus and not soak and not turnstone' $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'not vllm and not browser and not prometheus and not soak and not turnstone and not ray' $(PYTEST_ARGS)
 
 ## The dependency audit against PyPI's advisories (asks the package index: not part of `make test`).
 audit: setup

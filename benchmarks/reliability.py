@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
-import harness as H  # noqa: E402
+from tests.reliability import harness as H  # noqa: E402
 
 
 NOTES = """
@@ -129,7 +129,7 @@ is why the full soak served 4x the turns of the first one):
 
 def run_audit() -> dict[str, Any]:
     """The dependency audit (`audit.audit`), recorded as the test suite records it."""
-    import audit
+    from tests.reliability import audit
 
     r = audit.audit()
     H.record("dependency-audit", load=f"{r['distributions']} installed distributions vs PyPI's advisories",
@@ -221,7 +221,7 @@ def main() -> int:
     if not args.no_soak:
         import tempfile
 
-        from soak import soak
+        from tests.reliability.soak import soak
 
         with tempfile.TemporaryDirectory(prefix="tv-soak-") as tmp:
             r = soak(Path(tmp), agents=args.agents, duration_s=args.duration)

@@ -40,13 +40,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "shadow"))
+sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
 SERVERS = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[2])
-from shadow_fake import FakeVLLM
+from tests.shadow.shadow_fake import FakeVLLM
 MS = float(sys.argv[1]) / 1000.0
 
 class Timed(FakeVLLM):
@@ -176,7 +175,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="tv-bench-replay-") as tmp:
         corpus = load_corpus(make_corpus(Path(tmp) / "corpus", a.cases, a.turns, a.tokens, a.prompt))
-        proc = subprocess.Popen([sys.executable, "-c", SERVERS, str(a.ms_per_token), str(ROOT / "tests" / "shadow")],
+        proc = subprocess.Popen([sys.executable, "-c", SERVERS, str(a.ms_per_token), str(ROOT)],
                                 stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             urls = json.loads(proc.stdout.readline())

@@ -22,9 +22,9 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "proxy")]
+sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
-from turnstone_kit import scripted, turnstone  # noqa: E402
+from tests.turnstone_kit import scripted, turnstone  # noqa: E402
 
 
 def record(runs: int, rounds: int, window: int) -> list[tuple[dict, dict]]:

@@ -16,14 +16,29 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ref", required=True, help="reference logits, .npy (positions x vocab)")
     p.add_argument("--cand", required=True, help="candidate logits, .npy (positions x vocab)")
     p.add_argument("--tokens", required=True, help="JSON list of the reference token ids")
+    p.add_argument("--noise", help="rows of a noise run at the same positions, .npy (e.g. the "
+                   "secondary's): flips where it flips too are classed `noise`")
+    p.add_argument("--near-tie-ulps", type=int, default=1, metavar="N",
+                   help="a flip whose two reference logits are at most N representable values apart "
+                   "in the reference's dtype is a near_tie (default 1; 0: off)")
+    p.add_argument("--near-tie-nats", type=float, default=0.0, metavar="X",
+                   help="a flip whose reference margin is at most X nats is a near_tie too (default 0: off)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_analyze)
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
+    from tensorverse.analysis.attribution import TieRule
+    from tensorverse.analysis.metrics import AnalysisInputError
     from tensorverse.analysis.report import run_analyze
 
-    return run_analyze(args.ref, args.cand, args.tokens, as_json=args.json)
+    try:
+        rule = TieRule(ulps=args.near_tie_ulps, nats=args.near_tie_nats)
+    except AnalysisInputError as e:
+        print(f"tensorverse analyze: error: {e}", file=sys.stderr)
+        return 2
+    return run_analyze(args.ref, args.cand, args.tokens, as_json=args.json, noise_path=args.noise,
+                       rule=rule)
 
 
 def _add_proxy(sub: argparse._SubParsersAction) -> None:
@@ -258,6 +273,26 @@ def _run_replay(args: argparse.Namespace) -> int:
     return run_replay_args(args)
 
 
+def _add_noise(sub: argparse._SubParsersAction) -> None:
+    from tensorverse.replay.batch_noise import add_noise_arguments
+
+    p = sub.add_parser(
+        "noise",
+        help="a backend's batch-noise floor: the same forced tokens at several batch sizes",
+        description="Force the same tokens on one backend at each --concurrency level (filler "
+        "requests make the batch), compare each level's rows with the first level's and print "
+        "flips and KL in replay's summary form. See docs/replay.md, 'Batch noise'.",
+    )
+    add_noise_arguments(p)
+    p.set_defaults(func=_run_noise)
+
+
+def _run_noise(args: argparse.Namespace) -> int:
+    from tensorverse.replay.batch_noise import run_noise_args
+
+    return run_noise_args(args)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -316,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(sub)
     _add_scrub(sub)
     _add_replay(sub)
+    _add_noise(sub)
     _add_demo(sub)
     from tensorverse.matrix.cli import register as register_matrix
     from tensorverse.replay.cli import register_report

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import settings as _hypothesis_settings
@@ -22,9 +21,6 @@ _hypothesis_settings.register_profile("repeatable", derandomize=True)
 if not os.environ.get("TENSORVERSE_HYPOTHESIS_RANDOM"):
     _hypothesis_settings.load_profile("repeatable")
 
-_TESTS = str(Path(__file__).resolve().parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)  # test helper modules (turnstone_kit...) importable whatever the import mode
 
 _active_rig: "Rig | None" = None
 

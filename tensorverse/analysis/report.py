@@ -14,6 +14,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.attribution import (
+    DEFAULT_RULE,
+    FlipAttribution,
+    TieRule,
+    classify_forced,
+    flips_by_class,
+    noise_flips,
+)
 from tensorverse.analysis.flips import forced_flips
 from tensorverse.analysis.metrics import (
     PERCENTILES,
@@ -32,13 +40,24 @@ _TABLE_TOP = 20
 
 
 def result_from_metrics(m: PositionMetrics, regions: Sequence[str] | None = None,
-                        vocab: int | None = None) -> dict[str, Any]:
-    """The analyze result for metrics already computed (exact or approximate)."""
+                        vocab: int | None = None,
+                        attributions: Sequence[FlipAttribution] | None = None) -> dict[str, Any]:
+    """The analyze result for metrics already computed (exact or approximate).
+
+    ``attributions``: the classified flips (:mod:`tensorverse.analysis.attribution`); each
+    position then carries ``flip_class`` (None where it does not flip) and the summary
+    ``flips_by_class``."""
     summary = summarize(m, regions)
     positions = m.rows()
     if regions is not None:
         for row, reg in zip(positions, regions):
             row["region"] = reg
+    if attributions is not None:
+        by_pos = {a.position: a for a in attributions}
+        for row in positions:
+            a = by_pos.get(row["position"])
+            row["flip_class"] = a.flip_class.value if a is not None else None
+        summary["flips_by_class"] = flips_by_class(attributions)
     return {
         "mode": "forced",
         "n": m.n,
@@ -51,14 +70,37 @@ def result_from_metrics(m: PositionMetrics, regions: Sequence[str] | None = None
 
 
 def analyze(ref: np.ndarray, cand: np.ndarray, tokens: Sequence[int] | np.ndarray,
-            regions: Sequence[str] | None = None) -> dict[str, Any]:
-    """Per-position metrics and the summary of a reference and a candidate logits matrix.
+            regions: Sequence[str] | None = None, noise: np.ndarray | None = None,
+            rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
+    """Per-position metrics, the summary and the class of every flip of a reference and a
+    candidate logits matrix.
 
-    Returns ``{"mode", "n", "vocab", "approximate", "flips", "positions", "summary"}``;
-    ``positions`` is :meth:`PositionMetrics.rows` (plus ``region`` when given)."""
+    ``noise``: the rows of a noise run at the same positions (e.g. the secondary's): a flip
+    where the noise run's argmax also differs from the reference's is ``noise`` (without it,
+    no flip is). Returns ``{"mode", "n", "vocab", "approximate", "flips", "positions",
+    "summary", "attribution"}``; ``positions`` is :meth:`PositionMetrics.rows` plus
+    ``flip_class`` (and ``region`` when given)."""
     m = position_metrics(ref, cand, tokens)
     vocab = int(np.shape(ref)[-1])
-    return result_from_metrics(m, regions, vocab)
+    noise_mask = None
+    if noise is not None:
+        noise_m = _as_noise(noise, np.shape(ref))
+        noise_mask = noise_flips(m.ref_top1, np.argmax(noise_m, axis=1))
+    attributions = classify_forced(ref, m.ref_top1, m.cand_top1, noise=noise_mask, rule=rule)
+    result = result_from_metrics(m, regions, vocab, attributions)
+    result["attribution"] = {"rule": rule.as_dict(), "noise": noise is not None}
+    return result
+
+
+def _as_noise(noise: Any, shape: tuple[int, ...]) -> np.ndarray:
+    a = np.asarray(noise)
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+    if a.dtype.kind != "f":
+        raise AnalysisInputError(f"noise: logits must be a floating dtype, got {a.dtype}")
+    if a.shape != tuple(shape):
+        raise AnalysisInputError(f"noise: shape {a.shape} differs from the reference's {tuple(shape)}")
+    return a
 
 
 # --------------------------------------------------------------------------- rendering
@@ -109,6 +151,9 @@ def render_table(result: dict[str, Any]) -> str:
     has_region = any("region" in r for r in shown)
     hdr = f"{'pos':>6} {'token':>8} {'ref_top1':>8} {'cand_top1':>9} {'flip':>4} " \
           f"{'kl':>11} {'delta_p':>11} {'margin':>9} {'rank':>7} {'entropy':>8}"
+    has_class = any("flip_class" in r for r in shown)
+    if has_class:
+        hdr += f" {'class':>8}"
     if has_region:
         hdr += "  region"
     lines.append(hdr)
@@ -117,6 +162,8 @@ def render_table(result: dict[str, Any]) -> str:
                 f"{r['cand_top1']:>9} {'FLIP' if r['flip'] else '':>4} "
                 f"{_f(r['kl'], '.4e'):>11} {_f(r['delta_p'], '+.3e'):>11} "
                 f"{_f(r['margin'], '.5f'):>9} {str(r['rank']):>7} {_f(r['entropy'], '.4f'):>8}")
+        if has_class:
+            line += f" {r.get('flip_class') or '':>8}"
         if has_region:
             line += f"  {r.get('region', '')}"
         lines.append(line)
@@ -147,6 +194,8 @@ def render_table(result: dict[str, Any]) -> str:
     first = s["first_flip"]
     lines.append(f"Flips (argmax differs): {s['flips']} of {s['n']}"
                  + (f", first at position {first}" if first is not None else ""))
+    if "flips_by_class" in s:
+        lines.append("Flips by class: " + ", ".join(f"{k} {v}" for k, v in s["flips_by_class"].items()))
     if "flips_by_region" in s:
         parts = [f"{k} {v}/{s['positions_by_region'][k]}" for k, v in s["flips_by_region"].items()]
         lines.append("Flips by region: " + ", ".join(parts))
@@ -224,13 +273,15 @@ def _dumps(obj: Any) -> str:
         return json.dumps(clean(obj), allow_nan=False)
 
 
-def run_analyze(ref_path: str, cand_path: str, tokens_path: str, as_json: bool = False) -> int:
+def run_analyze(ref_path: str, cand_path: str, tokens_path: str, as_json: bool = False,
+                noise_path: str | None = None, rule: TieRule = DEFAULT_RULE) -> int:
     """CLI entry: 0 on success, 2 (message on stderr) for unusable inputs."""
     try:
         ref = load_logits(ref_path, "ref")
         cand = load_logits(cand_path, "cand")
+        noise = load_logits(noise_path, "noise") if noise_path is not None else None
         tokens, regions = load_tokens(tokens_path)
-        result = analyze(ref, cand, tokens, regions)
+        result = analyze(ref, cand, tokens, regions, noise=noise, rule=rule)
     except AnalysisInputError as exc:
         print(f"tensorverse analyze: error: {exc}", file=sys.stderr)
         return 2

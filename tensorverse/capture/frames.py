@@ -8,15 +8,21 @@ Frame layout (version 1, little-endian)::
     offset  size  field
     0       4     magic b"TVFR"
     4       1     frame format version (1)
-    5       1     flags (0; reserved, must be 0)
+    5       1     flags: bit 0 (FLAG_ENGINE_STATE) = an engine state follows the capture id;
+                  other bits reserved, must be 0
     6       2     capture id length L (uint16, 1..MAX_ID_BYTES)
     8       8     origin (uint64): random id of the capturing process (one per tap)
     16      8     seq (uint64): per-origin sequence number, increasing from 1
     24      4     position (uint32): output position (0 = first generated token)
     28      4     blob length B (uint32, 0..MAX_BLOB_BYTES)
     32      L     capture id, UTF-8
-    32+L    B     codec blob
-    32+L+B  4     crc32 of every byte of the frame before it
+    32+L    E     engine state (E = 32 with FLAG_ENGINE_STATE, else 0;
+                  :class:`tensorverse.store.engine_state.EngineState`)
+    32+L+E  B     codec blob
+    +B      4     crc32 of every byte of the frame before it
+
+A frame without the flag is byte-for-byte what this format was before engine states (a
+plugin with engine state switched off sends those).
 
 Deduplication: ``(origin, seq)`` names one frame exactly; a receiver that sees it twice (an HTTP
 batch retried after a lost response) keeps the first. ``(capture_id, position)`` names a row;
@@ -30,15 +36,18 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
+from tensorverse.store.engine_state import ENGINE_STATE_SIZE, EngineState, EngineStateError
+
 __all__ = ["Frame", "FrameError", "encode_frame", "iter_frames", "parse_frames",
            "MAGIC", "FRAME_VERSION", "HEADER_SIZE", "MAX_ID_BYTES", "MAX_BLOB_BYTES",
-           "CONTENT_TYPE"]
+           "CONTENT_TYPE", "FLAG_ENGINE_STATE"]
 
 MAGIC = b"TVFR"
 FRAME_VERSION = 1
 CONTENT_TYPE = "application/vnd.tensorverse.frames"
 MAX_ID_BYTES = 1024
 MAX_BLOB_BYTES = 256 << 20  # far above any row (a 256k-entry float32 row is 1 MiB)
+FLAG_ENGINE_STATE = 0x01
 
 _HEAD = struct.Struct("<4sBBHQQII")
 HEADER_SIZE = _HEAD.size  # 32
@@ -58,13 +67,16 @@ class Frame:
     seq: int
     origin: int
     blob: bytes
+    engine: EngineState | None = None
 
     @property
     def size(self) -> int:
-        return HEADER_SIZE + len(self.capture_id.encode("utf-8")) + len(self.blob) + _CRC.size
+        return (HEADER_SIZE + len(self.capture_id.encode("utf-8")) + len(self.blob) + _CRC.size
+                + (ENGINE_STATE_SIZE if self.engine is not None else 0))
 
 
-def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origin: int = 0) -> bytes:
+def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origin: int = 0,
+                 engine: EngineState | None = None) -> bytes:
     """One frame as bytes (see the module docstring for the layout)."""
     if not isinstance(capture_id, str) or not capture_id:
         raise ValueError(f"capture id must be a non-empty string, got {capture_id!r}")
@@ -78,8 +90,9 @@ def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origi
     blob = bytes(blob)
     if len(blob) > MAX_BLOB_BYTES:
         raise ValueError(f"blob of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
-    body = b"".join((_HEAD.pack(MAGIC, FRAME_VERSION, 0, len(cid), origin, seq, position, len(blob)),
-                     cid, blob))
+    flags, state = (FLAG_ENGINE_STATE, engine.pack()) if engine is not None else (0, b"")
+    body = b"".join((_HEAD.pack(MAGIC, FRAME_VERSION, flags, len(cid), origin, seq, position, len(blob)),
+                     cid, state, blob))
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -106,16 +119,17 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
         if version != FRAME_VERSION:
             raise FrameError(f"{where}: unsupported frame version {version} "
                              f"(this reader knows {FRAME_VERSION})")
-        if flags != 0:
+        if flags & ~FLAG_ENGINE_STATE:
             raise FrameError(f"{where}: unknown flags 0x{flags:02x}")
+        es = ENGINE_STATE_SIZE if flags & FLAG_ENGINE_STATE else 0
         if not 1 <= id_len <= MAX_ID_BYTES:
             raise FrameError(f"{where}: capture id length {id_len} outside 1..{MAX_ID_BYTES}")
         if blob_len > MAX_BLOB_BYTES:
             raise FrameError(f"{where}: blob length {blob_len} exceeds {MAX_BLOB_BYTES}")
-        total = HEADER_SIZE + id_len + blob_len + _CRC.size
+        total = HEADER_SIZE + id_len + es + blob_len + _CRC.size
         if n - off < total:
             raise FrameError(f"{where}: truncated ({n - off} of {total} bytes; capture id "
-                             f"{id_len} bytes, blob {blob_len} bytes)")
+                             f"{id_len} bytes, engine state {es} bytes, blob {blob_len} bytes)")
         end = off + total - _CRC.size
         (crc,) = _CRC.unpack_from(view, end)
         if zlib.crc32(view[off:end]) != crc:
@@ -125,8 +139,14 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
             capture_id = str(view[id_start:id_start + id_len], "utf-8")
         except UnicodeDecodeError as e:
             raise FrameError(f"{where}: capture id is not UTF-8 ({e})") from None
-        blob = bytes(view[id_start + id_len:end])
-        yield Frame(capture_id, position, seq, origin, blob)
+        engine = None
+        if es:
+            try:
+                engine = EngineState.unpack(view[id_start + id_len:id_start + id_len + es])
+            except EngineStateError as e:
+                raise FrameError(f"{where}: {e}") from None
+        blob = bytes(view[id_start + id_len + es:end])
+        yield Frame(capture_id, position, seq, origin, blob, engine)
         off += total
         index += 1
 

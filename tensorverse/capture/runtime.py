@@ -8,6 +8,10 @@ the same environment):
     or forced, ``tv_*`` keys are ignored (not rejected), ``apply`` is never on the greedy path
     (the processor declares itself argmax-invariant so vLLM skips it for greedy batches). Use it
     for A/B benchmarks of the plugin's cost. Default: on.
+``TENSORVERSE_CAPTURE_ENGINE_STATE``
+    ``0`` / ``off``: captured rows carry no engine state (batch size, step, ...; see
+    docs/capture.md, "Engine state"); the processors then keep no per-step counters. For the
+    A/B measurement of its cost (``benchmarks/attribution.py``). Default: on.
 ``TENSORVERSE_CAPTURE_SINK``, ``TENSORVERSE_CAPTURE_TOKEN``, ``TENSORVERSE_CAPTURE_TIMEOUT``
     See :mod:`tensorverse.capture.sink`. Without a sink, requests with ``tv_capture`` are
     rejected (HTTP 400); ``tv_force`` alone still works.
@@ -42,12 +46,13 @@ from typing import Any, Mapping
 from tensorverse.capture.sink import ENV_SINK, sink_from_env
 from tensorverse.capture.tap import Tap, log_once
 
-__all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "enabled",
+__all__ = ["ENV_ENABLE", "ENV_ENGINE_STATE", "engine_state_enabled", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "enabled",
            "sink_configured", "get_tap", "stats", "close", "is_capture_rank", "note_error"]
 
 log = logging.getLogger("tensorverse.capture")
 
 ENV_ENABLE = "TENSORVERSE_CAPTURE"
+ENV_ENGINE_STATE = "TENSORVERSE_CAPTURE_ENGINE_STATE"
 ENV_MAX_ROWS = "TENSORVERSE_CAPTURE_MAX_ROWS"
 ENV_LEVEL = "TENSORVERSE_CAPTURE_LEVEL"
 ENV_NICE = "TENSORVERSE_CAPTURE_NICE"
@@ -66,6 +71,12 @@ _adapter_errors = 0
 def enabled(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return (env.get(ENV_ENABLE) or "1").strip().lower() not in _OFF
+
+
+def engine_state_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether captured rows carry the step's engine state (``TENSORVERSE_CAPTURE_ENGINE_STATE``)."""
+    env = os.environ if env is None else env
+    return (env.get(ENV_ENGINE_STATE) or "1").strip().lower() not in _OFF
 
 
 def sink_configured(env: Mapping[str, str] | None = None) -> bool:

@@ -172,8 +172,8 @@ class HttpSink(Sink):
         return cls(self._host, self._port, timeout=self.timeout)
 
     def _ship(self, frames: list[Frame]) -> None:
-        body = b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin)
-                        for f in frames)
+        body = b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin,
+                                     engine=f.engine) for f in frames)
         headers = {
             "Content-Type": CONTENT_TYPE,
             "Content-Length": str(len(body)),
@@ -236,9 +236,9 @@ class StoreSink(Sink):
             from tensorverse.store import Store
 
             self._store = Store.open(self.path)
-        by_run: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
+        by_run: dict[str, list[tuple]] = defaultdict(list)
         for f in frames:
-            by_run[f.capture_id].append((f.position, f.blob))
+            by_run[f.capture_id].append((f.position, f.blob, f.engine))
         futures = [self._store.write_rows(run_id, rows) for run_id, rows in by_run.items()]
         for fut in futures:
             fut.result(timeout=self.timeout)

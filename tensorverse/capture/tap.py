@@ -57,6 +57,7 @@ import torch
 
 from tensorverse.capture.frames import Frame
 from tensorverse.capture.sink import Sink, SinkError
+from tensorverse.store.engine_state import EngineState
 
 __all__ = ["Tap", "RowSlot", "force_tokens", "LogOnce"]
 
@@ -279,8 +280,12 @@ class Tap:
             self.errors_engine += 1
             log_once("event", "recording a CUDA event failed", exc=e)
 
-    def submit(self, slot: RowSlot, capture_id: str, position: int) -> None:
-        """Hand a copied row to the encoder thread. Never blocks."""
+    def submit(self, slot: RowSlot, capture_id: str, position: int,
+               engine: tuple[int, ...] | None = None) -> None:
+        """Hand a copied row to the encoder thread. Never blocks. ``engine``: the step's engine
+        state as the tuple of :class:`~tensorverse.store.engine_state.EngineState`'s fields
+        (runner, step, batch_size, row, joined, context_tokens, prefill_reqs), built into a
+        record on the encoder thread, or None."""
         try:
             if self._closed:
                 self.release(slot)
@@ -288,7 +293,7 @@ class Tap:
             self._ensure_thread()
             self._seq += 1
             self.rows_captured += 1
-            self._q.put((slot, capture_id, position, self._seq))
+            self._q.put((slot, capture_id, position, self._seq, engine))
         except Exception as e:  # noqa: BLE001
             self.errors_engine += 1
             log_once("submit", "handing a row to the encoder failed", exc=e)
@@ -302,16 +307,17 @@ class Tap:
         slot.event = None
         self._free.append(slot)
 
-    def capture(self, logits: torch.Tensor, items: Iterable[tuple[int, str, int]]) -> int:
-        """Copy and submit ``(row, capture_id, position)`` items at once; return rows taken."""
+    def capture(self, logits: torch.Tensor, items: Iterable[tuple]) -> int:
+        """Copy and submit ``(row, capture_id, position)`` or ``(row, capture_id, position,
+        engine)`` items at once; return rows taken."""
         taken = []
-        for row, cid, pos in items:
-            slot = self.copy_row(logits, row)
+        for item in items:
+            slot = self.copy_row(logits, item[0])
             if slot is not None:
-                taken.append((slot, cid, pos))
-        self.mark_copied(s for s, _, _ in taken)
-        for slot, cid, pos in taken:
-            self.submit(slot, cid, pos)
+                taken.append((slot, item))
+        self.mark_copied(s for s, _ in taken)
+        for slot, item in taken:
+            self.submit(slot, item[1], item[2], item[3] if len(item) > 3 else None)
         return len(taken)
 
     # -- encoder thread --------------------------------------------------------------------
@@ -422,7 +428,7 @@ class Tap:
 
     def _process(self, item: tuple) -> None:
         """Encode one queued row, return its buffer, and hand the frame to the sink."""
-        slot, cid, pos, seq = item
+        slot, cid, pos, seq, engine = item
         blob = None
         try:
             if slot.event is not None:
@@ -444,7 +450,8 @@ class Tap:
             log_once("no-sink", "no sink configured (TENSORVERSE_CAPTURE_SINK): rows dropped")
             return
         try:
-            self.sink.put(Frame(cid, pos, seq, self.origin, blob))
+            self.sink.put(Frame(cid, pos, seq, self.origin, blob,
+                                EngineState(*engine) if engine is not None else None))
         except Exception as e:  # noqa: BLE001
             self.errors_encoder += 1
             self.dropped_sink += 1

@@ -31,6 +31,15 @@ output_tok_ids)``; an added index may replace a request that finished without ap
 
 Forced mode: see :mod:`tensorverse.capture` (the caller's sampling params must keep the run from
 ending early: ``ignore_eos=true``, ``max_tokens=len(tv_force)``, no ``stop``/``stop_token_ids``).
+
+Engine state (:class:`~tensorverse.store.engine_state.EngineState`, sent with each captured row):
+what this interface shows of a step is the number of logits rows (= requests in the persistent
+batch, ``batch_size``), the request's row index, and, through ``update_state`` (called once per
+step, before the forward pass), the step itself and the requests added since the last step
+(``joined``). Per step that costs one integer increment and one store in ``update_state``; the
+tuple is built only for captured rows and turned into a record on the encoder thread. It does
+not show the tokens scheduled in the step, the other requests' lengths or whether they are
+prefilling (``context_tokens`` and ``prefill_reqs`` are ``-1``).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from vllm.v1.sample.logits_processor.interface import (
 
 from tensorverse.capture import optin, runtime
 from tensorverse.capture.tap import RowSlot, force_tokens, log_once
+from tensorverse.store.engine_state import RUNNER_V1
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,13 +88,14 @@ def opt_in_of(params: "SamplingParams") -> optin.OptIn | None:
 
 
 class _Req:
-    __slots__ = ("opt", "out", "slot", "slot_pos")
+    __slots__ = ("opt", "out", "slot", "slot_pos", "slot_engine")
 
     def __init__(self, opt: optin.OptIn, out: list[int]) -> None:
         self.opt = opt
         self.out = out  # the runner's live output token list
         self.slot: RowSlot | None = None  # pending copy of a row not yet known to be sampled
         self.slot_pos = -1
+        self.slot_engine: tuple[int, ...] | None = None  # the engine state of that copy
 
 
 class V1CaptureProcessor(LogitsProcessor):
@@ -95,6 +106,9 @@ class V1CaptureProcessor(LogitsProcessor):
         self.capturing = self.enabled and runtime.is_capture_rank()
         self.device = device
         self._reqs: dict[int, _Req] = {}
+        self.engine_state = self.enabled and runtime.engine_state_enabled()
+        self._step = 0  # engine steps seen (update_state calls), with engine state on
+        self._joined = 0  # requests added by this step's BatchUpdate
 
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
@@ -105,6 +119,9 @@ class V1CaptureProcessor(LogitsProcessor):
 
     # -- batch bookkeeping -----------------------------------------------------------------
     def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if self.engine_state:
+            self._step += 1
+            self._joined = len(batch_update.added) if batch_update is not None else 0
         if not self._reqs and (batch_update is None or not batch_update.added):
             return
         try:
@@ -119,7 +136,7 @@ class V1CaptureProcessor(LogitsProcessor):
             return
         if len(st.out) > st.slot_pos:
             st.slot = None
-            runtime.get_tap().submit(slot, st.opt.capture_id, st.slot_pos)
+            runtime.get_tap().submit(slot, st.opt.capture_id, st.slot_pos, st.slot_engine)
         elif leaving:
             st.slot = None
             runtime.get_tap().release(slot, discarded=True)
@@ -184,6 +201,8 @@ class V1CaptureProcessor(LogitsProcessor):
                 slot = tap.copy_row(logits, index, st.slot)
                 st.slot = slot
                 st.slot_pos = pos
+                if self.engine_state:
+                    st.slot_engine = (RUNNER_V1, self._step, n_rows, index, self._joined, -1, -1)
                 if slot is not None:
                     copied.append(slot)
             tok = opt.forced_token(pos)

@@ -14,6 +14,15 @@ speculative decoding). A row with ``seq_len < prefill_len[slot]`` is a chunked-p
 sample vLLM discards: it is neither captured nor forced. Everything is read on the host: no
 device sync. With speculative decoding (more logits rows than requests) opted-in rows are left
 alone and the condition is logged once.
+
+Engine state (:class:`~tensorverse.store.engine_state.EngineState`, sent with each captured row):
+``batch_size`` (``len(ctx.idx_mapping_np)``), the row, the step (``apply_staged_writes`` runs
+once per step: one integer increment), ``joined`` (``add_request`` calls since the previous
+step), and, computed only on steps that capture, from host arrays: ``context_tokens`` (the sum
+of the batch's ``seq_lens_upper_bound_np``: the keys and values attention reads this step) and
+``prefill_reqs`` (requests whose ``seq_len <= prefill_len``: their step feeds a prompt chunk).
+Not shown: the tokens scheduled per request (``ctx.pos`` / ``input_ids`` are device tensors;
+reading them would sync), the attention backend's split decisions, CUDA-graph padding.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 from tensorverse.capture import optin, runtime
 from tensorverse.capture.tap import force_tokens, log_once
 from tensorverse.capture.v1 import opt_in_of, validate_params
+from tensorverse.store.engine_state import RUNNER_V2
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,12 +60,23 @@ class V2CaptureProcessor(LogitsProcessor):
         self.req_states = req_states
         self._slots: dict[int, optin.OptIn] = {}
         self._keys = np.empty(0, dtype=np.intp)
+        self.engine_state = self.enabled and runtime.engine_state_enabled()
+        self._step = 0  # steps seen (apply_staged_writes calls), with engine state on
+        self._joined = 0  # add_request calls since the previous step
+        self._joining = 0
 
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
         validate_params(sampling_params)
 
+    def apply_staged_writes(self) -> None:
+        """Called by V2 once per step before the forward pass: counts steps (engine state)."""
+        if self.engine_state:
+            self._step += 1
+            self._joined, self._joining = self._joining, 0
+
     def add_request(self, req_idx: int, sampling_params: "SamplingParams") -> bool:
+        self._joining += 1
         try:
             if self._slots.pop(req_idx, None) is not None:
                 self._keys = np.fromiter(self._slots, dtype=np.intp, count=len(self._slots))
@@ -94,7 +115,8 @@ class V2CaptureProcessor(LogitsProcessor):
         prompt_len = self.req_states.prompt_len.np
         prefill_len = self.req_states.prefill_len.np
         seq_lens = ctx.seq_lens_upper_bound_np
-        items: list[tuple[int, str, int]] = []
+        items: list[tuple] = []
+        engine: list[int] | None = None  # built at the step's first captured row
         f_rows: list[int] = []
         f_toks: list[int] = []
         finished: list[int] = []
@@ -106,7 +128,15 @@ class V2CaptureProcessor(LogitsProcessor):
             pos = seq_len - int(prompt_len[slot])
             opt = self._slots[slot]
             if self.capturing and opt.captures(pos):
-                items.append((b, opt.capture_id, pos))
+                if self.engine_state:
+                    if engine is None:
+                        sl = seq_lens[:num_reqs]
+                        engine = [RUNNER_V2, self._step, num_reqs, -1, self._joined, int(sl.sum()),
+                                  int(np.count_nonzero(sl <= prefill_len[idx_np]))]
+                    engine[3] = b
+                    items.append((b, opt.capture_id, pos, tuple(engine)))
+                else:
+                    items.append((b, opt.capture_id, pos))
             tok = opt.forced_token(pos)
             if tok is not None:
                 if tok < vocab:

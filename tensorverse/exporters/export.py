@@ -1,7 +1,7 @@
 """Export the store as flat tables for pandas, DuckDB, Spark...: Parquet (pyarrow) or JSONL.
 
 ``tensorverse export parquet --store PATH --out DIR [--since 7d]`` writes one file per table into
-DIR (``sessions``, ``turns``, ``runs``, ``comparisons``, ``positions``; ``logits`` with
+DIR (``sessions``, ``turns``, ``runs``, ``comparisons``, ``positions``, ``engine``; ``logits`` with
 ``--logits``), each ``<table>.parquet`` or ``<table>.jsonl``. The schema (:data:`SCHEMA`) is the
 same in both formats and documented in ``docs/metrics.md``: one row per session, turn, run,
 comparison, and **one row per position per forced comparison** (the per-position metrics of
@@ -56,6 +56,8 @@ SCHEMA: dict[str, dict[str, str]] = {
         "rows_complete": "bool", "request_s": "float64", "rows_wait_s": "float64", "total_s": "float64",
         "error": "string", "token_ids": "list<int64>",
         "text": "string",  # with include_text only
+        # the primary's parser check (recorded runs; issue 19)
+        "parser_mismatch": "bool", "parser_verdict": "string",
     },
     "comparisons": {
         "run_id": "string", "ref_run_id": "string", "turn_id": "string", "session_id": "string",
@@ -71,6 +73,10 @@ SCHEMA: dict[str, dict[str, str]] = {
         "diverged": "bool", "common_prefix": "int64", "verdict": "string", "tool_calls": "json",
         "forced_departure": "int64", "confirms_forced": "bool",
         "noise_verdict": "string", "noise_p_value": "float64", "noise_difference": "float64",
+        # why each flip happened (issue 19): counts per class; a free run's class; the excess
+        # flip rate (runtime class minus the noise floor) and its 95% interval
+        "flips_by_class": "json", "flip_class": "string", "runtime_flips": "int64",
+        "excess": "float64", "excess_low": "float64", "excess_high": "float64",
     },
     "positions": {
         "run_id": "string", "ref_run_id": "string", "turn_id": "string", "session_id": "string",
@@ -78,7 +84,14 @@ SCHEMA: dict[str, dict[str, str]] = {
         "kind": "string", "position": "int64", "token": "int64", "ref_top1": "int64",
         "cand_top1": "int64", "top1_agree": "bool", "flip": "bool", "kl": "float64",
         "delta_p": "float64", "margin": "float64", "rank": "int64", "rank_lower_bound": "bool",
-        "entropy": "float64", "region": "string",
+        "entropy": "float64", "region": "string", "flip_class": "string",
+        # the engine's batch when each side's row was computed (null: no engine state stored)
+        "batch_size": "int64", "ref_batch_size": "int64",
+    },
+    "engine": {  # one row per captured row with an engine state (store format 3)
+        "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",
+        "position": "int64", "runner": "string", "step": "int64", "batch_size": "int64",
+        "row": "int64", "joined": "int64", "context_tokens": "int64", "prefill_reqs": "int64",
     },
     "logits": {
         "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",
@@ -190,7 +203,9 @@ def run_row(r: Mapping[str, Any], session_id: str | None, include_text: bool) ->
             "rows_present": _int(rows.get("present")), "rows_complete": _bool(rows.get("complete")),
             "request_s": _float(timings.get("request_s")), "rows_wait_s": _float(timings.get("rows_wait_s")),
             "total_s": _float(timings.get("total_s")), "error": _str(r.get("error")), "token_ids": ids,
-            "text": _str(r.get("text")) if include_text else None}
+            "text": _str(r.get("text")) if include_text else None,
+            "parser_mismatch": _bool((r.get("parser_check") or {}).get("mismatch")),
+            "parser_verdict": _str((r.get("parser_check") or {}).get("verdict"))}
 
 
 def _pcol(p: str) -> str:
@@ -228,10 +243,21 @@ def comparison_row(c: Mapping[str, Any], turn_id: str | None, session_id: str | 
            "verdict": _str(c.get("verdict")), "tool_calls": _json(c.get("tool_calls")),
            "forced_departure": _int(c.get("forced_departure")), "confirms_forced": _bool(c.get("confirms_forced")),
            "noise_verdict": _str(noise.get("verdict")), "noise_p_value": _float(noise.get("p_value")),
-           "noise_difference": _float(noise.get("difference"))}
+           "noise_difference": _float(noise.get("difference")),
+           **_class_columns(c, s)}
     for p in ("p99.9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0.1"):
         row[_pcol(p)] = _float(kl.get(p))
     return row
+
+
+def _class_columns(c: Mapping[str, Any], s: Mapping[str, Any]) -> dict[str, Any]:
+    by_class = c.get("flips_by_class") or s.get("flips_by_class")
+    excess = c.get("excess") if isinstance(c.get("excess"), Mapping) else {}
+    return {"flips_by_class": _json(by_class),
+            "flip_class": _str(c.get("flip_class")),
+            "runtime_flips": _int(by_class.get("runtime")) if isinstance(by_class, Mapping) else None,
+            "excess": _float(excess.get("excess")), "excess_low": _float(excess.get("low")),
+            "excess_high": _float(excess.get("high"))}
 
 
 def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | None) -> Iterator[dict[str, Any]]:
@@ -250,6 +276,8 @@ def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | N
     cols = {k: m.get(k) or [None] * n for k in ("ref_top1", "cand_top1", "top1_agree", "kl", "delta_p",
                                                  "margin", "rank", "entropy")}
     flip_tokens = {f.get("position"): f.get("token") for f in c.get("flip_tokens") or () if isinstance(f, Mapping)}
+    classes = c.get("flip_classes")
+    class_at = dict(zip(c.get("flips") or (), classes)) if isinstance(classes, list) else {}
     for i in range(n):
         agree = cols["top1_agree"][i]
         token = tokens[i] if isinstance(tokens, list) else flip_tokens.get(positions[i])
@@ -259,7 +287,8 @@ def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | N
                "kl": _float(cols["kl"][i]), "delta_p": _float(cols["delta_p"][i]),
                "margin": _float(cols["margin"][i]), "rank": _int(cols["rank"][i]),
                "rank_lower_bound": _bool(lb[i]) if isinstance(lb, list) else False,
-               "entropy": _float(cols["entropy"][i]), "region": _str(regions[i]) if i < len(regions) else None}
+               "entropy": _float(cols["entropy"][i]), "region": _str(regions[i]) if i < len(regions) else None,
+               "flip_class": _str(class_at.get(positions[i]))}
 
 
 def _turn_tokens(turn: Mapping[str, Any]) -> list[int] | None:
@@ -387,7 +416,8 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
             if w is not None:
                 w.add(row)
 
-        need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits"))
+        need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits", "engine"))
+        states = _EngineStates(store)
         n_sessions = 0
         for s in store.iter_sessions(since_ns=since_ns, until_ns=until_ns):
             n_sessions += 1
@@ -403,7 +433,13 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
                             add("comparisons", comparison_row(c, t["id"], s["id"]))
                             if "positions" in writers:
                                 for p in _with_tokens(position_rows(c, t["id"], s["id"]), c, t):
+                                    states.fill(p)
                                     add("positions", p)
+                    if "engine" in writers and r.get("mode") != "recorded":
+                        for pos, st in sorted(states.of(r["id"]).items()):
+                            add("engine", {"run_id": r["id"], "turn_id": r.get("turn_id"),
+                                           "backend": r.get("backend"), "mode": r.get("mode"),
+                                           "position": pos, **st.as_dict()})
                     if "logits" in writers and r.get("mode") != "recorded":
                         for row in _logits_rows(store, r):
                             add("logits", row)
@@ -413,6 +449,30 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
         for w in writers.values():
             w.close()
     return {t: {"path": str(w.writer.path), "rows": w.writer.rows} for t, w in writers.items()}
+
+
+class _EngineStates:
+    """Engine states of the runs being exported, read once per run (the last few kept)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._cache: dict[str, dict] = {}
+
+    def of(self, run_id: str | None) -> dict:
+        if not run_id or not hasattr(self.store, "read_engine_states"):
+            return {}
+        got = self._cache.get(run_id)
+        if got is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            got = self._cache[run_id] = self.store.read_engine_states(run_id)
+        return got
+
+    def fill(self, row: dict[str, Any]) -> None:
+        """``batch_size`` / ``ref_batch_size`` of a positions row."""
+        for col, rid in (("batch_size", row.get("run_id")), ("ref_batch_size", row.get("ref_run_id"))):
+            st = self.of(rid).get(row["position"])
+            row[col] = st.batch_size if st is not None and st.batch_size >= 0 else None
 
 
 def _with_tokens(rows: Iterable[dict[str, Any]], c: Mapping[str, Any], turn: Mapping[str, Any]) -> Iterator[dict[str, Any]]:

@@ -73,8 +73,18 @@ def _verdicts() -> tuple[str, ...]:
     return (*SEVERITY, "none")
 
 
+def _classes() -> tuple[str, ...]:
+    from tensorverse.analysis.attribution import FLIP_CLASSES
+
+    # "unclassified": a comparison stored before flips had classes (issue 19)
+    return (*FLIP_CLASSES, UNCLASSIFIED)
+
+
+UNCLASSIFIED = "unclassified"
 REGIONS: tuple[str, ...] = _regions()
 VERDICTS: tuple[str, ...] = _verdicts()
+FLIP_CLASSES: tuple[str, ...] = _classes()
+PARSER_OUTCOMES: tuple[str, ...] = ("match", "mismatch")
 REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "upstream_error", "error", "aborted")
 RUN_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timeout", "refused")
 TEE_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timed_out")
@@ -148,8 +158,16 @@ METRICS: tuple[MetricSpec, ...] = (
                "output positions compared: forced = aligned positions, free = positions generated "
                "in lockstep up to and including the first divergence", (_B, _R, _M, _RR)),
     MetricSpec("tensorverse_flips", "counter",
-               "token flips: forced = positions whose argmax differs; free = first divergences "
-               "(at most one per comparison)", (_B, _R, _M, _RR, "region")),
+               "token flips: forced = positions whose argmax differs; free = first divergences, or "
+               "differing tool calls on identical tokens (at most one per comparison); class = why "
+               "it flipped (tie, near_tie, noise, parser, runtime; docs/attribution.md)",
+               (_B, _R, _M, _RR, "region", "class")),
+    MetricSpec("tensorverse_parser_checks", "counter",
+               "primary turns whose output ids were re-parsed for tool calls and compared with the "
+               "tool calls the primary emitted, by outcome (match, mismatch)", (_B, "outcome")),
+    MetricSpec("tensorverse_parser_mismatch", "counter",
+               "primary turns whose emitted tool calls differ from what their own output ids parse to "
+               "(a tool-parser bug, not a numeric flip)", (_B,)),
     MetricSpec("tensorverse_tool_call_verdicts", "counter",
                "tool-call verdicts of free runs against the primary's answer (none = neither "
                "branch called a tool)", (_B, _R, "verdict")),
@@ -348,6 +366,8 @@ class Metrics:
         self.comparisons = c["tensorverse_comparisons"]
         self.compared_tokens = c["tensorverse_compared_tokens"]
         self.flips = c["tensorverse_flips"]
+        self.parser_checks = c["tensorverse_parser_checks"]
+        self.parser_mismatch = c["tensorverse_parser_mismatch"]
         self.verdicts = c["tensorverse_tool_call_verdicts"]
         self.noise = c["tensorverse_noise_verdicts"]
         self.template = c["tensorverse_template_mismatches"]
@@ -380,6 +400,10 @@ class Metrics:
     def _preinit(self, modes: Mapping[str, Sequence[str]], refs: Mapping[str, Sequence[str]]) -> None:
         for outcome in REQUEST_OUTCOMES:
             self.requests.init((self.primary, "primary", outcome))
+        if self.backends:
+            for outcome in PARSER_OUTCOMES:
+                self.parser_checks.init((self.primary, outcome))
+            self.parser_mismatch.init((self.primary,))
         for ep in ENDPOINTS:
             self.latency.init((ep,))
         for b, role in self.backends.items():
@@ -395,7 +419,8 @@ class Metrics:
                         self.comparisons.init((b, role, m, rr, outcome))
                     self.compared_tokens.init((b, role, m, rr))
                     for reg in REGIONS:
-                        self.flips.init((b, role, m, rr, reg))
+                        for cls in FLIP_CLASSES[:-1]:
+                            self.flips.init((b, role, m, rr, reg, cls))
                     self.first_flip.init((b, role, m, rr))
                     if m == "forced":
                         self.kl.init((b, role, rr))
@@ -433,6 +458,18 @@ class Metrics:
                 total = (r.get("timings") or {}).get("total_s")
                 if isinstance(total, (int, float)):
                     self.run_duration.observe((b, mode), float(total))
+
+    def observe_parser_check(self, primary_run: Mapping[str, Any]) -> None:
+        """The parser check of one turn (the primary's ``recorded`` run, once per turn)."""
+        pc = primary_run.get("parser_check")
+        if not isinstance(pc, Mapping):
+            return
+        b = primary_run.get("backend") if isinstance(primary_run.get("backend"), str) else self.primary
+        bad = bool(pc.get("mismatch"))
+        with self._lock:
+            self.parser_checks.inc((b, "mismatch" if bad else "match"))
+            if bad:
+                self.parser_mismatch.inc((b,))
 
     def observe_comparisons(self, results: Iterable[Mapping[str, Any]], *,
                             pieces: Sequence[str] | None = None) -> None:
@@ -475,18 +512,14 @@ class Metrics:
         summary = r.get("summary") or {}
         n = int(r.get("n") or summary.get("n") or 0)
         self.compared_tokens.inc(key, n)
-        by_region = summary.get("flips_by_region")
         n_flips = int(summary.get("flips", len(r.get("flips") or ())))
-        if isinstance(by_region, Mapping) and by_region:
-            counted = 0
-            for reg, k in by_region.items():
-                if k:
-                    self.flips.inc((*key, reg if reg in REGIONS else UNKNOWN), int(k))
-                    counted += int(k)
-            if n_flips > counted:
-                self.flips.inc((*key, UNKNOWN), n_flips - counted)
-        elif n_flips:
-            self.flips.inc((*key, UNKNOWN), n_flips)
+        counted = 0
+        for reg, cls, k in _flip_cells(r, summary):
+            if k:
+                self.flips.inc((*key, reg, cls), k)
+                counted += k
+        if n_flips > counted:
+            self.flips.inc((*key, UNKNOWN, UNCLASSIFIED), n_flips - counted)
         ff = r.get("first_flip")
         if isinstance(ff, int):
             self.first_flip.observe(key, float(ff))
@@ -507,14 +540,18 @@ class Metrics:
         prefix = r.get("common_prefix", d.get("common_prefix"))
         prefix = int(prefix) if isinstance(prefix, int) else 0
         self.compared_tokens.inc(key, prefix + (1 if diverged else 0))
+        cls = r.get("flip_class")
+        cls = cls if cls in FLIP_CLASSES else UNCLASSIFIED
         if diverged:
             pos = r.get("first_flip", d.get("position"))
             reg = r.get("region")
             if reg not in REGIONS:
                 reg = region_at(pieces, pos if isinstance(pos, int) else None)
-            self.flips.inc((*key, reg))
+            self.flips.inc((*key, reg, cls))
             if isinstance(pos, int):
                 self.first_flip.observe(key, float(pos))
+        elif cls == "parser":  # identical tokens, different tool calls
+            self.flips.inc((*key, UNKNOWN, cls))
         verdict = r.get("verdict")
         if verdict is not None:
             if verdict == "match" and not r.get("ref_tool_calls") and not r.get("cand_tool_calls"):
@@ -551,11 +588,34 @@ class Metrics:
         return reg
 
 
+def _flip_cells(r: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[str, str, int]]:
+    """(region, class, flips) of a forced comparison: from ``flips_by_region_class`` when it
+    has one, else by class (region unknown), else by region (class ``unclassified``: stored
+    before issue 19)."""
+    by_rc = summary.get("flips_by_region_class")
+    out: list[tuple[str, str, int]] = []
+    if isinstance(by_rc, Mapping) and by_rc:
+        for reg, classes in by_rc.items():
+            if isinstance(classes, Mapping):
+                for cls, k in classes.items():
+                    out.append((reg if reg in REGIONS else UNKNOWN,
+                                cls if cls in FLIP_CLASSES else UNCLASSIFIED, int(k)))
+        return out
+    by_class = summary.get("flips_by_class")
+    if isinstance(by_class, Mapping) and by_class:
+        return [(UNKNOWN, c if c in FLIP_CLASSES else UNCLASSIFIED, int(k)) for c, k in by_class.items()]
+    by_region = summary.get("flips_by_region")
+    if isinstance(by_region, Mapping):
+        return [(reg if reg in REGIONS else UNKNOWN, UNCLASSIFIED, int(k)) for reg, k in by_region.items()]
+    return out
+
+
 #: Families held (and updated) by `Metrics`; the others are read at scrape time.
 _EVENT_FAMILIES = frozenset({
     "tensorverse_requests", "tensorverse_comparisons", "tensorverse_compared_tokens", "tensorverse_flips",
     "tensorverse_tool_call_verdicts", "tensorverse_noise_verdicts", "tensorverse_template_mismatches",
-    "tensorverse_shadow_runs", "tensorverse_capture_rows_missing",
+    "tensorverse_shadow_runs", "tensorverse_capture_rows_missing", "tensorverse_parser_checks",
+    "tensorverse_parser_mismatch",
 })
 
 

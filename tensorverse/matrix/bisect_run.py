@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 from tensorverse.matrix.bisect import CachedOracle, ddmin
+from tensorverse.matrix.executor import Executor
 from tensorverse.matrix.grid import Progress, ensure_runs
+from tensorverse.matrix.outlock import output_lock
 from tensorverse.matrix.spec import MatrixSpec, Point, point_label
 
 __all__ = ["run_bisect", "BisectError", "render_bisect", "differing"]
@@ -46,8 +48,16 @@ def _run_keys(out: Path) -> set[str]:
 
 
 def run_bisect(spec: MatrixSpec, corpus_path: str, out: str | Path, good: str, bad: str, case: str, *,
-               progress: bool = True, stream: Any = None) -> dict[str, Any]:
-    """Bisect; writes ``OUT/bisect-<case>.json`` and returns it."""
+               progress: bool = True, stream: Any = None, executor: Executor | None = None) -> dict[str, Any]:
+    """Bisect (each configuration run by ``executor``; default: here); writes
+    ``OUT/bisect-<case>.json`` and returns it. Holds ``OUT/.lock`` while it runs."""
+    with output_lock(out):
+        return _bisect(spec, corpus_path, Path(out), good, bad, case, progress=progress, stream=stream,
+                       executor=executor)
+
+
+def _bisect(spec: MatrixSpec, corpus_path: str, out: Path, good: str, bad: str, case: str, *,
+            progress: bool, stream: Any, executor: Executor | None) -> dict[str, Any]:
     from tensorverse.matrix.compare import TurnRows, forced_turn, free_turn
     from tensorverse.replay.corpus import load_corpus
 
@@ -69,7 +79,8 @@ def run_bisect(spec: MatrixSpec, corpus_path: str, out: str | Path, good: str, b
 
     def run_of(p: Point) -> dict[str, Any]:
         # the good point is the reference: its free output is the basis every run decodes
-        return ensure_runs(spec, corpus_path, out, [gp, p], gp, cases=[case], progress=prog)[p.name]
+        return ensure_runs(spec, corpus_path, out, [gp, p], gp, cases=[case], progress=prog,
+                           executor=executor)[p.name]
 
     grun, brun = run_of(gp), run_of(bp)
     for name, run in ((good, grun), (bad, brun)):

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from tensorverse.matrix.executor import add_executor_arguments
+
 __all__ = ["register", "run_matrix_args", "run_bisect_args"]
 
 
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-failed", action="store_true", help="retry points recorded as failed to start")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="print matrix.json instead of the table")
+    add_executor_arguments(p)
     p.set_defaults(func=run_matrix_args)
 
     b = sub.add_parser("bisect", help="find the settings that cause a flip (delta debugging)",
@@ -40,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--case", required=True, metavar="ID")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--json", action="store_true", help="print the bisection as JSON")
+    add_executor_arguments(b, what="configuration")
     b.set_defaults(func=run_bisect_args)
 
 
@@ -77,6 +81,20 @@ def _load(args: argparse.Namespace, cmd: str):
     return spec
 
 
+def _executor(args: argparse.Namespace, cmd: str):
+    """The executor of ``--executor`` (None after printing why it cannot run: exit 2)."""
+    from tensorverse.matrix.executor import ExecutorUnavailable, executor_options, make_executor
+
+    try:
+        ex = make_executor(executor_options(args, progress=not args.no_progress))
+    except (ExecutorUnavailable, ValueError) as e:
+        print(f"tensorverse {cmd}: {e}", file=sys.stderr)
+        return None
+    if hasattr(ex, "describe") and not args.no_progress:
+        print(f"{cmd}: {ex.describe()}", file=sys.stderr)
+    return ex
+
+
 def run_matrix_args(args: argparse.Namespace) -> int:
     from tensorverse.matrix.grid import run_matrix
     from tensorverse.matrix.report import render_table
@@ -84,10 +102,13 @@ def run_matrix_args(args: argparse.Namespace) -> int:
     spec = _load(args, "matrix")
     if spec is None:
         return 2
+    executor = _executor(args, "matrix")
+    if executor is None:
+        return 2
     old = _term_as_exit()
     try:
         report = run_matrix(spec, args.corpus, args.out, progress=not args.no_progress,
-                            retry_failed=args.retry_failed)
+                            retry_failed=args.retry_failed, executor=executor)
     except KeyboardInterrupt:
         print(f"tensorverse matrix: interrupted; finished points are kept in {args.out}/runs — "
               "rerun the same command to resume", file=sys.stderr)
@@ -97,6 +118,7 @@ def run_matrix_args(args: argparse.Namespace) -> int:
         return 2
     finally:
         _restore(old)
+        executor.close()
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=1))
     else:
@@ -107,16 +129,20 @@ def run_matrix_args(args: argparse.Namespace) -> int:
 
 def run_bisect_args(args: argparse.Namespace) -> int:
     from tensorverse.matrix.bisect_run import BisectError, render_bisect, run_bisect
+    from tensorverse.matrix.outlock import OutputBusy
     from tensorverse.matrix.spec import SpecError
 
     spec = _load(args, "bisect")
     if spec is None:
         return 2
+    executor = _executor(args, "bisect")
+    if executor is None:
+        return 2
     old = _term_as_exit()
     try:
         r = run_bisect(spec, args.corpus, args.out, args.good, args.bad, args.case,
-                       progress=not args.no_progress)
-    except (BisectError, SpecError) as e:
+                       progress=not args.no_progress, executor=executor)
+    except (BisectError, SpecError, OutputBusy, ValueError) as e:  # ValueError: e.g. the executor refusing the spec
         print(f"tensorverse bisect: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -124,5 +150,6 @@ def run_bisect_args(args: argparse.Namespace) -> int:
         return 130
     finally:
         _restore(old)
+        executor.close()
     print(json.dumps(r, indent=1) if args.json else render_bisect(r))
     return 0

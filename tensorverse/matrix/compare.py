@@ -63,22 +63,27 @@ class TurnRows:
 
 def forced_turn(ref: np.ndarray, cand: np.ndarray, tokens: list[int]) -> dict[str, Any]:
     """Forced metrics of one turn in replay's case format, plus the margin and tokens of the
-    first flip (what bisection reports)."""
+    first flip (what bisection reports) and the class of every flip (tie and near_tie on the
+    reference configuration's rows; no noise run here, so no flip is ``noise``)."""
+    from tensorverse.analysis.attribution import classify_forced
     from tensorverse.analysis.flips import forced_flips
     from tensorverse.analysis.metrics import position_metrics
 
     m = position_metrics(ref, cand, tokens)
     flips = forced_flips(m)
+    classes = classify_forced(ref, m.ref_top1, m.cand_top1)
     out: dict[str, Any] = {"kind": "full", "n": len(tokens), "flips": flips,
                            "first_flip": flips[0] if flips else None, "approximate": False,
                            "top1_agree": int(np.asarray(m.top1_agree, bool).sum()),
                            "kl": [round(float(x), 9) for x in m.kl],
-                           "flip_regions": [None] * len(flips)}
+                           "flip_regions": [None] * len(flips),
+                           "flip_classes": [a.flip_class.value for a in classes]}
     if flips:
         p = flips[0]
         out["first_flip_detail"] = {"position": p, "margin": float(m.margin[p]) + 0.0,  # no -0.0
                                     "ref_top1": int(m.ref_top1[p]), "cand_top1": int(m.cand_top1[p]),
-                                    "token": int(tokens[p]), "kl": float(m.kl[p])}
+                                    "token": int(tokens[p]), "kl": float(m.kl[p]),
+                                    "flip_class": classes[0].flip_class.value}
     return out
 
 

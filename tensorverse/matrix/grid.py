@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from tensorverse.matrix.run import RunRequest, load_run, reference_basis, run_config, satisfies
+from tensorverse.matrix.executor import Executor, LocalExecutor
+from tensorverse.matrix.outlock import output_lock
+from tensorverse.matrix.run import RunRequest, load_run, reference_basis, satisfies
 from tensorverse.matrix.spec import MatrixSpec, Point
 
 __all__ = ["run_matrix", "ensure_runs", "Progress"]
@@ -28,13 +29,13 @@ class Progress:
 
     def __init__(self, total: int | None, enabled: bool = True, stream: Any = None) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
-        self.stream = stream or sys.stderr
+        self.stream = stream  # None: sys.stderr when printing (a live progress display may redirect it)
         self.spent: list[float] = []
         self.t0 = time.monotonic()
 
     def log(self, msg: str) -> None:
         if self.enabled:
-            print(f"matrix: {msg}", file=self.stream, flush=True)
+            print(f"matrix: {msg}", file=self.stream or sys.stderr, flush=True)
 
     def finished(self, label: str, rec: dict[str, Any], cached: bool) -> None:
         self.done += 1
@@ -57,9 +58,11 @@ class Progress:
 
 def ensure_runs(spec: MatrixSpec, corpus: str, out: Path, points: Sequence[Point], reference: Point, *,
                 cases: Sequence[str] | None = None, progress: Progress | None = None,
-                retry_failed: bool = False, parallel: int | None = None) -> dict[str, dict[str, Any]]:
+                retry_failed: bool = False, parallel: int | None = None,
+                executor: Executor | None = None) -> dict[str, dict[str, Any]]:
     """The finished run of each point (cached or made now), by point name. The reference runs
-    first: its free outputs are the basis every other point decodes in forced mode."""
+    first: its free outputs are the basis every other point decodes in forced mode. ``executor``
+    runs what is not cached (:mod:`tensorverse.matrix.executor`; default: here)."""
     from tensorverse.replay.corpus import load_corpus
 
     corp = load_corpus(corpus)
@@ -67,6 +70,11 @@ def ensure_runs(spec: MatrixSpec, corpus: str, out: Path, points: Sequence[Point
     want = cases if cases is not None else (spec.replay.cases or None)
     prog = progress or Progress(len(points), enabled=False)
     runs: dict[str, dict[str, Any]] = {}
+    ex = executor or LocalExecutor()
+
+    def done(req: RunRequest, rec: dict[str, Any]) -> None:
+        runs[req.label] = rec
+        prog.finished(req.label, rec, cached=False)
 
     def cached(req: RunRequest) -> dict[str, Any] | None:
         rec = load_run(out, req.key)
@@ -81,11 +89,11 @@ def ensure_runs(spec: MatrixSpec, corpus: str, out: Path, points: Sequence[Point
         ref_req = RunRequest(spec, corpus, out, dict(reference.settings), reference.name, cases=want)
         ref_rec = cached(ref_req)
     if ref_rec is None:
-        ref_rec = run_config(ref_req, log=prog.log)
-        prog.finished(reference.name, ref_rec, cached=False)
+        ex.run([ref_req], done, log=prog.log)
+        ref_rec = runs[reference.name]
     else:
         prog.finished(reference.name, ref_rec, cached=True)
-    runs[reference.name] = ref_rec
+        runs[reference.name] = ref_rec
     basis = reference_basis(out, ref_rec, corp)
 
     todo: list[RunRequest] = []
@@ -105,18 +113,7 @@ def ensure_runs(spec: MatrixSpec, corpus: str, out: Path, points: Sequence[Point
             seen[req.key] = req
             todo.append(req)
 
-    def one(req: RunRequest) -> None:
-        rec = run_config(req, log=prog.log)
-        runs[req.label] = rec
-        prog.finished(req.label, rec, cached=False)
-
-    n = max(1, parallel or spec.matrix.parallel)
-    if n == 1 or len(todo) <= 1:
-        for req in todo:
-            one(req)
-    else:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="matrix") as pool:
-            list(pool.map(one, todo))
+    ex.run(todo, done, log=prog.log, parallel=max(1, parallel or spec.matrix.parallel))
     for name, other in dupes.items():
         runs[name] = runs[other]
         prog.finished(name, runs[name], cached=True)
@@ -124,9 +121,10 @@ def ensure_runs(spec: MatrixSpec, corpus: str, out: Path, points: Sequence[Point
 
 
 def run_matrix(spec: MatrixSpec, corpus: str, out: str | Path, *, progress: bool = True,
-               retry_failed: bool = False, stream: Any = None) -> dict[str, Any]:
-    """Capture every point, compare, and write the report (``OUT/matrix.json``, the merged
-    replay-format results, Parquet and HTML). Returns the report."""
+               retry_failed: bool = False, stream: Any = None, executor: Executor | None = None) -> dict[str, Any]:
+    """Capture every point (with ``executor``; default: here), compare, and write the report
+    (``OUT/matrix.json``, the merged replay-format results, Parquet and HTML). Returns the
+    report. Raises :class:`~tensorverse.matrix.outlock.OutputBusy` when another driver uses ``out``."""
     from tensorverse.matrix.report import build_report, write_outputs
 
     out = Path(out)
@@ -136,7 +134,9 @@ def run_matrix(spec: MatrixSpec, corpus: str, out: str | Path, *, progress: bool
     prog = Progress(len(points), enabled=progress, stream=stream)
     prog.log(f"{len(points)} point(s), reference {ref!r}, results in {out}")
     t0 = time.monotonic()
-    runs = ensure_runs(spec, corpus, out, points, spec.point(ref), progress=prog, retry_failed=retry_failed)
-    report = build_report(spec, corpus, out, points, runs, wall_s=time.monotonic() - t0)
-    write_outputs(report, out)
+    with output_lock(out):
+        runs = ensure_runs(spec, corpus, out, points, spec.point(ref), progress=prog, retry_failed=retry_failed,
+                           executor=executor)
+        report = build_report(spec, corpus, out, points, runs, wall_s=time.monotonic() - t0)
+        write_outputs(report, out)
     return report

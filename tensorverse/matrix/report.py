@@ -153,6 +153,8 @@ def _flat(row: Mapping[str, Any], axes: Mapping[str, Any]) -> dict[str, Any]:
         "positions": s.get("positions"), "flips": s.get("flips"), "flip_rate": s.get("flip_rate"),
         "flip_rate_lo": (s.get("flip_rate_ci") or [None, None])[0],
         "flip_rate_hi": (s.get("flip_rate_ci") or [None, None])[1],
+        "runtime_flip_rate": s.get("runtime_flip_rate"),
+        "flips_by_class": json.dumps(s.get("flips_by_class") or {}),
         "same_top_p": stp.get("p"), "kl_mean": kl.get("mean"), "kl_p99": kl.get("p99"),
         "kl_max": kl.get("max"), "first_flip": s.get("first_flip"),
         "toolcall_mismatch_rate": s.get("toolcall_mismatch_rate"),
@@ -207,8 +209,8 @@ def render_table(report: Mapping[str, Any]) -> str:
     timings), then one block per axis with its marginal effect."""
     head = (f"matrix of {len(report['points'])} point(s) over {report['corpus']['cases']} case(s) of "
             f"{report['corpus']['name']}; forced vs {report['reference']!r}; {report['wall_s']:.0f} s")
-    rows = [["point", "status", "positions", "flip_rate [95% CI]", "same_top_p", "KL mean", "KL max",
-             "1st flip", "free div/ref", "verdicts/ref", "start s", "replay s"]]
+    rows = [["point", "status", "positions", "flip_rate [95% CI]", "flips by class", "same_top_p", "KL mean",
+             "KL max", "1st flip", "free div/ref", "verdicts/ref", "start s", "replay s"]]
     for r in report["points"]:
         s = r.get("summary") or {}
         ci = s.get("flip_rate_ci")
@@ -217,6 +219,7 @@ def render_table(report: Mapping[str, Any]) -> str:
         rows.append([
             r["name"] + (" (ref)" if r.get("reference") else ""), r["status"], str(s.get("positions", "-")),
             f"{s['flip_rate']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if s.get("flip_rate") is not None and ci else "-",
+            " ".join(f"{k}={v}" for k, v in (s.get("flips_by_class") or {}).items() if v) or "-",
             f"{s['same_top_p']['p'] * 100:.2f}%" if s.get("same_top_p") else "-",
             _f((s.get("kl") or {}).get("mean"), ".2e"), _f((s.get("kl") or {}).get("max"), ".2e"),
             _f(s.get("first_flip"), ".0f"),

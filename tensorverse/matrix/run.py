@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.matrix.launcher import Launch, ServerProcess, StartError
-from tensorverse.matrix.spec import MatrixSpec, settings_key
+from tensorverse.matrix.spec import MatrixSpec, server_settings, settings_key
 
 __all__ = ["RunRequest", "run_config", "load_run", "run_dir", "BACKEND", "corpus_sha"]
 
@@ -137,10 +137,15 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
 
     spec = req.spec
     modes = spec.replay.modes
+    from tensorverse.matrix.spec import CONCURRENCY
+    from tensorverse.replay.batch_noise import forced_in_batch
+
+    # the concurrency axis: cases one at a time, each forced run inside a batch of that size
+    batch = spec.effective(req.settings).get(CONCURRENCY)
     backend = Backend(name=BACKEND, url=url, model=spec.served_name, capture="full",
                       concurrency=spec.replay.concurrency, timeout_s=spec.replay.timeout_s)
     index: dict[str, Any] = {}
-    sem = asyncio.Semaphore(spec.replay.concurrency)
+    sem = asyncio.Semaphore(1 if batch else spec.replay.concurrency)
     async with ShadowRunner(store, [backend], rows_timeout_s=spec.replay.rows_timeout_s,
                             check_tokenizer=False, check_template=False) as runner:
         async def one(case: Mapping[str, Any]) -> None:
@@ -160,7 +165,11 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                     else:
                         tokens = list(req.basis[case["id"]][str(turn["index"])])
                     tf = TurnInput.from_dict(dict(rec, output_token_ids=tokens))
-                    forced = await with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries, 0.5)
+                    if batch:
+                        forced = await with_retries(lambda: forced_in_batch(runner, backend, tf, int(batch)),
+                                                    spec.replay.retries, 0.5)
+                    else:
+                        forced = await with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries, 0.5)
                     ent["forced"] = _entry(forced, tokens)
                     per[str(turn["index"])] = ent
                 index[case["id"]] = per
@@ -193,7 +202,7 @@ def run_config(req: RunRequest, *, log: Callable[[str], None] = lambda s: None) 
     effective = spec.effective(req.settings)
     store_path = d / "store"
     store_path.mkdir()
-    launch = Launch(model=spec.model.path, served_name=spec.served_name, settings=effective,
+    launch = Launch(model=spec.model.path, served_name=spec.served_name, settings=server_settings(effective),
                     log_path=d / "server.log", sink=f"dir:{store_path}",
                     python=spec.server.python or sys.executable)
     rec: dict[str, Any] = {"key": key, "label": req.label, "settings": dict(req.settings),

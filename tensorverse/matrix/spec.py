@@ -8,6 +8,12 @@ A *setting* is either a server option (a key starting with ``--``: ``--dtype``,
 as ``--key a b``. Environment values are strings (numbers and booleans are converted; ``""``
 removes the variable).
 
+One setting is Tensorverse's own, not the server's: ``concurrency`` (an axis or a point setting,
+an integer >= 1) runs each of the point's forced runs inside a batch of that many requests
+(the forced request plus ``concurrency - 1`` free-running fillers of the same prompt, cases one
+at a time), so batch composition is an axis like any vLLM setting. It never reaches the server
+(:func:`server_settings`); it is part of the point's effective settings and cache key.
+
 Validated in full on load; every error names its key (``axes.--dtype: ...``) and unknown keys are
 errors, like :mod:`tensorverse.config`. The effective settings of a point are the base settings
 overridden by the point's own; two points with the same effective settings are one server
@@ -29,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tensorverse.config import format_validation_errors
 
 __all__ = ["MatrixSpec", "Point", "SpecError", "load_spec", "parse_spec", "settings_key",
-           "point_label", "is_option", "render_value"]
+           "point_label", "is_option", "render_value", "is_run_setting", "server_settings",
+           "CONCURRENCY"]
 
 Value = str | int | float | bool | list[str | int | float]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -37,6 +44,11 @@ _OPTION = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 _POINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]{0,127}$")
 # Set by the launcher itself: a spec that sets them would break capture or readiness.
 _RESERVED = ("--model", "--host", "--port", "--served-model-name", "TENSORVERSE_CAPTURE_SINK")
+
+
+#: Tensorverse's own settings (how a point is run, not how its server is started)
+CONCURRENCY = "concurrency"
+RUN_SETTINGS = (CONCURRENCY,)
 
 
 class SpecError(ValueError):
@@ -48,7 +60,24 @@ def is_option(key: str) -> bool:
     return key.startswith("--")
 
 
+def is_run_setting(key: str) -> bool:
+    """A setting of Tensorverse's run (``concurrency``), never passed to the server."""
+    return key in RUN_SETTINGS
+
+
+def server_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that start the server: ``settings`` without Tensorverse's own."""
+    return {k: v for k, v in settings.items() if not is_run_setting(k)}
+
+
+def _check_run_value(key: str, v: Any) -> None:
+    if key == CONCURRENCY and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{key}: the batch size each forced run is run in, an integer >= 1, got {v!r}")
+
+
 def _check_setting_key(key: str) -> str:
+    if is_run_setting(key):
+        return key
     if key in _RESERVED:
         raise ValueError(f"{key!r} is set by tensorverse matrix itself")
     if is_option(key):
@@ -63,6 +92,7 @@ def _check_settings(d: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         _check_setting_key(k)
+        _check_run_value(k, v)
         if not is_option(k) and isinstance(v, list):
             raise ValueError(f"{k}: an environment variable takes one value, not a list")
         out[k] = v
@@ -109,6 +139,7 @@ class ServerSection(_Section):
         for k in v:
             if not is_option(k):
                 raise ValueError(f"{k!r}: server options start with -- (environment goes in server.env)")
+            _check_setting_key(k)
         return _check_settings(v)
 
     @field_validator("env")
@@ -117,6 +148,9 @@ class ServerSection(_Section):
         for k in v:
             if is_option(k):
                 raise ValueError(f"{k!r}: options go in server.options")
+            if is_run_setting(k):
+                raise ValueError(f"{k!r} is how a point is run, not the server's environment: "
+                                 "put it in [axes] or a point's settings")
         return _check_settings(v)
 
 
@@ -188,6 +222,8 @@ class MatrixSpec(_Section):
                 raise ValueError(f"{k}: repeated values {values}")
             if not is_option(k) and any(isinstance(x, list) for x in values):
                 raise ValueError(f"{k}: an environment variable takes one value, not a list")
+            for x in values:
+                _check_run_value(k, x)
         return v
 
     @model_validator(mode="after")

@@ -110,14 +110,14 @@ class Ingest:
         except FrameError as e:
             self.counters["rejected"] += 1
             return self._json(400, error=str(e))
-        by_run: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
+        by_run: dict[str, list[tuple]] = defaultdict(list)
         dup = 0
         for f in frames:
             key = (f.origin, f.seq)
             if f.seq and key in self._seen:
                 dup += 1
                 continue
-            by_run[f.capture_id].append((f.position, f.blob))
+            by_run[f.capture_id].append((f.position, f.blob, f.engine))
         try:
             futures = [self.store.write_rows(run_id, rows) for run_id, rows in by_run.items()]
             await asyncio.gather(*(asyncio.wrap_future(fut) for fut in futures))

@@ -322,6 +322,11 @@ class PackageRunner:
         if self.metrics is not None:
             from tensorverse.analysis.regions import region_at
 
+            try:  # the primary's parser check (issue 19), once per turn
+                self.metrics.observe_parser_check(store.get_run(primary_run_id(turn_id)))
+            except KeyError:
+                pass
+
             compared = {r.get("run_id") for r in results}
             runs = [r for r in store.iter_runs(turn_id) if r.get("id") in compared]
             self.metrics.observe_missing_rows(runs)

@@ -69,6 +69,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="DIR", help="write the HTML report here: DIR/index.html and the "
                    "multiverse view of each diverging case (DIR/cases/*.html)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from tensorverse.matrix.executor import add_executor_arguments
+
+    add_executor_arguments(p, what="replay")  # --executor ray: the replay as a Ray task (replay/ray_task.py)
 
 
 def run_replay_args(args: argparse.Namespace) -> int:
@@ -89,6 +92,16 @@ def run_replay_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tensorverse replay: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "executor", "local") == "ray":
+        from tensorverse.matrix.executor import executor_options
+        from tensorverse.replay.ray_task import run_replay_on_ray
+
+        try:
+            ex = executor_options(args, progress=not args.no_progress)
+        except ValueError as e:
+            print(f"tensorverse replay: {e}", file=sys.stderr)
+            return 2
+        return run_replay_on_ray(args.corpus, opts, fail_on=args.fail_on, as_json=args.json, ex=ex)
     return run_replay(args.corpus, opts, fail_on=args.fail_on, as_json=args.json)
 
 

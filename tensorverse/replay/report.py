@@ -22,7 +22,9 @@ ones; the reference's own free row is vs the recorded output, see
 interval (``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over
 positions), ``first_flip`` (median over turns with one), ``departures`` (forced top-1 != the basis
 token) and
-``departure_rate``, free ``turns``, ``diverged``, ``verdicts`` (counts), ``toolcall_mismatch_rate``
+``departure_rate``, ``flips_by_class`` (forced and free flips by class: tie, near_tie, noise, parser,
+runtime; docs/attribution.md), ``runtime_flip_rate`` (forced runtime-class flips per position) with
+its Wilson interval, free ``turns``, ``diverged``, ``verdicts`` (counts), ``toolcall_mismatch_rate``
 (free turns whose verdict is not ``match``), branch outcomes (``completed``/``diverged``/
 ``simulated``), ``errors`` and ``error_rate``.
 """
@@ -43,7 +45,7 @@ import numpy as np
 __all__ = ["build_results", "summarize_backend", "render_summary", "parse_threshold",
            "check_thresholds", "merge_results", "render_merged", "METRICS"]
 
-METRICS = ("flip_rate", "toolcall_mismatch_rate", "same_top_p", "kl_mean", "kl_max",
+METRICS = ("flip_rate", "runtime_flip_rate", "toolcall_mismatch_rate", "same_top_p", "kl_mean", "kl_max",
            "departure_rate", "diverged_rate", "error_rate", "flips", "errors")
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
         "==": operator.eq, "!=": operator.ne}
@@ -70,6 +72,8 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
     errors = runs = 0
     branches: dict[str, int] = {}
     kinds: set[str] = set()
+    by_class: dict[str, int] = {}
+    runtime = 0
     for c in cases:
         b = (c.get("branches") or {}).get(name)
         if b:
@@ -90,6 +94,9 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
                     if f.get("n") is not None:
                         positions += f["n"]
                         flips += len(f.get("flips") or ())
+                        for k in f.get("flip_classes") or ():
+                            by_class[k] = by_class.get(k, 0) + 1
+                            runtime += k == "runtime"
                         agree += f.get("top1_agree") or 0
                         kl.extend(x for x in f.get("kl") or () if x is not None and math.isfinite(x))
                         if f.get("kind"):
@@ -105,15 +112,20 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
                     free_turns += 1
                     diverged += bool(fr.get("diverged"))
                     verdicts[fr["verdict"]] = verdicts.get(fr["verdict"], 0) + 1
+                    if fr.get("flip_class"):
+                        by_class[fr["flip_class"]] = by_class.get(fr["flip_class"], 0) + 1
     out: dict[str, Any] = {"backend": name, "reference": is_reference, "positions": positions,
                            "flips": flips}
     if positions:
         p = agree / positions
         out["flip_rate"] = flips / positions
         out["flip_rate_ci"] = wilson(flips, positions)
+        out["runtime_flip_rate"] = runtime / positions
+        out["runtime_flip_rate_ci"] = wilson(runtime, positions)
         out["same_top_p"] = {"p": p, "se": math.sqrt(p * (1 - p) / (positions - 1)) if positions > 1 else None}
     else:
-        out.update(flip_rate=None, flip_rate_ci=None, same_top_p=None)
+        out.update(flip_rate=None, flip_rate_ci=None, runtime_flip_rate=None, runtime_flip_rate_ci=None,
+                   same_top_p=None)
     if kl:
         a = np.asarray(kl, dtype=np.float64)
         out["kl"] = {"mean": float(a.mean()), "max": float(a.max()),
@@ -121,6 +133,10 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
                      "min": float(a.min()), "approximate": kinds != {"full"}}
     else:
         out["kl"] = None
+    from tensorverse.analysis.attribution import FLIP_CLASSES
+
+    out["flips_by_class"] = {k: by_class.get(k, 0) for k in FLIP_CLASSES}
+    out["runtime_flips"] = runtime
     out["first_flip"] = float(np.median(first)) if first else None
     out["turns_with_flips"] = len(first)
     out["departures"] = dep
@@ -194,8 +210,8 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def _summary_rows(summary: Mapping[str, Mapping[str, Any]], label: Callable | None = None) -> list[list[str]]:
-    rows = [["backend", "positions", "same_top_p", "flip_rate [95% CI]", "KL mean", "KL p99", "KL max",
-             "1st flip", "departures", "free", "verdicts", "branches", "errors"]]
+    rows = [["backend", "positions", "same_top_p", "flip_rate [95% CI]", "flips by class", "KL mean", "KL p99",
+             "KL max", "1st flip", "departures", "free", "verdicts", "branches", "errors"]]
     for name, s in summary.items():
         stp = s.get("same_top_p")
         ci = s.get("flip_rate_ci")
@@ -206,6 +222,7 @@ def _summary_rows(summary: Mapping[str, Mapping[str, Any]], label: Callable | No
             f"{stp['p'] * 100:.2f}% ± {stp['se'] * 100:.2f}" if stp and stp.get("se") is not None
             else (f"{stp['p'] * 100:.2f}%" if stp else "-"),
             f"{s['flip_rate']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if s.get("flip_rate") is not None and ci else "-",
+            " ".join(f"{k}={v}" for k, v in (s.get("flips_by_class") or {}).items() if v) or "-",
             _fmt(kl.get("mean"), ".2e"), _fmt(kl.get("p99"), ".2e"), _fmt(kl.get("max"), ".2e"),
             _fmt(s.get("first_flip"), ".0f"),
             f"{s.get('departures', 0)}" + (f" ({s['departure_rate']:.4f})" if s.get("departure_rate") is not None else ""),
@@ -290,7 +307,8 @@ def check_thresholds(results: Mapping[str, Any], rules: Sequence[Mapping[str, An
 
 # ---------------------------------------------------------------------------------------- merge
 
-_SUMS = ("positions", "flips", "departures", "free_turns", "diverged", "errors", "turns_with_flips")
+_SUMS = ("positions", "flips", "runtime_flips", "departures", "free_turns", "diverged", "errors",
+         "turns_with_flips")
 
 
 def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
@@ -322,6 +340,8 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
             t[k] += row.get(k) or 0
         for v, n in (row.get("verdicts") or {}).items():
             t["verdicts"][v] = t["verdicts"].get(v, 0) + n
+        for k, n in (row.get("flips_by_class") or {}).items():
+            t.setdefault("flips_by_class", {})[k] = t.get("flips_by_class", {}).get(k, 0) + n
         kl = row.get("kl") or {}
         if kl.get("mean") is not None:
             t["_klw"] += kl["mean"] * (row.get("positions") or 0)
@@ -330,6 +350,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
         n = t["positions"]
         t["flip_rate"] = t["flips"] / n if n else None
         t["flip_rate_ci"] = wilson(t["flips"], n)
+        t["runtime_flip_rate"] = t["runtime_flips"] / n if n else None
         t["kl_mean"] = t.pop("_klw") / n if n else None
         mism = sum(v for k, v in t["verdicts"].items() if k != "match")
         t["toolcall_mismatch_rate"] = mism / t["free_turns"] if t["free_turns"] else None

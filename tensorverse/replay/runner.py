@@ -468,7 +468,8 @@ class _Replay:
                                top1_agree=sum(1 for x in m.get("top1_agree") or () if x),
                                kl=[round(float(x), 9) for x in m.get("kl") or ()],
                                flip_tokens=c.get("flip_tokens") if self.opts.include_text else None,
-                               flip_regions=[f.get("region") for f in c.get("flip_tokens") or ()])
+                               flip_regions=[f.get("region") for f in c.get("flip_tokens") or ()],
+                               flip_classes=c.get("flip_classes"))
                 elif c is not None:
                     res["compare_error"] = c.get("error")
             else:
@@ -483,7 +484,7 @@ class _Replay:
                                differences=[{k: v for k, v in d.items()
                                              if self.opts.include_text or k in ("kind", "path")}
                                             for d in tc.get("differences") or ()],
-                               confirms_forced=c.get("confirms_forced"))
+                               confirms_forced=c.get("confirms_forced"), flip_class=c.get("flip_class"))
                 elif c is not None:
                     res["compare_error"] = c.get("error")
             out[mode] = res

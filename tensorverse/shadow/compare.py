@@ -27,10 +27,18 @@ Result keys (forced): ``turn_id``, ``mode``, ``kind`` (``full``/``topk``), ``bac
 (compared output positions), ``incomplete`` (rows missing on either side), ``summary``
 (:func:`tensorverse.analysis.metrics.summarize`, with regions), ``flips`` (positions),
 ``first_flip``, ``flip_tokens`` (per flip: position, token, ref_top1, cand_top1), ``metrics``
-(per-position columns), ``regions``, ``template_mismatch``, ``noise`` (candidate vs noise floor).
+(per-position columns), ``regions``, ``template_mismatch``, ``noise`` (candidate vs noise floor),
+``flip_classes`` (one class per entry of ``flips``: :mod:`tensorverse.analysis.attribution`),
+``flips_by_class`` (also in ``summary``, with ``flips_by_region_class``), ``attribution`` (the tie
+rule, the noise source, per flip its margin, steps and dtype), and for candidates against the
+primary ``excess`` (runtime-class flip rate minus the noise floor's, with its 95 % interval).
 Free: ``divergence`` (``position``, ``common_prefix``, ``kind``, ``ref_token``, ``cand_token``...),
 ``common_prefix``, ``diverged``, ``tool_calls`` (verdict dict), ``verdict``, ``forced_departure``,
-``confirms_forced``, ``template_mismatch``.
+``confirms_forced``, ``template_mismatch``, ``flip_class`` (None: no flip), ``flips_by_class``,
+``attribution``. All of these are optional for readers: comparisons stored before them still read.
+
+The noise run behind the ``noise`` class is the secondary: the positions where its forced run
+flips against the primary's top-k (and where its free run diverges, for free flips).
 """
 
 from __future__ import annotations
@@ -40,12 +48,23 @@ from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.attribution import (
+    DEFAULT_RULE,
+    FlipAttribution,
+    TieRule,
+    classify_forced,
+    classify_forced_topk,
+    classify_free,
+    excess_flip_rate,
+    flips_by_class,
+    topk_pair,
+)
 from tensorverse.analysis.flips import forced_flips, free_divergence
 from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics, position_metrics, summarize
 from tensorverse.analysis.noise import compare_flip_rates
 from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
-from tensorverse.analysis.topk import topk_position_metrics
+from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store.codec import decode_row
 
 __all__ = ["compare_turn", "compare_runs", "select_reference", "load_rows", "latest_runs",
@@ -137,12 +156,15 @@ def _concat(parts: list[PositionMetrics]) -> PositionMetrics:
 
 
 def _full_metrics(store: Any, ref: Mapping[str, Any], cand: Mapping[str, Any],
-                  tokens: Sequence[int]) -> tuple[PositionMetrics, list[int], bool]:
+                  tokens: Sequence[int], noise_positions: Collection[int] | None = None,
+                  rule: TieRule = DEFAULT_RULE,
+                  ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution]]:
     n = len(tokens)
     both = sorted(set(_row_positions(store, ref, n)) & set(_row_positions(store, cand, n)))
     if not both:
         raise AnalysisInputError("no position has a captured row on both sides")
     parts = []
+    classes: list[FlipAttribution] = []
     for s in range(0, len(both), CHUNK):
         ps = both[s: s + CHUNK]
         r = load_rows(store, ref["id"], ps)
@@ -151,8 +173,11 @@ def _full_metrics(store: Any, ref: Mapping[str, Any], cand: Mapping[str, Any],
             raise AnalysisInputError(
                 f"rows of {ref['backend']} have {r.shape[1]} logits, rows of {cand['backend']} "
                 f"{c.shape[1]}: different vocabularies cannot be compared")
-        parts.append(position_metrics(r, c, [tokens[p] for p in ps]))
-    return _concat(parts), both, len(both) < n
+        m = position_metrics(r, c, [tokens[p] for p in ps])
+        parts.append(m)
+        noise = None if noise_positions is None else [p in noise_positions for p in ps]
+        classes.extend(classify_forced(r, m.ref_top1, m.cand_top1, noise=noise, positions=ps, rule=rule))
+    return _concat(parts), both, len(both) < n, classes
 
 
 def _columns(m: PositionMetrics) -> dict[str, list[Any]]:
@@ -176,8 +201,13 @@ def _template_mismatch(*runs: Mapping[str, Any] | None) -> bool:
 
 def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
                    tokens: Sequence[int], *, pieces: Sequence[str] | None = None,
-                   roles: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """One forced-mode comparison (full rows when both runs have them, else top-k)."""
+                   roles: Mapping[str, str] | None = None,
+                   noise_positions: Collection[int] | None = None, noise_source: str | None = None,
+                   rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
+    """One forced-mode comparison (full rows when both runs have them, else top-k).
+
+    ``noise_positions``: positions where the noise run flips (None: no noise run; then no flip
+    is ``noise``); every flip is classified (:mod:`tensorverse.analysis.attribution`)."""
     roles = roles or {}
     n = len(tokens)
     role = roles.get(cand["backend"], cand.get("role"))
@@ -195,7 +225,7 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
     }
     incomplete = False
     if _full(cand) and _full(ref):
-        m, positions, incomplete = _full_metrics(store, ref, cand, tokens)
+        m, positions, incomplete, classes = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
         k = min(int(cand.get("k") or 0) or 10**9, int(ref.get("k") or 0) or 10**9)
@@ -203,6 +233,10 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
                                   k=None if k == 10**9 else k)
         positions = list(range(n))
         kind = "topk"
+        flip_set = set(forced_flips(m))
+        entries = [parse_top_logprobs(ref["top_logprobs"][p]) if p in flip_set else {} for p in positions]
+        noise = None if noise_positions is None else [p in noise_positions for p in positions]
+        classes = classify_forced_topk(entries, m.ref_top1, m.cand_top1, noise=noise, rule=rule)
     else:
         raise AnalysisInputError(
             f"{cand['backend']} ({cand.get('capture')}) and {ref['backend']} ({ref.get('capture')}) "
@@ -213,18 +247,33 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
         regions = [all_regions[p] for p in positions]
     flips_local = forced_flips(m)
     flips = [positions[i] for i in flips_local]
+    cls_at = {a.position: a.flip_class.value for a in classes}
+    flip_classes = [cls_at[p] for p in flips]
+    summary = summarize(m, regions)
+    summary["flips_by_class"] = flips_by_class(flip_classes)
+    if regions is not None:
+        by_rc: dict[str, dict[str, int]] = {}
+        for i in flips_local:
+            c = by_rc.setdefault(regions[i], {})
+            c[cls_at[positions[i]]] = c.get(cls_at[positions[i]], 0) + 1
+        summary["flips_by_region_class"] = by_rc
     result.update({
         "kind": kind,
         "approximate": kind != "full",
         "n": len(positions),
         "positions": positions if incomplete else None,
         "incomplete": incomplete,
-        "summary": summarize(m, regions),
+        "summary": summary,
         "flips": flips,
+        "flip_classes": flip_classes,
+        "flips_by_class": summary["flips_by_class"],
+        "attribution": {"rule": rule.as_dict(), "noise_source": noise_source,
+                        "details": [a.as_dict() for a in classes[:256]]},
         "first_flip": flips[0] if flips else None,
         "flip_tokens": [{"position": positions[i], "token": int(m.tokens[i]),
                          "ref_top1": int(m.ref_top1[i]), "cand_top1": int(m.cand_top1[i]),
-                         "region": regions[i] if regions else None} for i in flips_local[:256]],
+                         "region": regions[i] if regions else None,
+                         "flip_class": cls_at[positions[i]]} for i in flips_local[:256]],
         "metrics": _columns(m),
         "regions": regions,
     })
@@ -265,8 +314,14 @@ def _forced_departure(forced: Mapping[str, Any] | None, tokens: Sequence[int],
 
 def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
                  forced: Mapping[str, Any] | None = None, store: Any = None,
-                 roles: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """One free-mode comparison with the primary's recorded output."""
+                 roles: Mapping[str, str] | None = None,
+                 noise_positions: Collection[int] = (), rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
+    """One free-mode comparison with the primary's recorded output.
+
+    Its flip (the divergence point, or differing tool calls on identical tokens) is classified:
+    the tie rule on the primary's recorded top-k at that point, ``noise`` when a noise run flips
+    or diverges there (``noise_positions``), ``parser`` when the primary's own parser check
+    (``primary["parser_check"]``) found a mismatch."""
     roles = roles or {}
     ref_tokens = list(primary.get("token_ids") or [])
     cand_tokens = list(cand.get("token_ids") or [])
@@ -277,6 +332,20 @@ def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
     forced_ok = bool(forced) and forced.get("status") == "ok"
     departure = _forced_departure(forced, ref_tokens, store) if forced_ok else None
     role = roles.get(cand["backend"], cand.get("role"))
+    tops = primary.get("top_logprobs")
+    pair = None
+    if d.kind == "token" and isinstance(tops, list) and d.position is not None and d.position < len(tops) \
+            and tops[d.position]:
+        try:
+            pair = topk_pair(parse_top_logprobs(tops[d.position]), d.ref_token, d.cand_token)
+        except AnalysisInputError:
+            pair = None
+    pc = primary.get("parser_check")
+    flip = classify_free(position=d.position, ref_token=d.ref_token, cand_token=d.cand_token,
+                         ref_logits=pair, noise_positions=noise_positions,
+                         tool_calls_differ=not verdict.match,
+                         primary_parser_mismatch=bool(isinstance(pc, Mapping) and pc.get("mismatch")),
+                         rule=rule)
     return {
         "turn_id": cand.get("turn_id"),
         "mode": "free",
@@ -292,6 +361,9 @@ def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
         "diverged": d.diverged,
         "common_prefix": d.common_prefix,
         "first_flip": d.position,
+        "flip_class": flip.flip_class.value if flip is not None else None,
+        "flips_by_class": flips_by_class([flip]),
+        "attribution": {"rule": rule.as_dict(), "flip": flip.as_dict() if flip is not None else None},
         "tool_calls": verdict.to_dict(),
         "verdict": verdict.verdict,
         "ref_tool_calls": len(ref_x.calls),
@@ -344,21 +416,42 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
                 "ref_backend": refrun.get("backend"), "status": "error",
                 "error": f"{type(e).__name__}: {e}"}
 
+    # The noise run: where the secondary (the primary's exact config) flips against the primary,
+    # a candidate's flip is `noise`; the secondary's own flips are noise by definition.
+    proles = {**roles, primary["backend"]: "primary"}
+    noise_positions: set[int] | None = None
+    noise_source = None
+    floor_res: dict[str, Any] | Exception | None = None
+    if floor_run is not None and n and len(floor_run.get("token_ids") or []) >= n \
+            and _has_topk(primary, n) and _has_topk(floor_run, n):
+        try:
+            first = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles)
+            noise_positions = set(first["flips"])
+            noise_source = f"secondary:{floor_run['backend']}"
+            floor_res = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles,
+                                       noise_positions=noise_positions, noise_source=noise_source)
+        except (AnalysisInputError, KeyError, ValueError) as e:
+            floor_res = e
+
     vs_primary: dict[str, dict[str, Any]] = {}
     for b, run in sorted(forced.items()):
         if run.get("status") != "ok" or len(run.get("token_ids") or []) < n:
             continue
         if ref is not None and b != ref["backend"] and wanted(b):
             try:
-                add(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles),
+                add(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
+                                   noise_positions=noise_positions, noise_source=noise_source),
                     run["id"], ref["id"])
             except (AnalysisInputError, KeyError, ValueError) as e:
                 add(failed(run, ref, "forced", e), run["id"], ref["id"])
         is_floor = floor_run is not None and b == floor_run["backend"]
         if n and (wanted(b) or is_floor) and _has_topk(primary, n) and _has_topk(run, n):
             try:
-                res = compare_forced(store, run, primary, tokens, pieces=pieces,
-                                     roles={**roles, primary["backend"]: "primary"})
+                if is_floor and isinstance(floor_res, Exception):
+                    raise floor_res
+                res = floor_res if is_floor and floor_res is not None else \
+                    compare_forced(store, run, primary, tokens, pieces=pieces, roles=proles,
+                                   noise_positions=noise_positions, noise_source=noise_source)
                 vs_primary[b] = res
                 if wanted(b):
                     add(res, run["id"], primary["id"])
@@ -377,12 +470,27 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
                 res["noise"]["floor_backend"] = floor["backend"]
             except AnalysisInputError as e:
                 res["noise"] = {"error": str(e)}
+            try:
+                res["excess"] = excess_flip_rate(
+                    res["flips_by_class"]["runtime"], res["n"],
+                    floor["flips_by_class"]["noise"], floor["n"]).as_dict()
+                res["excess"]["floor_backend"] = floor["backend"]
+            except (AnalysisInputError, KeyError) as e:
+                res["excess"] = {"error": str(e)}
+
+    free_noise: set[int] = set(noise_positions or ())
+    sec_free = free.get(floor_run["backend"]) if floor_run is not None else None
+    if sec_free is not None and sec_free.get("status") == "ok":
+        pos = free_divergence(tokens, list(sec_free.get("token_ids") or [])).position
+        if pos is not None:
+            free_noise.add(pos)
 
     for b, run in sorted(free.items()):
         if run.get("status") != "ok" or not wanted(b):
             continue
         try:
-            add(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles),
+            add(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
+                             noise_positions=free_noise),
                 run["id"], primary["id"])
         except (AnalysisInputError, KeyError, ValueError) as e:
             add(failed(run, primary, "free", e), run["id"], primary["id"])

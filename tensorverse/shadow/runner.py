@@ -976,8 +976,23 @@ class ShadowRunner:
             except Exception as e:  # noqa: BLE001
                 log.info("tensorverse shadow: no pieces for turn %s: %s", t.id, e)
         record = self._primary_record(t, pieces, primary)
+        if pieces is not None:
+            record["parser_check"] = primary_parser_check(t, pieces)
         await self._put("put_run", record)
         return [record, *runs]
+
+
+def primary_parser_check(t: TurnInput, pieces: Sequence[str]) -> dict[str, Any] | None:
+    """The primary's emitted tool calls against its own output ids re-parsed (the ids decoded
+    into ``pieces``, the project's extractor): issue 19's parser check, run here in the shadow
+    worker, never on the agent's path. None when it cannot be made."""
+    from tensorverse.analysis.attribution import parser_check
+
+    try:
+        return parser_check("".join(pieces), t.text, t.tool_calls).as_dict()
+    except Exception as e:  # noqa: BLE001 - a check never breaks shadowing
+        log.info("tensorverse shadow: parser check of turn %s failed: %s", t.id, e)
+        return None
 
 
 async def shadow_turn(turn: Mapping[str, Any], backends: Sequence[Backend], store: Any, *,

@@ -14,7 +14,9 @@ from typing import Callable
 
 import lmdb
 
-FORMAT_VERSION = 2  # 2: turns compressed, and may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
+# 2: turns compressed, and may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
+# 3: rows may have an engine state (``row_engine``, `tensorverse.store.engine_state`)
+FORMAT_VERSION = 3
 
 # Record databases (values: orjson metadata, or codec blobs for rows).
 BACKENDS = b"backends"  # name -> backend info
@@ -22,6 +24,7 @@ SESSIONS = b"sessions"  # session id -> session
 TURNS = b"turns"  # turn id -> turn (from format 2: JSON in a zstd frame)
 RUNS = b"runs"  # run id (= capture id) -> run (one per turn x backend x mode)
 ROWS = b"rows"  # run id NUL position(u32) -> logits row blob
+ROW_ENGINE = b"row_engine"  # run id NUL position(u32) -> packed EngineState (format 3)
 COMPARISONS = b"comparisons"  # run id NUL reference run id -> metrics summary
 META = b"meta"  # format_version, migration history
 # Indexes, written in the same transaction as the record they point to.
@@ -35,6 +38,7 @@ ALL_DBS = (
     TURNS,
     RUNS,
     ROWS,
+    ROW_ENGINE,
     COMPARISONS,
     META,
     SESSIONS_BY_TIME,
@@ -110,4 +114,12 @@ def _v1_to_v2(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None
     logprobs; the new number makes such a reader refuse the store."""
 
 
-MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2}
+def _v2_to_v3(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None:
+    """Nothing to rewrite: format 3 adds the ``row_engine`` database (created empty when the store
+    is opened writable), the engine state of each captured row. Rows of a format-2 store have
+    none, and read as rows without an engine state. A format-2 reader would ignore the new
+    database and drop engine states when it deletes or rewrites rows; the new number makes it
+    refuse the store instead."""
+
+
+MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2, 2: _v2_to_v3}

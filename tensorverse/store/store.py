@@ -29,6 +29,7 @@ import zstandard
 from tensorverse.jsonbytes import dumps
 from tensorverse.store import schema
 from tensorverse.store.codec import decompressor
+from tensorverse.store.engine_state import EngineState
 from tensorverse.store.turns import read_turn
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
 
@@ -424,14 +425,23 @@ class Store:
             (schema.RUNS_BY_TURN, schema.child_prefix(run["turn_id"], "turn") + schema.check_id(run["id"], "run"), b""),
         )
 
-    def write_rows(self, run_id: str, rows: Sequence[tuple[int, bytes]]) -> Future:
-        """Store encoded logits rows `(position, blob)` of a run, all in one transaction."""
-        keyed = [(schema.row_key(run_id, int(pos)), bytes(blob)) for pos, blob in rows]
+    def write_rows(self, run_id: str,
+                   rows: Sequence[tuple[int, bytes] | tuple[int, bytes, EngineState | None]]) -> Future:
+        """Store encoded logits rows of a run, all in one transaction: `(position, blob)` or
+        `(position, blob, engine_state)`. A row written without an engine state has none (a
+        state left by an earlier write of the same row is removed)."""
+        keyed = [(schema.row_key(run_id, int(r[0])), bytes(r[1]),
+                  r[2].pack() if len(r) > 2 and r[2] is not None else None) for r in rows]
 
         def op(txn: lmdb.Transaction) -> int:
             db = self._dbs[schema.ROWS]
-            for key, blob in keyed:
+            edb = self._dbs[schema.ROW_ENGINE]
+            for key, blob, state in keyed:
                 txn.put(key, blob, db=db)
+                if state is not None:
+                    txn.put(key, state, db=edb)
+                else:
+                    txn.delete(key, db=edb)
             return len(keyed)
 
         return self.submit(op)
@@ -459,6 +469,7 @@ class Store:
                 for rkey, _ in list(self._scan(txn, schema.RUNS_BY_TURN, schema.child_prefix(tid, "turn"))):
                     rid = rkey[len(tkey) + 1 :]
                     self._delete_prefix(txn, schema.ROWS, rid + schema.SEP)
+                    self._delete_prefix(txn, schema.ROW_ENGINE, rid + schema.SEP)
                     self._delete_prefix(txn, schema.COMPARISONS, rid + schema.SEP)
                     txn.delete(rid, db=self._dbs[schema.RUNS])
                 self._delete_prefix(txn, schema.RUNS_BY_TURN, tkey + schema.SEP)
@@ -600,6 +611,22 @@ class Store:
     def read_rows(self, run_id: str) -> list[tuple[int, bytes]]:
         """All stored rows of a run as `(position, blob)`, in position order."""
         return [(schema.row_position(k), v) for k, v in self._paged(schema.ROWS, schema.row_prefix(run_id))]
+
+    def read_engine_states(self, run_id: str) -> dict[int, EngineState]:
+        """The engine state of each row of a run that has one (none in stores written before
+        format 3, or by a plugin with engine state off), by position."""
+        if schema.ROW_ENGINE not in self._dbs:
+            return {}
+        return {schema.row_position(k): EngineState.unpack(v)
+                for k, v in self._paged(schema.ROW_ENGINE, schema.row_prefix(run_id))}
+
+    def read_engine_state(self, run_id: str, position: int) -> EngineState | None:
+        """The engine state of one row, or None when it has none."""
+        if schema.ROW_ENGINE not in self._dbs:
+            return None
+        with self._read() as txn:
+            raw = txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROW_ENGINE])
+        return None if raw is None else EngineState.unpack(raw)
 
     def read_row(self, run_id: str, position: int) -> bytes:
         with self._read() as txn:

@@ -201,9 +201,12 @@ def _margin(d: Any) -> float | None:
     return math.exp(lp[0]) - math.exp(lp[1])
 
 
-def _panel(members: list[tuple[int, Any]], k: int = TOPK, cap: int = UNION_CAP) -> dict:
+def _panel(members: list[tuple[int, Any]], k: int = TOPK, cap: int = UNION_CAP,
+           engine: list[dict | None] | None = None) -> dict:
     """The top-k table at one position: union of every member's top-k, with each member's
-    probability and rank for each of those tokens (None where unknown: top-k-only data)."""
+    probability and rank for each of those tokens (None where unknown: top-k-only data).
+    ``engine``: per member, the engine's batch when its row was computed (``e``: ``{"b": batch
+    size, "s": step}`` or None), set only when some member has one."""
     union: list[int] = []
     seen: set[int] = set()
     for _, d in members:
@@ -230,6 +233,7 @@ def _panel(members: list[tuple[int, Any]], k: int = TOPK, cap: int = UNION_CAP) 
         "ids": [union[j] for j in order],
         "p": [[_sig(p[j]) for j in order] for p in probs],
         "r": [[r[j] for j in order] for r in ranks],
+        **({"e": engine} if engine and any(engine) else {}),
     }
 
 
@@ -246,6 +250,12 @@ class _TurnInputs:
         self.free: dict[str, Lane] = {}
         self.failed: list[Lane] = []
         self.warnings: list[str] = []
+        # the primary's parser check (its output ids re-parsed; the latest recorded run's)
+        self.parser_check: dict | None = None
+        for r in sorted(runs, key=lambda r: r.get("created_ns") or 0):
+            pc = pick(r, F.RUN_PARSER_CHECK)
+            if pick(r, F.RUN_MODE) == RECORDED and isinstance(pc, Mapping):
+                self.parser_check = dict(pc)
         prim = turn.lane
         lanes = sorted((lane_from_run(r, backends) for r in runs), key=lambda l: l.created_ns)
         for lane in lanes:  # later runs of the same backend and mode win
@@ -447,6 +457,19 @@ class _Rows:
         if msg not in self.warnings and len(self.warnings) < 50:
             self.warnings.append(msg)
 
+    def engine(self, lanes: Sequence[Lane | None], pos: int) -> list[dict | None]:
+        """Per lane, the engine state stored with its row at ``pos``, for the top-k panel."""
+        out: list[dict | None] = []
+        for lane in lanes:
+            st = None
+            if lane is not None and lane.run_id and hasattr(self.store, "read_engine_state"):
+                try:
+                    st = self.store.read_engine_state(lane.run_id, pos)
+                except Exception:  # noqa: BLE001 - a panel without it is still a panel
+                    st = None
+            out.append(None if st is None else {"b": st.batch_size, "s": st.step})
+        return out
+
 
 # --------------------------------------------------------------------------- the view builder
 
@@ -592,6 +615,7 @@ class ViewData:
             "backends": per,
             "worst": _worst(e["verdict"] for e in per.values()),
             "flips": sum(1 for e in per.values() if e["divergence"] is not None),
+            "parser_mismatch": bool((inp.parser_check or {}).get("mismatch")),
         }
 
     # ---- sessions
@@ -948,6 +972,7 @@ class _TurnBuilder:
             "forced": forced,
             "free": free,
             "default_mode": FORCED if forced["available"] else FREE,
+            "parser_check": self.inp.parser_check,
             "warnings": list(self.warnings),
         }
 
@@ -990,12 +1015,13 @@ class _TurnBuilder:
         if self.ref_name in order:
             order.remove(self.ref_name)
             order.insert(0, self.ref_name)
-        present = []
+        present, lanes = [], []
         for k in order:
             d = self.dist(self.forced_members[k], p, ref)
             if d is not None:
                 present.append((self.index[k], d))
-        return _panel(present) if present else None
+                lanes.append(self.forced_members[k])
+        return _panel(present, engine=self.rows.engine(lanes, p)) if present else None
 
     def _cached_columns(self, cand: Lane, ref: Lane, n: int) -> dict | None:
         """Per-position metrics of ``cand`` against ``ref`` from a stored comparison of exactly
@@ -1015,7 +1041,24 @@ class _TurnBuilder:
                 continue
             if any(not 0 <= q < n for q in positions):
                 continue
-            return {"positions": positions, "cols": cols, "approximate": pick(cmp, F.CMP_KIND) != "full"}
+            classes = pick(cmp, F.CMP_FLIP_CLASSES)
+            flips = pick(cmp, F.CMP_FLIPS)
+            by_pos = dict(zip(flips, classes)) if isinstance(classes, list) and isinstance(flips, list) \
+                and len(classes) == len(flips) else {}
+            return {"positions": positions, "cols": cols, "approximate": pick(cmp, F.CMP_KIND) != "full",
+                    "classes": by_pos}
+        return None
+
+    def free_class(self, backend: str) -> str | None:
+        """The class of a backend's free-run flip, from its stored comparison (None: none stored,
+        or no flip)."""
+        lane = self.inp.free.get(backend)
+        if lane is None or not lane.run_id:
+            return None
+        for cmp in self.owner._comparisons(lane.run_id):
+            if pick(cmp, F.CMP_MODE) == FREE and pick(cmp, F.CMP_STATUS, "ok") == "ok":
+                c = pick(cmp, F.CMP_FLIP_CLASS)
+                return c if isinstance(c, str) else None
         return None
 
     def _forced(self, inline: bool) -> dict:
@@ -1035,7 +1078,7 @@ class _TurnBuilder:
         regions = tag_regions(self._pieces(t.lane)) if n else []
         cands = [k for k in members if k != ref_name] if ref_name else []
         arr = {k: {"kl": [None] * n, "delta_p": [None] * n, "rank": [None] * n,
-                   "top1": [None] * n, "flip": [None] * n, "approx": [False] * n} for k in cands}
+                   "top1": [None] * n, "flip": [None] * n, "approx": [False] * n, "cls": {}} for k in cands}
         margin: list[float | None] = [None] * n
         ref_top1: list[int | None] = [None] * n
         slow = []
@@ -1045,6 +1088,7 @@ class _TurnBuilder:
                 slow.append(k)
                 continue
             cols = cached["cols"]
+            arr[k]["cls"] = cached["classes"]
             lower = cols.get("rank_lower_bound") or [False] * len(cached["positions"])
             for q, p in enumerate(cached["positions"]):
                 self._put(arr[k], p, kl=cols["kl"][q], delta_p=cols["delta_p"][q], rank=cols["rank"][q],
@@ -1072,11 +1116,11 @@ class _TurnBuilder:
                     self._chunk_metrics(arr[k], dists[ref_name], dists[k], tokens, s, e, margin, ref_top1)
                 if inline:
                     for j, p in enumerate(range(s, e)):
-                        present = [(self.index[k], dists[k][j]) for k in
-                                   ([ref_name] if ref_name else []) + [k for k in members if k != ref_name]
-                                   if dists[k][j] is not None]
+                        keys = [k for k in ([ref_name] if ref_name else []) + [k for k in members if k != ref_name]
+                                if dists[k][j] is not None]
+                        present = [(self.index[k], dists[k][j]) for k in keys]
                         if present:
-                            panels[p] = _panel(present)
+                            panels[p] = _panel(present, engine=self.rows.engine([members[k] for k in keys], p))
                             self._ids_used.update(panels[p]["ids"])
         lanes_out: dict[str, dict] = {}
         flips: dict[int, dict] = {}
@@ -1090,16 +1134,19 @@ class _TurnBuilder:
                 "rank": a["rank"],
                 "top1": a["top1"],
                 "flips": [i for i in known if a["flip"][i]],
+                # why each flip happened (stored comparisons; null where none classified it)
+                "flip_classes": [a["cls"].get(i) for i in known if a["flip"][i]],
                 "approximate": any(a["approx"][i] for i in known),
                 "coverage": len(known),
                 "summary": summary,
             }
             self._ids_used.update(x for x in a["top1"] if x is not None)
             for i in lanes_out[k]["flips"]:
-                f = flips.setdefault(i, {"position": i, "backends": [], "kl": {}, "top1": {},
+                f = flips.setdefault(i, {"position": i, "backends": [], "kl": {}, "top1": {}, "classes": {},
                                          "margin": margin[i], "region": regions[i] if regions else None,
                                          "token": tokens[i], "ref_top1": ref_top1[i]})
                 f["backends"].append(k)
+                f["classes"][k] = a["cls"].get(i)
                 f["kl"][k] = lanes_out[k]["kl"][i]
                 f["top1"][k] = a["top1"][i]
         if ref_name is None:
@@ -1192,12 +1239,13 @@ class _TurnBuilder:
             raise ValueError(f"no position {p} in tree node {node_id}")
         group = self._group(node, p)
         ref_b = self._group_ref(group, p)
-        present = []
+        present, lanes = [], []
         for b in [ref_b] + [g for g in group if g != ref_b]:
             d = self.dist(self.free_lanes[b], p)
             if d is not None:
                 present.append((self.index[b], d))
-        return _panel(present) if present else None
+                lanes.append(self.free_lanes[b])
+        return _panel(present, engine=self.rows.engine(lanes, p)) if present else None
 
     def _free(self, inline: bool) -> dict:
         regions = {k: (tag_regions(self._pieces(l)) if l.token_ids else []) for k, l in self.free_lanes.items()}
@@ -1279,8 +1327,11 @@ class _TurnBuilder:
                     kl[b] = _sig(float(m.kl[0]))
                 except AnalysisInputError:
                     pass
+        # the class of each backend's flip here: those that left the reference's branch
+        classes = {b: self.free_class(b) for o in options if ref_b not in o["backends"]
+                   for b in o["backends"] if b in self.inp.free}
         return {"position": p, "node": node.id, "reference": ref_b, "options": options,
-                "margin": margin, "kl": kl}
+                "margin": margin, "kl": kl, "classes": classes}
 
     def _toolcalls(self) -> list[dict]:
         prim = self.turn.lane
@@ -1297,6 +1348,7 @@ class _TurnBuilder:
                 "reference": is_ref,
                 "extraction": ext.to_dict(),
                 "verdict": None if is_ref else compare_tool_calls(ref, ext).to_dict(),
+                "classes": {b: self.free_class(b) for b in node.ended if b in self.inp.free},
                 "status": {b: self.free_lanes[b].status for b in node.ended},
             })
         out.sort(key=lambda e: (not e["reference"], self.index.get(e["backends"][0], 0)))

@@ -74,6 +74,7 @@ class F:
     RUN_POSITIONS = ("positions", "captured_positions")  # positions that have rows, when listed
     RUN_ROWS = ("rows",)  # {"expected", "present", "complete"} (or a count)
     RUN_APPROX = ("approximate",)
+    RUN_PARSER_CHECK = ("parser_check",)  # recorded runs: the primary's ids re-parsed (issue 19)
     # {token id: text} for ids beyond a record's own tokens (top-k alternatives), on a turn or
     # run, when a writer adds it; without it such tokens show as #id
     TOKEN_TEXTS = ("token_texts",)
@@ -90,6 +91,8 @@ class F:
     CMP_KIND = ("kind",)  # full / topk / tokens
     CMP_MODE = ("mode",)
     CMP_STATUS = ("status",)
+    CMP_FLIP_CLASSES = ("flip_classes",)  # forced: one class per entry of ``flips``
+    CMP_FLIP_CLASS = ("flip_class",)  # free: the class of its flip (None: no flip)
 
     PRIMARY_DEFAULT = "primary"
     ROLES_REFERENCE = ("secondary", "reference")  # in order of preference, as compare.py

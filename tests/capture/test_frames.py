@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorverse.capture.frames import (
+    FLAG_ENGINE_STATE,
     HEADER_SIZE,
     MAGIC,
     Frame,
@@ -14,6 +15,7 @@ from tensorverse.capture.frames import (
     iter_frames,
     parse_frames,
 )
+from tensorverse.store.engine_state import ENGINE_STATE_SIZE, RUNNER_V1, RUNNER_V2, EngineState
 
 
 def _frames():
@@ -21,12 +23,36 @@ def _frames():
         Frame("run-1", 0, 1, 7, b"\x00blob\xff"),
         Frame("run-1", 1, 2, 7, b""),
         Frame("ünïcode/ид", 4_000_000_000, 3, 2**64 - 1, bytes(range(256)) * 3),
+        Frame("run-2", 3, 4, 7, b"rowrow", EngineState(RUNNER_V2, 2**40, 32, 31, 1, 9000, 3)),
     ]
 
 
 def _body(frames):
-    return b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin)
-                    for f in frames)
+    return b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin,
+                                 engine=f.engine) for f in frames)
+
+
+def test_engine_state_layout_and_flag():
+    st = EngineState(RUNNER_V1, 12, 3, 2, joined=1)
+    raw = encode_frame("ab", 5, b"XYZ", seq=9, origin=3, engine=st)
+    assert raw[5] == FLAG_ENGINE_STATE
+    assert raw[HEADER_SIZE + 2:HEADER_SIZE + 2 + ENGINE_STATE_SIZE] == st.pack()
+    assert struct.unpack_from("<BBHiqiiii", raw, HEADER_SIZE + 2) == (1, 1, 0, 3, 12, 2, 1, -1, -1)
+    assert raw[HEADER_SIZE + 2 + ENGINE_STATE_SIZE:-4] == b"XYZ"
+    (f,) = parse_frames(raw)
+    assert f.engine == st and f.blob == b"XYZ" and f.size == len(raw)
+    # a frame without a state is unchanged from the format before engine states
+    assert encode_frame("ab", 5, b"XYZ", seq=9, origin=3)[5] == 0
+    bad = bytearray(raw)
+    bad[5] = 0x03  # an unknown flag bit next to the known one
+    bad[-4:] = struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
+    with pytest.raises(FrameError, match="unknown flags 0x03"):
+        parse_frames(bytes(bad))
+    bad = bytearray(raw)
+    bad[HEADER_SIZE + 2] = 9  # an engine-state layout this reader does not know
+    bad[-4:] = struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
+    with pytest.raises(FrameError, match="engine state layout 9"):
+        parse_frames(bytes(bad))
 
 
 def test_roundtrip_several_frames_per_body():
@@ -64,7 +90,7 @@ def test_every_truncation_is_reported():
 
 
 def test_iter_yields_good_frames_before_the_bad_one():
-    frames = _frames()
+    frames = _frames()[:3]
     body = _body(frames)
     it = iter_frames(body[:-1])
     assert next(it) == frames[0]

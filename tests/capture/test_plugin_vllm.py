@@ -6,7 +6,6 @@ One server of the tiny Qwen3 (bf16) with ``TENSORVERSE_CAPTURE_SINK=dir:<tmp sto
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,6 @@ pytestmark = pytest.mark.vllm
 
 import openai  # noqa: E402  (the rig installs vllm and openai)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorverse.rig.models import build_model  # noqa: E402
 from tensorverse.rig.servers import VLLMServer  # noqa: E402
@@ -251,10 +249,8 @@ def test_http_sink_from_inside_vllm_survives_the_recorder_restarting():
     costs the rows of that moment (dropped and counted), and it is picked up again when back."""
     import json
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _receiver import Recorder
-
     from tensorverse.capture.sink import STATS_HEADER
+    from tests.capture._receiver import Recorder
 
     rec = Recorder(token="tok-123")
     port = rec.port

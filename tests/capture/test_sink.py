@@ -1,7 +1,5 @@
 import socket
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,8 +7,7 @@ import pytest
 from tensorverse.capture.frames import CONTENT_TYPE, Frame
 from tensorverse.capture.sink import HttpSink, MemorySink, SinkError, StoreSink, sink_from_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _receiver import Recorder  # noqa: E402
+from tests.capture._receiver import Recorder  # noqa: E402
 
 
 def _frame(i, cid="run-a"):

@@ -56,6 +56,7 @@ class Engine:
         self.placeholders = placeholders  # async scheduling: -1 placeholders in the output list
         self.tokens: dict[str, list[int]] = {}
         self.untouched: list[bool] = []
+        self.batches: list[list[str]] = []
 
     def add(self, rid, xargs=None, max_tokens=6, prefill_steps=1, output=None):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=xargs)
@@ -85,6 +86,7 @@ class Engine:
             self.ib.swap_states(*swap)
         self.ib.refresh_metadata()
         rids = list(self.ib.req_ids)
+        self.batches.append(rids)  # the batch of engine step len(self.batches)
         if not rids:
             return
         chunks = {rid: self.prefill_steps.get(rid, 1) for rid in rids}
@@ -288,3 +290,40 @@ def test_positions_spec():
     assert [p for p in range(6) if p in P([4, 1, 2])] == [1, 2, 4]
     o = optin.parse_extra_args({"tv_capture": "x", "tv_positions": [0, 1]})
     assert o.finished_at(2) and not o.finished_at(1)
+
+
+def test_engine_state_with_every_row(sink):
+    """Each row carries the step it was computed in, the batch's size and the row's index in
+    it, as the engine's persistent batch had them (checked against the batches the test ran)."""
+    e = Engine()
+    e.add("a", {"tv_capture": "a"}, max_tokens=6)
+    e.add("b", None, max_tokens=3)
+    e.step()
+    e.add("c", {"tv_capture": "c"}, max_tokens=4, prefill_steps=2)
+    e.step(swap=(0, 1))
+    e.run(10)
+    for cid in ("a", "c"):
+        fs = frames_of(sink, cid)
+        assert [f.position for f in fs] == list(range(6 if cid == "a" else 4))
+        steps = [f.engine.step for f in fs]
+        assert steps == sorted(set(steps)) and steps[0] >= 1
+        for f in fs:
+            st = f.engine
+            batch = e.batches[st.step - 1]
+            assert st.runner == 1 and st.batch_size == len(batch) >= 1 and batch[st.row] == cid
+            assert st.context_tokens == -1 and st.prefill_reqs == -1  # V1 does not show them
+    a = frames_of(sink, "a")
+    assert a[0].engine.joined == 2 and a[0].engine.batch_size == 2  # a and b joined in step 1
+    assert a[1].engine.joined == 1 and a[1].engine.batch_size == 3  # c joined
+    c = frames_of(sink, "c")  # chunked prefill: position 0 is the row of the second chunk
+    assert c[0].engine.step == 3
+
+
+def test_engine_state_off_switch(monkeypatch, sink):
+    monkeypatch.setenv("TENSORVERSE_CAPTURE_ENGINE_STATE", "0")
+    e = Engine()
+    e.add("a", {"tv_capture": "a"}, max_tokens=3)
+    e.run(4)
+    fs = frames_of(sink, "a")
+    assert [f.position for f in fs] == [0, 1, 2] and all(f.engine is None for f in fs)
+    assert e.proc.impl._step == 0  # no per-step counting either

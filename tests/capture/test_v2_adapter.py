@@ -80,7 +80,6 @@ class Runner:
         # buffers (absent on CPU); the host tensors the processor reads are these two:
         self.rs.prompt_len.copy_to_uva()
         self.rs.prefill_len.copy_to_uva()
-        self.proc.apply_staged_writes()
         self.reqs[rid] = dict(slot=slot, computed=0, out=out, max_tokens=max_tokens,
                               prefill=len(all_ids))
         self.tokens.setdefault(rid, [])
@@ -90,6 +89,9 @@ class Runner:
         del self.reqs[rid]
 
     def step(self, extra_rows=0):
+        self.proc.apply_staged_writes()  # V2: once per step, before the forward pass
+        self.steps = getattr(self, "steps", 0) + 1
+        self.batches = getattr(self, "batches", {})
         rids = list(self.reqs)
         self.rng.shuffle(rids)
         if not rids:
@@ -103,6 +105,7 @@ class Runner:
             seq_lens.append(seq)
             # a chunked-prefill row (discarded by vLLM) differs from the row that is sampled
             rows.append(marker(rid, len(r["out"]), 0 if seq >= r["prefill"] else seq))
+        self.batches[self.steps] = (list(rids), list(seq_lens))
         idx = np.array([self.reqs[rid]["slot"] for rid in rids], dtype=np.intp)
         logits = torch.stack(rows + [torch.zeros(V)] * extra_rows)
         raw = logits.clone()
@@ -224,3 +227,44 @@ def test_batch_sharded_sampling_captures_on_every_rank(monkeypatch, sink):
     sharded = V2CaptureProcessor(types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(enable_batch_sharded_sampling=True)), lp)
     assert not plain.capturing and sharded.capturing
+
+
+def test_engine_state_with_every_row(sink):
+    r = Runner(chunk=2)
+    r.add("a", {"tv_capture": "a"}, 4)
+    r.add("b", None, 6)
+    r.run(3)
+    r.add("c", {"tv_capture": "c"}, 3)
+    r.run(12)
+    runtime.flush(10)
+    for cid in ("a", "c"):
+        fs = sorted((f for f in sink.frames if f.capture_id == cid), key=lambda f: f.position)
+        assert [f.position for f in fs] == list(range(4 if cid == "a" else 3))
+        steps = [f.engine.step for f in fs]
+        assert steps == sorted(set(steps))
+        for f in fs:
+            st = f.engine
+            rids, seqs = r.batches[st.step]
+            assert st.runner == 2 and st.batch_size == len(rids) and rids[st.row] == cid
+            assert st.context_tokens == sum(seqs)
+            assert st.prefill_reqs == sum(1 for rid, q in zip(rids, seqs)
+                                          if q <= len(PROMPT))  # no preemption here
+    fa = min((f for f in sink.frames if f.capture_id == "a"), key=lambda f: f.position)
+    assert fa.engine.step == 3 and fa.engine.prefill_reqs == 2  # 5-token prompts, 2 per step
+    q = Runner(chunk=8)  # whole prompts in one step: the first row is in the step they joined
+    q.add("d", {"tv_capture": "d"}, 2)
+    q.add("e", None, 2)
+    q.run(3)
+    runtime.flush(10)
+    fd = sorted((f for f in sink.frames if f.capture_id == "d"), key=lambda f: f.position)
+    assert [(f.engine.step, f.engine.joined, f.engine.prefill_reqs) for f in fd] == [(1, 2, 2), (2, 0, 0)]
+
+
+def test_engine_state_off_switch(monkeypatch, sink):
+    monkeypatch.setenv("TENSORVERSE_CAPTURE_ENGINE_STATE", "0")
+    r = Runner()
+    r.add("a", {"tv_capture": "a"}, 2)
+    r.run(5)
+    runtime.flush(10)
+    fs = [f for f in sink.frames if f.capture_id == "a"]
+    assert len(fs) == 2 and all(f.engine is None for f in fs)

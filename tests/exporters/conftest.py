@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
-from pathlib import Path
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)  # `import exporters_support` under --import-mode=importlib
 
-from exporters_support import Pipeline  # noqa: E402
+from tests.exporters.exporters_support import Pipeline  # noqa: E402
 
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,6 @@ import pytest
 from tensorverse.proxy.loop import LoopThread
 
 ROOT = Path(__file__).resolve().parents[2]
-_SHADOW_TESTS = str(ROOT / "tests" / "shadow")
-if _SHADOW_TESTS not in sys.path:
-    sys.path.insert(0, _SHADOW_TESTS)  # shadow_fake.FakeVLLM
 
 
 def need_tool(name: str) -> str:
@@ -38,7 +34,7 @@ class Pipeline:
     (records, shadow runs, comparisons, metrics) has settled."""
 
     def __init__(self, loop: LoopThread, tmp: Path, **config: Any) -> None:
-        from shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+        from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
         from tensorverse.config import parse_config
         from tensorverse.proxy.server import Proxy

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import yaml
-from exporters_support import ROOT, promql_metric_names, recording_names  # type: ignore[import-not-found]
+from tests.exporters.exporters_support import ROOT, promql_metric_names, recording_names  # type: ignore[import-not-found]
 
 from tensorverse.exporters.metrics import exported_names
 
@@ -99,3 +99,23 @@ def test_provisioning_points_at_the_dashboard():
     mounts = compose["services"]["grafana"]["volumes"]
     assert f"./grafana/dashboards:{path}:ro" in mounts
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in mounts
+
+
+def test_raw_noise_and_excess_flip_rates_side_by_side():
+    """Issue 19: the raw flip rate, the noise floor and the excess (with its interval) in one row."""
+    dash = json.loads(DASHBOARD.read_text())
+    found = {}
+    for p in panels(dash):
+        exprs = " ".join(t.get("expr", "") for t in p.get("targets") or ())
+        for key, name in (("raw", "tensorverse:flip_rate:ratio_rate1h"),
+                          ("noise", "tensorverse:noise_flip_rate:ratio_rate1h"),
+                          ("excess", "tensorverse:excess_flip_rate_low:ratio_rate1h")):
+            if name in promql_metric_names(exprs):
+                found[key] = p["gridPos"]
+    assert set(found) == {"raw", "noise", "excess"}, found
+    assert len({g["y"] for g in found.values()}) == 1  # the same row
+    xs = sorted(g["x"] for g in found.values())
+    assert len(set(xs)) == 3 and all(g["x"] + g["w"] <= 24 for g in found.values())
+    excess = next(p for p in panels(dash) if "tensorverse:excess_flip_rate_low:ratio_rate1h" in
+                  " ".join(t.get("expr", "") for t in p.get("targets") or ()))
+    assert any("excess_flip_rate_high" in t["expr"] for t in excess["targets"])

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from exporters_support import ROOT, need_tool  # type: ignore[import-not-found]
+from tests.exporters.exporters_support import ROOT, need_tool  # type: ignore[import-not-found]
 
 from tensorverse.config import load_config, parse_config
 

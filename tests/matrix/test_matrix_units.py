@@ -192,7 +192,10 @@ def test_parallel_points_run_at_most_n_at_once_after_the_reference(tmp_path, mon
             log.append(("end", req.label, len(running)))
         return {"status": "ok", "label": req.label, "basis": req.basis is not None}
 
-    monkeypatch.setattr(grid, "run_config", lambda req, log=None: run_config(req))
+    from tensorverse.matrix import run as run_mod
+
+    # the local executor (matrix/executor.py) runs each point with run.run_config
+    monkeypatch.setattr(run_mod, "run_config", lambda req, log=None: run_config(req))
     monkeypatch.setattr(grid, "load_run", lambda out, key: None)
     monkeypatch.setattr(grid, "reference_basis", lambda out, rec, corp: {"c": {"0": [1, 2]}})
     points = s.all_points()
@@ -205,3 +208,21 @@ def test_parallel_points_run_at_most_n_at_once_after_the_reference(tmp_path, mon
     assert len(started) == len(set(started)) == len(points) - 1  # each configuration once: "twin"
     assert runs["twin"] is runs["dtype=float32,block-size=16"]  # has the grid point's settings: its run
     assert not runs[ref.name]["basis"] and all(r["basis"] for name, r in runs.items() if name != ref.name)
+
+
+def test_forced_turn_classes_every_flip():
+    """Issue 19: matrix points carry a class per flip (ties judged on the reference's rows)."""
+    import numpy as np
+
+    from tensorverse.matrix.compare import forced_turn
+
+    ref = np.full((3, 16), -2.0, np.float32)
+    ref[:, 4] = 1.0
+    ref[0, 9] = 1.0      # an exact tie with the top-1 (token 4 wins: the lower id)
+    ref[1, 9] = 0.99609375  # the bfloat16 value just below 1.0: a near tie
+    ref[2, 9] = 0.5      # far
+    cand = ref.copy()
+    cand[:, 9] = 3.0
+    out = forced_turn(ref, cand, [4, 4, 4])
+    assert out["flips"] == [0, 1, 2] and out["flip_classes"] == ["tie", "near_tie", "runtime"]
+    assert out["first_flip_detail"]["flip_class"] == "tie"

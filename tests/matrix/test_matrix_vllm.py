@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from matrix_support import base_spec, make_corpus, to_toml
+from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 
 pytestmark = pytest.mark.vllm

@@ -65,3 +65,19 @@ def test_metrics_and_stats(fake, make_proxy, settle):
     assert "tensorverse_proxy_turns_total 1.0" in m.text
     assert "tensorverse_recorder_recorded_total 1.0" in m.text
     assert s["proxy"]["requests"] == 2 and s["recorder"]["recorded"] == 1
+
+
+def test_ingest_stores_engine_states(fake, make_proxy, settle):
+    """Frames with an engine state (the plugin's default): stored next to their rows."""
+    from tensorverse.store.engine_state import RUNNER_V2, EngineState
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    states = [EngineState(RUNNER_V2, 40 + p, 3, p, 0, 900 + p, 1) for p in range(3)]
+    body = b"".join(encode_frame("run-e", p, b"row", seq=p + 1, origin=9, engine=states[p]) for p in range(3))
+    body += encode_frame("run-e", 3, b"row", seq=4, origin=9)  # one without
+    with httpx.Client(timeout=30) as c:
+        r = c.post(proxy.admin_url + "/ingest", content=body,
+                   headers={"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE})
+        assert r.status_code == 200 and r.json()["rows"] == 4
+    assert proxy.store.read_engine_states("run-e") == dict(enumerate(states))
+    assert len(proxy.store.read_rows("run-e")) == 4

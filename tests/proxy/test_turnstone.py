@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnstone_kit import scripted, turnstone
+from tests.turnstone_kit import scripted, turnstone
 
 
 pytestmark = pytest.mark.turnstone

@@ -27,8 +27,8 @@ import pytest
 from tensorverse.rig.models import build_model
 from tensorverse.rig.servers import VLLMServer, free_port, start_many, stop_many
 from tensorverse.viz.server import create_app
-from turnstone_kit import turnstone
-from turnstone_kit.hop import Exchange, RecordingHop
+from tests.turnstone_kit import turnstone
+from tests.turnstone_kit.hop import Exchange, RecordingHop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.turnstone]
 

@@ -1,6 +1,6 @@
 """Run the reliability suite's fake primary and shadows in their own process.
 
-    python tests/reliability/_fakes.py '{"s1": null, "s2": "hang"}'
+    python -m tests.reliability._fakes '{"s1": null, "s2": "hang"}'
 
 Prints one JSON line ``{"primary": port, "<shadow>": port, ...}`` once listening; runs until
 SIGTERM/SIGINT. Request logs are not kept (long runs).
@@ -12,11 +12,8 @@ import asyncio
 import json
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import start_fakes  # noqa: E402
+from tests.reliability.harness import start_fakes
 
 
 async def main() -> None:

@@ -3,17 +3,13 @@ are always torn down, and the planted secrets."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)  # `import harness` under --import-mode=importlib
 
-import harness as H  # noqa: E402
+from tests.reliability import harness as H  # noqa: E402
 
 
 @pytest.fixture

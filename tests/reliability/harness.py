@@ -27,12 +27,8 @@ import httpx
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE), str(ROOT / "tests" / "shadow")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.proxy.fake import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
@@ -149,7 +145,7 @@ class Fakes:
     def spawn(cls, shadows: dict[str, str | None] | None = None, log: Path | None = None) -> "Fakes":
         """In their own process (request logs discarded): the soak's load is not theirs to carry."""
         f = cls(shadows)
-        f._proc = subprocess.Popen([PY, str(_HERE / "_fakes.py"), json.dumps(f.shadows)], stdout=subprocess.PIPE,
+        f._proc = subprocess.Popen([PY, "-m", "tests.reliability._fakes", json.dumps(f.shadows)], stdout=subprocess.PIPE,
                                    stderr=open(log, "wb") if log else subprocess.DEVNULL, cwd=ROOT)
         assert f._proc.stdout is not None
         line = f._proc.stdout.readline()

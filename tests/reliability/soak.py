@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harness as H
+from tests.reliability import harness as H
 
 TOOLS = [{"type": "function", "function": {"name": "get_interface", "parameters": {
     "type": "object", "properties": {"name": {"type": "string"}}}}}]

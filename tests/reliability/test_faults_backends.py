@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import harness as H
+from tests.reliability import harness as H
 import pytest
 
 N = 8

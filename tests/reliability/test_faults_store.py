@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import harness as H
+from tests.reliability import harness as H
 import httpx
 import numpy as np
 import pytest

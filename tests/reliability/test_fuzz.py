@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import zlib
 
-import harness as H
+from tests.reliability import harness as H
 import httpx
 import numpy as np
 from hypothesis import HealthCheck, given, settings

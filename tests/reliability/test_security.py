@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import audit
-import harness as H
+from tests.reliability import audit
+from tests.reliability import harness as H
 import httpx
 import pytest
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-import harness as H
+from tests.reliability import harness as H
 import httpx
 
 BODY = b'{"model":"fake","messages":[{"role":"user","content":"hi"}]}'

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
-import harness as H
+from tests.reliability import harness as H
 import pytest
-from soak import soak
+from tests.reliability.soak import soak
 
 AGENTS = int(os.environ.get("TENSORVERSE_SOAK_AGENTS", "200"))
 DURATION_S = float(os.environ.get("TENSORVERSE_SOAK_S", "30"))

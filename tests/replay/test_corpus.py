@@ -5,7 +5,6 @@ scrubbed text (the chat template's rendering of the scrubbed messages)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from tensorverse.cli import main as cli_main
 from tensorverse.replay.corpus import CorpusError, load_corpus, schema, write_corpus
 from tensorverse.store import Store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tensorverse.rig.models import tokenizer_dir  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {

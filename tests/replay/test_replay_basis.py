@@ -6,13 +6,10 @@ no departure, flip or free divergence at all, however far the recording is from 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shadow"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from test_replay_runner import N, _replay, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.replay.test_replay_runner import N, _replay, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
 

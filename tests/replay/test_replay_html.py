@@ -10,15 +10,12 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shadow"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from test_replay_runner import corpus_dir, _replay  # type: ignore[import-not-found]  # noqa: E402,F401
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.replay.test_replay_runner import corpus_dir, _replay  # type: ignore[import-not-found]  # noqa: E402,F401
 
 from tensorverse.cli import main as cli_main  # noqa: E402
 from tensorverse.replay.html import case_page_name, diverging  # noqa: E402

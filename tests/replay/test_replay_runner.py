@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shadow"))
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
 from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary  # noqa: E402
@@ -101,6 +99,13 @@ def test_flips_are_found_and_the_reference_has_none(corpus_dir):
     lo, hi = cand["flip_rate_ci"]
     assert lo <= cand["flip_rate"] <= hi
     assert cand["same_top_p"]["p"] == pytest.approx(1 - cand["flip_rate"])
+    # every forced flip has a class (issue 19); the per-class counts add up to the flips
+    forced_classes = [k for c in res["cases"] for t in c["turns"]
+                      for k in ((t["backends"].get("cand") or {}).get("forced") or {}).get("flip_classes") or ()]
+    assert len(forced_classes) == cand["flips"] and set(forced_classes) <= {"tie", "near_tie", "noise", "runtime"}
+    assert cand["runtime_flips"] == forced_classes.count("runtime")
+    assert sum(cand["flips_by_class"].values()) >= cand["flips"]
+    assert cand["runtime_flip_rate"] == pytest.approx(cand["runtime_flips"] / cand["positions"])
     assert cand["kl"]["mean"] > 0 and cand["kl"]["approximate"] is True
     assert cand["departures"] > 0 and cand["diverged"] > 0
     table = render_summary(res)

@@ -5,16 +5,12 @@ corpora are flagged; unreadable input exits 2."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shadow"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from test_replay_runner import _replay, corpus_dir, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402,F401
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.replay.test_replay_runner import _replay, corpus_dir, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402,F401
 
 from tensorverse.cli import main as cli_main  # noqa: E402
 from tensorverse.replay.corpus import write_corpus  # noqa: E402

@@ -6,14 +6,12 @@ asks for (Cisco IOS tool calls, multi-turn sessions with recorded tool results).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_scrub import leaks  # type: ignore[import-not-found]  # noqa: E402
+from tests.replay.test_scrub import leaks  # type: ignore[import-not-found]  # noqa: E402
 
 from tensorverse.replay.corpus import load_corpus  # noqa: E402
 from tensorverse.replay.sample import DEFAULT_OUT, SENSITIVE, differences, generate, tokenizer_dir  # noqa: E402

@@ -88,7 +88,8 @@ def test_compare_turn_full_topk_free_and_noise(store, turn_runs):
     assert full["summary"]["flips_by_region"]["tool_args"] == 1
     assert full["metrics"]["kl"][3] > 0 and full["metrics"]["kl"][0] == pytest.approx(0, abs=1e-12)
     assert full["flip_tokens"][0] == {"position": 3, "token": T[3], "ref_top1": T[3],
-                                      "cand_top1": (T[3] + 1) % V, "region": "tool_args"}
+                                      "cand_top1": (T[3] + 1) % V, "region": "tool_args",
+                                      "flip_class": "runtime"}
     assert full["incomplete"] is False and full["positions"] is None
 
     floor = key[("sec-f", prim)]
@@ -176,3 +177,62 @@ def test_only_the_comparisons_of_the_given_backends(store, turn_runs):
     with_noise = [c for c in compare_turn(store, "T", backends=["cand"], store_results=False)
                   if c["run_id"] == "cand-f" and c["ref_run_id"] == prim][0]
     assert with_noise["noise"]["floor_backend"] == "sec"
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 (kept as float32): the rows vLLM captures."""
+    b = x.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def test_flip_classes_in_stored_comparisons(store):
+    """Issue 19: every flip of a stored comparison has a class. Positions: 1 = an exact tie in the
+    secondary's bf16 row, 2 = adjacent bf16 values (near tie), 3 = the secondary flips against the
+    primary too (noise), 4 = only the candidate flips (runtime). The secondary's own flip is noise;
+    the candidate's free run with the primary's exact ids but other tool calls is a parser flip."""
+    R = _bf16(ref_logits())
+    T = tokens_of(R)
+    S = R.copy()  # the secondary's rows (the primary's config): equal, except where noted
+    C = R.copy()
+    alt = [(t + 1) % V for t in T]
+    S[1, alt[1]] = S[1, T[1]]  # a tie: argmax stays T[1] only if T[1] < alt[1]
+    if alt[1] < T[1]:
+        alt[1] = (T[1] + 2) % V if (T[1] + 2) % V > T[1] else alt[1]
+        S[1, alt[1]] = S[1, T[1]]
+    bits = S[2, T[2]].view(np.uint32) >> 16
+    S[2, alt[2]] = np.array([(int(bits) - 1) << 16], np.uint32).view(np.float32)[0]  # 1 bf16 step below
+    for p in (1, 2, 3, 4):
+        C[p, alt[p]] = R[p].max() + 1.0  # the candidate prefers alt[p]
+    Sprime = S.copy()
+    Sprime[3, alt[3]] = R[3].max() + 1.0  # the secondary flips at 3 (against the primary's top-k)
+    complete = {"expected": N, "present": N, "complete": True}
+    runs = [
+        run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk", top=topk(R),
+                   text=REF_TEXT, pieces=PIECES),
+        run_record("sec-f", "sec", "secondary", "forced", T, top=topk(Sprime), rows=complete),
+        run_record("cand-f", "cand", "shadow", "forced", T, top=topk(C), rows=complete),
+        run_record("cand-r", "cand", "shadow", "free", T, text=CAND_TEXT),  # same ids, other calls
+    ]
+    for r in runs:
+        store.put_run(r).result()
+    put_rows(store, "sec-f", S)
+    put_rows(store, "cand-f", C)
+    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T")}
+    full = out[("cand-f", "sec-f")]
+    assert full["kind"] == "full" and full["flips"] == [1, 2, 3, 4]
+    assert full["flip_classes"] == ["tie", "near_tie", "noise", "runtime"], full["attribution"]
+    assert full["summary"]["flips_by_class"] == {"tie": 1, "near_tie": 1, "noise": 1, "parser": 0, "runtime": 1}
+    assert [f["flip_class"] for f in full["flip_tokens"]] == full["flip_classes"]
+    assert full["attribution"]["noise_source"] == "secondary:sec"
+    assert full["attribution"]["details"][1]["steps"] == 1 and full["attribution"]["details"][1]["ref_dtype"] == "bfloat16"
+    floor = out[("sec-f", primary_run_id("T"))]
+    assert floor["noise_floor"] and floor["flips"] == [3] and floor["flip_classes"] == ["noise"]
+    vs_primary = out[("cand-f", primary_run_id("T"))]
+    assert vs_primary["kind"] == "topk" and set(vs_primary["flip_classes"]) <= {"noise", "runtime", "tie", "near_tie"}
+    assert vs_primary["flip_classes"][vs_primary["flips"].index(3)] == "noise"
+    ex = vs_primary["excess"]
+    assert ex["runtime_flips"] == vs_primary["flips_by_class"]["runtime"] and ex["noise_flips"] == 1
+    assert ex["low"] < ex["excess"] < ex["high"] and ex["floor_backend"] == "sec"
+    free = out[("cand-r", primary_run_id("T"))]
+    assert free["diverged"] is False and free["verdict"] != "match"
+    assert free["flip_class"] == "parser" and free["flips_by_class"]["parser"] == 1

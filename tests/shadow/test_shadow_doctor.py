@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
 from tensorverse.cli import main as cli_main
 from tensorverse.shadow.doctor import doctor, format_report

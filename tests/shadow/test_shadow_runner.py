@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
 from tensorverse.shadow import Backend, ShadowRunner, shadow_turn
 from tensorverse.shadow.runner import (
@@ -417,3 +417,38 @@ def test_backend_records_never_hold_the_key(store):
         assert "sk-shadow-own" not in str(r)
     # the shadow's own key is what the shadow received
     assert shadow.auth and all(a == "Bearer sk-shadow-own" for a in shadow.auth)
+
+
+def test_parser_check_of_the_primary_runs_in_the_shadow_worker(store):
+    """Issue 19, item 5: the primary's output ids, decoded, are re-parsed and compared with the
+    tool calls it emitted; the result is stored on the turn's recorded run."""
+    pieces = ['<tool_call>', '{"name": "show_vlan", ', '"arguments": ', '{"vlan": 201}', '}', '</tool_call>']
+    good = [{"id": "c1", "type": "function", "function": {"name": "show_vlan", "arguments": '{"vlan": 201}'}}]
+    broken = [{"id": "c1", "type": "function", "function": {"name": "show_vlan", "arguments": '{"vlan": 21}'}}]
+
+    async def main():
+        prim = await FakeVLLM().start()
+        shadow = await FakeVLLM(store=store).start()
+        try:
+            backends = [Backend("prim", prim.url, role="primary", logprobs=5),
+                        Backend("cand", shadow.url, logprobs=5)]
+            out = []
+            for tid, calls in (("ok", good), ("bad", broken)):
+                turn = make_turn(prim, tid=tid, pieces=pieces, tool_calls=calls, text="")
+                out.append(await shadow_turn(turn, backends, store, cache=RunnerCache(), modes=("forced",)))
+            plain = await shadow_turn(make_turn(prim, tid="plain"), backends, store, cache=RunnerCache(),
+                                      modes=("forced",))
+            return out, plain
+        finally:
+            await prim.close()
+            await shadow.close()
+
+    (ok, bad), plain = run(main())
+    assert ok[0]["parser_check"]["mismatch"] is False and ok[0]["parser_check"]["parsed_calls"] == 1
+    pc = bad[0]["parser_check"]
+    assert pc["mismatch"] is True and pc["verdict"] == "value_mismatch"
+    assert pc["differences"][0]["path"] == "$.arguments.vlan"
+    assert store.get_run(primary_run_id("bad"))["parser_check"] == pc  # stored per turn
+    # pieces from /detokenize: no tool calls on either side is a match
+    assert plain[0]["parser_check"] == {"mismatch": False, "verdict": "match", "parsed_calls": 0,
+                                        "emitted_calls": 0, "differences": []}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
 from tensorverse.shadow import Backend
 from tensorverse.shadow.client import BackendClient

@@ -247,7 +247,7 @@ def test_format_1_store_opens_as_format_2_and_its_turns_read_unchanged(tmp_path:
         txn.put(b"format_version", b"1", db=env.open_db(S.META, txn=txn))
     env.close()
     with Store.open(tmp_path / "s") as store:
-        assert store.format_version == 2
+        assert store.format_version == S.FORMAT_VERSION  # through 2 to the current format
         got = store.get_turn("t")
         assert got["choices"] == turn["choices"] and [t["id"] for t in store.iter_turns("s")] == ["t"]
 
@@ -371,3 +371,58 @@ def test_turn_stamp_changes_with_everything_below_the_turn(tmp_path: Path) -> No
         assert third != second
         store.put_backend("fp16", {"url": "http://x/v1"}).result()
         assert store.turn_stamp(tid) != third
+
+
+def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path) -> None:
+    """A store written by the format-2 code (fixtures/make_format2_store.py, run at commit
+    c5adb6f) opens, migrates to 3 once, reads its rows unchanged with no engine state, and then
+    takes rows with engine states; a read-only open of the unmigrated copy refuses it."""
+    import shutil
+
+    import numpy as np
+
+    from tensorverse.store.codec import decode_row, encode_row
+    from tensorverse.store.engine_state import RUNNER_V1, EngineState
+
+    src = Path(__file__).parent / "fixtures" / "format2-store"
+    shutil.copytree(src, tmp_path / "ro")
+    with pytest.raises(StoreVersionError, match="has format 2"):
+        Store.open(tmp_path / "ro", readonly=True)
+    shutil.copytree(src, tmp_path / "s")
+    with Store.open(tmp_path / "s") as store:
+        assert store.format_version == 3
+        rows = store.read_rows("r2")
+        assert [p for p, _ in rows] == [0, 1, 2]
+        np.testing.assert_array_equal(decode_row(rows[2][1]), np.arange(16, dtype=np.float32) * 3)
+        assert store.get_run("r2")["token_ids"] == [4, 5, 6]
+        assert store.read_engine_states("r2") == {} and store.read_engine_state("r2", 0) is None
+        st = EngineState(runner=RUNNER_V1, step=7, batch_size=3, row=1, joined=0)
+        store.write_rows("r2", [(3, encode_row(np.ones(16, np.float32)), st),
+                                (0, rows[0][1])]).result()
+        assert store.read_engine_states("r2") == {3: st}
+    with Store.open(tmp_path / "s") as store:  # migrated once; the history says when
+        assert store.format_version == 3 and store.read_engine_state("r2", 3) == st
+    with Store.open(tmp_path / "s", readonly=True) as store:
+        assert store.read_engine_state("r2", 3).as_dict() == {
+            "runner": "v1", "step": 7, "batch_size": 3, "row": 1, "joined": 0,
+            "context_tokens": None, "prefill_reqs": None}
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"migrated:3", db=env.open_db(S.META, txn=txn, create=False)) is not None
+    env.close()
+
+
+def test_engine_state_is_replaced_and_deleted_with_its_row(tmp_path: Path) -> None:
+    from tensorverse.store.engine_state import RUNNER_V2, EngineState
+
+    st = EngineState(runner=RUNNER_V2, step=1, batch_size=2, row=0, joined=2, context_tokens=40,
+                     prefill_reqs=2)
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 5}).result()
+        store.put_turn({"id": "t", "session_id": "s", "index": 0}).result()
+        store.put_run({"id": "r", "turn_id": "t", "session_id": "s", "backend": "b"}).result()
+        store.write_rows("r", [(0, b"x", st), (1, b"y", st)]).result()
+        store.write_rows("r", [(1, b"y2")]).result()  # rewritten without a state: it has none
+        assert store.read_engine_states("r") == {0: st}
+        assert store.delete_session("s").result()
+        assert store.read_engine_states("r") == {} and store.read_rows("r") == []

@@ -25,6 +25,7 @@ import math
 import sys
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,7 +165,15 @@ def _turn(store: Store, sid: str, tid: str, index: int, pieces: list[str], *, pr
         "mode": "recorded", "status": "ok", "capture": "topk", "approximate": True, "method": "recorded",
         "token_ids": ids, "text": text, "top_logprobs": [topk_pairs(x) for x in logits], "pieces": pieces,
         "tool_calls": tool_calls or None, "created_ns": created_ns,
+        # the shadow runner's parser check: the ids (pieces) re-parsed against what was sent
+        "parser_check": parser_check("".join(pieces), text, tool_calls).as_dict(),
     }).result()
+
+
+def parser_check(decoded: str, text: str | None, tool_calls: list | None) -> Any:
+    from tensorverse.analysis.attribution import parser_check as check
+
+    return check(decoded, text, tool_calls)
 
 
 def _compare(store: Store, tid: str) -> None:

@@ -249,3 +249,37 @@ def test_xss_corpus_stays_inert(server, page, built, tmp_path, vz):
     page.shot("export-xss")
     assert page.dialogs == []
     assert page.errors == []
+
+
+def test_flip_classes_legend_filter_and_branch_header(server, page, vz):
+    """Issue 19: every flip shows its class (from the stored comparisons), the legend explains
+    the classes, a filter keeps one class, the branch header names the class, and the turn head
+    shows the primary's parser check."""
+    pg = page.page
+    page.open(server + "#/t/s-net-t1?mode=forced", "turn")
+    legend = pg.locator(".legend")
+    assert legend.locator(".fclass").all_inner_texts() == ["tie", "near tie", "noise", "parser", "runtime"]
+    flips = pg.locator(".stream .tok.flip")
+    assert flips.count() == 3
+    assert flips.evaluate_all("els => els.map(e => e.dataset.cls)") == ["runtime", "runtime", "runtime"]
+    assert "runtime" in flips.first.get_attribute("title")
+    assert pg.locator(".turnhead .parser-ok").count() == 1 and pg.locator(".turnhead .parser-mismatch").count() == 0
+    # the filter: no tie flips here, so none stays highlighted; runtime brings all three back
+    legend.locator("select.classfilter").select_option("tie")
+    assert pg.locator(".stream .tok.flip").count() == 0
+    assert pg.locator(".stream .tok.filtered").count() == 3
+    pg.keyboard.press("n")  # navigation skips filtered flips
+    assert pg.locator(".stream .tok.sel").count() == 0
+    legend.locator("select.classfilter").select_option("runtime")
+    assert pg.locator(".stream .tok.flip").count() == 3
+    # free mode: the class in the branch header of each branch that left the reference's
+    pg.keyboard.press("f")
+    pg.wait_for_selector('.modes .mode[data-mode="free"][aria-selected="true"]')
+    heads = pg.locator(".stream .lanehead")
+    fa2_head = [h for h in heads.all_inner_texts() if "branch @35" in h and "fa2" in h]
+    assert fa2_head and "runtime" in fa2_head[0]
+    ref_heads = [h for h in heads.all_inner_texts() if "branch @" in h and "secondary" in h]
+    assert ref_heads and all("runtime" not in h for h in ref_heads)  # the reference's branch: no class
+    assert pg.locator("#toolcalls .toolcard .fclass.c-runtime").count() == 2
+    page.shot("flip-classes")
+    assert page.errors == [] and page.dialogs == []

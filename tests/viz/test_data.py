@@ -338,7 +338,11 @@ def test_stored_comparisons_match_recomputation(ro_store, monkeypatch):
         for a, b in zip(fast["lanes"][k]["kl"], slow["lanes"][k]["kl"]):
             assert a == pytest.approx(b, rel=1e-3, abs=1e-9)
     assert fast["margin"] == pytest.approx(slow["margin"], rel=1e-3)
-    assert fast["flips"] == slow["flips"]
+    # flip classes come from the stored comparisons only (issue 19): without them, none
+    assert all(c in ("tie", "near_tie", "noise", "runtime") for f in fast["flips"] for c in f["classes"].values())
+    assert all(c is None for f in slow["flips"] for c in f["classes"].values())
+    strip = lambda fl: [{k: v for k, v in f.items() if k != "classes"} for f in fl]  # noqa: E731
+    assert strip(fast["flips"]) == strip(slow["flips"])
 
 
 def test_lazy_panels_equal_inline_panels(ro_store):
@@ -448,3 +452,23 @@ def test_turn_without_output_and_unknown_token_texts(tmp_path):
         brief = view.session_view("s")["turns"][1]["backends"]["x"]
         assert brief["divergence"] == 1 and brief["verdict"] == "match" and brief["status"] == "timeout"
         assert brief["error"] == "forced: timeout: no answer in 120 s"
+
+
+def test_parser_mismatch_shown_per_turn(tmp_path, vz):
+    """Issue 19: a recorded run whose parser check found a mismatch marks the turn (turn view and
+    the session's turn list); a later check replaces an earlier one."""
+    built = vz.build_store(tmp_path / "s")
+    with Store.open(built.path) as store:
+        view = ViewData(store)
+        assert view.turn_view("s-net-t1")["parser_check"]["mismatch"] is False
+        assert view.session_view("s-net")["turns"][1]["parser_mismatch"] is False
+        rec = store.get_run("s-net-t1~primary")
+        pc = vz.parser_check("".join(rec["pieces"]), rec["text"], [
+            {"id": "c", "type": "function", "function": {"name": "configure_subinterface",
+                                                         "arguments": '{"interface": "Gi0/0/1.201"}'}}])
+        assert pc.mismatch
+        store.put_run({**rec, "id": "s-net-t1~primary2", "parser_check": pc.as_dict(),
+                       "created_ns": rec["created_ns"] + 1}).result()
+        tv = view.turn_view("s-net-t1")
+        assert tv["parser_check"]["mismatch"] is True and tv["parser_check"]["differences"]
+        assert view.session_view("s-net")["turns"][1]["parser_mismatch"] is True

@@ -198,6 +198,31 @@
     return el("span", { class: "chip b" + (idx % PALETTE) + (extra ? " " + extra : ""), text: name, title: name });
   }
 
+  // why a flip happened (docs/attribution.md): tie, near_tie, noise, parser, runtime
+  const FLIP_CLASSES = ["tie", "near_tie", "noise", "parser", "runtime"];
+  const CLASS_HELP = {
+    tie: "tie: the reference gave both tokens exactly equal logits; rounding decided",
+    near_tie: "near tie: the two reference logits are adjacent values of its dtype (bf16: one ulp apart)",
+    noise: "noise: the secondary (the primary's exact config) flips here too: batching nondeterminism",
+    parser: "parser: same tokens, different tool calls (or the primary's own parse differs from what it sent)",
+    runtime: "runtime: none of the above: the setting under test changed the token",
+  };
+  function classBadge(c) {
+    const k = c || "unclassified";
+    return el("span", { class: "fclass c-" + k, text: k.replace("_", " "), title: CLASS_HELP[k] || "no class stored for this flip" });
+  }
+  function parserBadge(pc) {
+    const n = pc && pc.differences ? pc.differences.length : 0;
+    return el("span", { class: "verdict bad parser-mismatch", text: "parser mismatch",
+      title: "the tool calls the primary sent differ from what its own output tokens parse to" +
+        (pc ? " (" + pc.verdict + (n ? ": " + pc.differences.map((d) => d.kind + " " + d.path).join(", ") : "") + ")" : "") });
+  }
+  function classAllowed(classes) {
+    const want = state.classFilter;
+    if (!want) return true;
+    return classes.some((c) => (c || "unclassified") === want);
+  }
+
   function verdictBadge(v) {
     const cls = v === "match" ? "ok" : (v === "none" || !v) ? "none" : v === "error" ? "bad" :
       (v === "value_mismatch" || v === "unexpected_param" || v === "missing_param") ? "warn" : "bad";
@@ -320,7 +345,7 @@
         el("td", { class: "num" }, el("a", { href: link(["t", t.id]), text: String(t.index) })),
         el("td", { class: "mono nowrap", text: fmtTime(t.created_ns) }),
         el("td", { class: "num", text: t.tokens }),
-        el("td", null, verdictBadge(t.worst)),
+        el("td", null, verdictBadge(t.worst), t.parser_mismatch ? parserBadge() : null),
         el("td", { class: "num", text: t.flips }),
         el("td", { class: "mono" }, el("a", { href: link(["t", t.id]), text: t.id }))));
     }
@@ -378,6 +403,7 @@
     state = {
       view: view, idx: idx, mode: null, sel: null, hover: null, spans: new Map(),
       flips: [], flipAt: -1, seqs: buildSeqs(view), panelCache: new Map(), panelPending: new Set(),
+      classFilter: null,
     };
     setCrumbs([
       { text: "Sessions", href: EMBEDDED ? null : "#/" },
@@ -402,6 +428,9 @@
         modeBar),
       el("p", { class: "muted" }, fmtTime(view.turn.created_ns),
         view.turn.state && view.turn.state !== "ok" ? el("span", { class: "verdict bad", text: view.turn.state, title: "the primary's request ended " + view.turn.state }) : null,
+        view.parser_check && view.parser_check.mismatch ? parserBadge(view.parser_check) : null,
+        view.parser_check && !view.parser_check.mismatch ? el("span", { class: "verdict ok small parser-ok", text: "parser ok",
+          title: "the primary's tool calls equal what its own output tokens parse to" }) : null,
         " · primary ", chip(view.turn.primary, 0),
         " · ", String(view.turn.tokens), " output tokens · backends: ",
         view.backends.slice(1).map((b, i) => [chip(b.name, i + 1), b.errors.length ? el("span", { class: "verdict bad", text: "error", title: b.errors.join("\n") }) : null, " "])),
@@ -448,10 +477,18 @@
 
   function legend() {
     const regions = ["thinking", "content", "tool_name", "tool_args", "tool_syntax"];
+    const filter = el("select", { class: "classfilter", "aria-label": "show flips of class", on: { change: () => {
+      state.classFilter = filter.value || null;
+      renderStream();
+    } } }, el("option", { value: "", text: "all classes" }),
+    FLIP_CLASSES.concat(["unclassified"]).map((c) => el("option", { value: c, text: c.replace("_", " ") })));
     return el("div", { class: "legend" },
+      el("span", { class: "muted", text: "flip classes:" }), FLIP_CLASSES.map((c) => classBadge(c)),
+      el("span", { class: "muted", text: " show:" }), filter,
+      el("br"),
       el("span", { class: "muted", text: "regions:" }), regions.map((r) => el("span", { class: "tok r-" + r, text: r })),
       el("span", { class: "muted", text: " flips (margin):" }),
-      el("span", { class: "tok flip m-tie", text: "near tie <0.05", title: "the reference was almost tied: an expected flip" }),
+      el("span", { class: "tok flip m-tie", text: "<0.05", title: "the reference's top-2 probabilities were within 0.05 (the class says whether it was a tie in its dtype)" }),
       el("span", { class: "tok flip m-close", text: "<0.3" }),
       el("span", { class: "tok flip m-wide", text: "≥0.3", title: "the reference was confident: a suspicious flip" }),
       el("span", { class: "muted", text: " outline: KL ≥0.01/0.1/1" }));
@@ -540,12 +577,16 @@
     const text = el("div", { class: "tokens" });
     const frag = document.createDocumentFragment();
     for (let i = 0; i < f.tokens.length; i++) {
-      const fl = flipBy[i];
+      let fl = flipBy[i];
       const span = tokenSpan(view, f.tokens[i], f.regions[i], { data: { p: i } });
+      const classes = fl ? fl.backends.map((b) => (fl.classes || {})[b] || null) : [];
+      if (fl && !classAllowed(classes)) { span.classList.add("filtered"); fl = null; }
       if (fl) {
         span.classList.add("flip", marginClass(fl.margin), klClass(maxOf(fl.kl)));
-        span.title = "flip at " + i + ": " + fl.backends.map((b) => b + " → " + (tokenText(view, fl.top1[b]) ?? "#" + fl.top1[b]) +
-          " (kl " + fmtNum(fl.kl[b]) + ")").join("; ") + "; margin " + fmtNum(fl.margin);
+        for (const c of classes) span.classList.add("c-" + (c || "unclassified"));
+        span.dataset.cls = classes.map((c) => c || "unclassified").join(" ");
+        span.title = "flip at " + i + ": " + fl.backends.map((b, j) => b + " → " + (tokenText(view, fl.top1[b]) ?? "#" + fl.top1[b]) +
+          " (kl " + fmtNum(fl.kl[b]) + ", " + (classes[j] || "unclassified") + ")").join("; ") + "; margin " + fmtNum(fl.margin);
         const dots = el("span", { class: "dots" });
         for (const b of fl.backends) append(dots, el("span", { class: "dot b" + (state.idx[b] % PALETTE) }));
         span.appendChild(dots);
@@ -575,6 +616,11 @@
       if (node.parent === null) append(head, el("span", { class: "muted", text: node.children.length ? "shared by " : "all agree: " }));
       else append(head, el("span", { class: "muted", text: "branch @" + node.start + ": " }));
       append(head, node.backends.map((b) => chip(b, state.idx[b])));
+      const hbp = node.parent !== null ? bpBy[node.parent] : null;
+      if (hbp && hbp.classes) {
+        const mine = node.backends.filter((b) => b in hbp.classes);
+        if (mine.length) append(head, [el("span", { class: "muted small", text: " · " }), mine.map((b) => classBadge(hbp.classes[b]))]);
+      }
       append(wrap, head);
       const text = el("div", { class: "tokens" });
       const frag = document.createDocumentFragment();
@@ -583,8 +629,12 @@
         const pos = node.start + i;
         const span = tokenSpan(view, node.tokens[i], node.regions[i], { data: { n: node.id, p: pos } },
           node.texts ? node.texts[i] : null, inexact.has(i));
-        if (i === 0 && flipFirst.has(node.id)) {
+        const bcls = (bpBy[node.parent] && bpBy[node.parent].classes) || {};
+        const nodeClasses = node.backends.filter((b) => b in bcls).map((b) => bcls[b]);
+        if (i === 0 && flipFirst.has(node.id) && !classAllowed(nodeClasses.length ? nodeClasses : [null])) span.classList.add("filtered");
+        else if (i === 0 && flipFirst.has(node.id)) {
           const bp = bpBy[node.parent];
+          for (const c of nodeClasses) span.classList.add("c-" + (c || "unclassified"));
           const kl = bp ? maxOf(bp.kl) : null;
           span.classList.add("flip", marginClass(bp ? bp.margin : null), klClass(kl));
           if (node.backends.indexOf(bp.reference) >= 0) span.classList.add("refbranch");
@@ -811,6 +861,8 @@
       body.appendChild(tr);
     });
     append(box, el("div", { class: "scrollx" }, el("table", { class: "grid topktable" }, el("thead", null, head, sub), body)));
+    if (panel.e) append(box, el("p", { class: "small engine", title: "requests in the engine's batch when each row was computed (engine step in parentheses)" },
+      "batch: ", members.map((b, j) => panel.e[j] ? [chip(b, state.idx[b]), " " + panel.e[j].b + " req · step " + panel.e[j].s + "  "] : null)));
     append(box, el("p", { class: "muted small", text: "–: not in that backend's reported top-k (top-k logprobs only); ≥k: rank at least k." }));
   }
 
@@ -909,6 +961,7 @@
       const card = el("div", { class: "toolcard" + (e.reference ? " ref" : "") });
       append(card, el("div", { class: "toolhead" }, e.backends.map((b) => chip(b, state.idx[b])),
         e.reference ? el("span", { class: "verdict none", text: "reference" }) : verdictBadge(e.verdict.verdict),
+        e.classes ? Object.keys(e.classes).filter((b) => e.classes[b]).map((b) => classBadge(e.classes[b])) : null,
         el("button", { type: "button", class: "linkish small", text: "show branch", on: { click: () => jumpToNode(e.node) } })));
       const calls = e.extraction.calls;
       if (!calls.length && !e.extraction.malformed.length) append(card, el("p", { class: "muted small", text: "no tool calls" + (e.extraction.content ? " (content only)" : "") }));
