@@ -149,7 +149,8 @@ async def direct(corpus: Any, urls: dict[str, str], concurrency: int) -> float:
 
 
 async def replayed(corpus: Any, urls: dict[str, str], concurrency: int) -> tuple[float, dict[str, Any]]:
-    from tensorverse.replay.runner import ReplayOptions, replay
+    from tensorverse.replay.options import ReplayOptions
+    from tensorverse.replay.runner import replay
 
     opts = ReplayOptions(backends=_backends(urls, concurrency), reference="ref", concurrency=concurrency,
                          progress=False, check_tokenizer=False)

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from tensorverse.matrix.hypercube import marginals
 from tensorverse.matrix.spec import MatrixSpec, Point, render_value
-from tensorverse.replay.report import format_table
+from tensorverse.replay.report import RESULTS_FORMAT, RESULTS_VERSION, format_table
 
 __all__ = ["build_report", "write_outputs", "render_table", "replay_results", "write_parquet"]
 
@@ -121,7 +121,7 @@ def replay_results(report: Mapping[str, Any]) -> dict[str, Any]:
                 tt["backends"].update(t.get("backends") or {})
     host = next((r.get("host") for r in ok if r.get("host")), None)
     return {
-        "format": "tensorverse.replay-results", "format_version": 1, "created": report["created"],
+        "format": RESULTS_FORMAT, "format_version": RESULTS_VERSION, "created": report["created"],
         "tensorverse_version": report["tensorverse_version"],
         "corpus": {"name": report["corpus"]["name"], "cases": report["corpus"]["cases"],
                    "manifest_sha256": report["corpus"]["manifest_sha256"], "tokenizer": None},

@@ -310,7 +310,7 @@ def add_noise_arguments(p: Any) -> None:
 
 
 def run_noise_args(args: Any) -> int:
-    from tensorverse.replay.runner import parse_backend
+    from tensorverse.replay.options import parse_backend
     from tensorverse.store import Store, StoreVersionError
 
     try:

@@ -75,7 +75,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_replay_args(args: argparse.Namespace) -> int:
-    from tensorverse.replay.runner import ReplayOptions, parse_backend, run_replay
+    from tensorverse.replay.options import ReplayOptions, parse_backend
+    from tensorverse.replay.runner import run_replay
     from tensorverse.replay.tools import load_simulator
 
     try:

@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from tensorverse.replay.report import RESULTS_FORMAT
+
 __all__ = ["diverging", "write_html_report", "case_page_name"]
 
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d2330}
@@ -172,6 +174,6 @@ def report_from_files(results_path: str | os.PathLike, store_path: str | os.Path
                       out: str | os.PathLike) -> Path:
     """``tensorverse report html``: the report from a results file and the replay's ``--store``."""
     results = json.loads(Path(results_path).read_text(encoding="utf-8"))
-    if results.get("format") != "tensorverse.replay-results":
+    if results.get("format") != RESULTS_FORMAT:
         raise ValueError(f"{results_path}: not a Tensorverse replay results file")
     return write_html_report(results, store_path, out)

@@ -42,6 +42,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+RESULTS_FORMAT = "tensorverse.replay-results"  # the results file (format_version RESULTS_VERSION)
+RESULTS_VERSION = 1
+
 __all__ = ["build_results", "summarize_backend", "render_summary", "parse_threshold",
            "check_thresholds", "merge_results", "render_merged", "METRICS"]
 
@@ -165,8 +168,8 @@ def build_results(corpus: Any, opts: Any, cases: Sequence[Mapping[str, Any]], *,
     summary = {b.name: summarize_backend(b.name, cases, is_reference=b.name == opts.reference)
                for b in opts.backends}
     return {
-        "format": "tensorverse.replay-results",
-        "format_version": 1,
+        "format": RESULTS_FORMAT,
+        "format_version": RESULTS_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "tensorverse_version": _version(),
         "corpus": {"name": corpus.manifest.get("name") or Path(corpus.path).name,
@@ -317,7 +320,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     rows = []
     for p in paths:
         r = json.loads(Path(p).read_text(encoding="utf-8"))
-        if r.get("format") != "tensorverse.replay-results":
+        if r.get("format") != RESULTS_FORMAT:
             raise ValueError(f"{p}: not a Tensorverse replay results file")
         host = (r.get("rig") or {}).get("host") or {}
         gpus = host.get("gpus") or {}

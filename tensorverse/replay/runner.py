@@ -39,86 +39,26 @@ and turn records (the basis as each turn's answer) are what ``tensorverse view``
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.replay.corpus import Corpus, load_corpus
+from tensorverse.replay.journal import journal_key, read_journal
+from tensorverse.replay.options import RECORDED, ReplayOptions
+from tensorverse.replay.rig import rig_fingerprint
 from tensorverse.shadow.backend import Backend
 
-__all__ = ["ReplayOptions", "replay", "run_replay", "parse_backend", "RESULTS_FORMAT",
-           "case_turn_input", "rig_fingerprint"]
+__all__ = ["replay", "run_replay", "case_turn_input", "with_retries"]
 
 log = logging.getLogger("tensorverse.replay")
-
-RESULTS_FORMAT = "tensorverse.replay-results"
-RESULTS_VERSION = 1
-RECORDED = "recorded"
-
-
-def parse_backend(spec: str, *, capture: str = "auto", concurrency: int = 4,
-                  timeout_s: float = 300.0) -> Backend:
-    """``NAME=URL`` or ``NAME=URL#MODEL`` -> a Backend (its API key from
-    ``TENSORVERSE_BACKEND_API_KEY_<NAME>`` or ``TENSORVERSE_BACKEND_API_KEY``)."""
-    name, sep, url = spec.partition("=")
-    if not sep or not name or not url:
-        raise ValueError(f"--backend {spec!r}: use NAME=URL (e.g. fp32=http://127.0.0.1:8001/v1)")
-    url, _, model = url.partition("#")
-    key = (os.environ.get(f"TENSORVERSE_BACKEND_API_KEY_{name.upper().replace('-', '_')}")
-           or os.environ.get("TENSORVERSE_BACKEND_API_KEY"))
-    return Backend(name=name, url=url, model=model or None, api_key=key, capture=capture,
-                   concurrency=concurrency, timeout_s=timeout_s)
-
-
-@dataclass
-class ReplayOptions:
-    backends: list[Backend]
-    reference: str | None = None
-    modes: tuple[str, ...] = ("forced", "free")
-    concurrency: int = 4
-    out: Path | None = None
-    store: Path | None = None
-    retries: int = 3
-    backoff_s: float = 0.5
-    simulator: Any = None
-    include_text: bool = False
-    check_tokenizer: bool = True
-    check_template: bool = True
-    rows_timeout_s: float = 30.0
-    progress: bool = True
-    resume: bool = True
-    cases: Sequence[str] | None = None
-    html: Path | None = None  # write the HTML report into this directory
-
-    def __post_init__(self) -> None:
-        names = [b.name for b in self.backends]
-        if not names:
-            raise ValueError("replay needs at least one --backend")
-        if len(set(names)) != len(names):
-            raise ValueError(f"backend names must be unique: {names}")
-        if RECORDED in names:
-            raise ValueError(f"{RECORDED!r} names the corpus's reference output; pick another name")
-        if self.reference is None:
-            self.reference = names[0]
-        if self.reference not in names:
-            raise ValueError(f"--reference {self.reference!r} is not one of the backends {names}")
-        for m in self.modes:
-            if m not in ("forced", "free"):
-                raise ValueError(f"unknown mode {m!r} (forced, free)")
-        for b in self.backends:
-            b.role = "reference" if b.name == self.reference else "shadow"
-
 
 def case_turn_input(case: Mapping[str, Any], turn: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
     """A case turn in the dict form :class:`~tensorverse.shadow.runner.TurnInput` reads."""
@@ -149,60 +89,6 @@ def _safe(s: str) -> str:
 
 def _turn_id(prefix: str, case_id: str, index: int) -> str:
     return _safe(f"{prefix}{case_id}.t{index}")
-
-
-# ------------------------------------------------------------------------------ rig fingerprint
-
-
-def _gpus() -> dict[str, Any] | None:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        cuda = subprocess.run([exe], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = [r.split(", ") for r in out.stdout.strip().splitlines() if r.strip()]
-    cv = None
-    for line in cuda.splitlines():
-        if "CUDA Version" in line:
-            cv = line.split("CUDA Version:")[1].split()[0]
-    return {"count": len(rows), "models": sorted({r[0] for r in rows}),
-            "driver": rows[0][1] if rows and len(rows[0]) > 1 else None, "cuda": cv}
-
-
-async def rig_fingerprint(backends: Sequence[Backend]) -> dict[str, Any]:
-    """Where the replay ran: this machine (OS, Python, GPUs when ``nvidia-smi`` answers) and each
-    backend as ``tensorverse doctor`` sees it (vLLM version, model, capture, tokenizer)."""
-    from tensorverse.shadow.doctor import doctor
-
-    async def one(b: Backend) -> tuple[str, dict[str, Any]]:
-        try:
-            r = await doctor(b.url, b.model, api_key=b.api_key, timeout_s=min(b.timeout_s, 30))
-        except Exception as e:  # noqa: BLE001
-            return b.name, {"error": f"{type(e).__name__}: {e}"}
-        keep = ("version", "model", "max_model_len", "max_logprobs", "vocab_size", "plugin",
-                "forcing", "capture_sink", "capture", "problems")
-        info = {k: r.get(k) for k in keep}
-        info["tokenizer"] = (r.get("tokenizer") or {}).get("fingerprint")
-        info["launch_options"] = None  # not exposed by vLLM's API; see docs/replay.md
-        return b.name, info
-
-    got = dict(await asyncio.gather(*(one(b) for b in backends)))
-    try:  # the installed version, without importing vllm (that costs seconds)
-        import importlib.metadata as md
-
-        local_vllm: str | None = md.version("vllm")
-    except Exception:  # noqa: BLE001 - not installed
-        local_vllm = None
-    return {
-        "host": {"os": platform.platform(), "python": platform.python_version(),
-                 "machine": platform.machine(), "cpus": os.cpu_count(), "gpus": _gpus(),
-                 "vllm": local_vllm},
-        "backends": got,
-    }
 
 
 # ----------------------------------------------------------------------------------- the runner
@@ -543,29 +429,6 @@ class _Replay:
         return steps
 
 
-def _journal_key(corpus: Corpus, opts: ReplayOptions) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps([c["id"] for c in corpus.cases]).encode())
-    h.update(json.dumps([[b.name, b.model] for b in opts.backends]).encode())  # not URLs: ports move
-    h.update(json.dumps([opts.reference, list(opts.modes)]).encode())
-    return h.hexdigest()[:16]
-
-
-def _read_journal(path: Path, key: str) -> dict[str, dict[str, Any]]:
-    done: dict[str, dict[str, Any]] = {}
-    if not path.is_file():
-        return done
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by the interruption
-            if rec.get("key") == key and isinstance(rec.get("case"), dict):
-                done[rec["case"]["id"]] = rec["case"]
-    return done
-
-
 class _Progress:
     def __init__(self, total: int, done: int, enabled: bool) -> None:
         self.total, self.done, self.t0 = total, done, time.monotonic()
@@ -616,9 +479,9 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
     if store_path is None:
         tmp = tempfile.mkdtemp(prefix="tensorverse-replay-")
         store_path = Path(tmp)
-    key = _journal_key(corpus, opts)
+    key = journal_key(corpus, opts)
     journal = Path(str(opts.out) + ".partial.jsonl") if opts.out else None
-    done = _read_journal(journal, key) if (journal and opts.resume) else {}
+    done = read_journal(journal, key) if (journal and opts.resume) else {}
     results_cases: dict[str, dict[str, Any]] = {cid: c for cid, c in done.items()}
     started = time.time()
     interrupted = _on_interrupt()

@@ -14,7 +14,8 @@ from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found] 
 
 from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
 from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary  # noqa: E402
-from tensorverse.replay.runner import ReplayOptions, replay, run_replay  # noqa: E402
+from tensorverse.replay.options import ReplayOptions
+from tensorverse.replay.runner import replay, run_replay  # noqa: E402
 from tensorverse.shadow import Backend  # noqa: E402
 
 N = 8
@@ -212,7 +213,7 @@ def test_interrupted_run_resumes_with_the_cases_not_done(corpus_dir, tmp_path):
     journal = Path(str(out) + ".partial.jsonl")
     assert out.is_file() and not journal.exists()
     # fake an interruption after c1: the journal holds c1 only
-    from tensorverse.replay.runner import _journal_key
+    from tensorverse.replay.journal import journal_key as _journal_key
 
     opts = _opts(fakes, out=out)
     key = _journal_key(load_corpus(corpus_dir), opts)
