@@ -7,21 +7,15 @@ installs both, so a missing one fails the tests instead of hiding them. Screensh
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
-from tensorverse.ports import free_port
+from tests.viz.viewer_thread import ARGS, CHROMIUM, serve_viewer
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = Path(os.environ.get("TENSORVERSE_ARTIFACTS",
                                 Path(__file__).resolve().parents[2] / "out" / "test-artifacts" / "viz"))
 
@@ -33,35 +27,10 @@ if not Path(CHROMIUM).exists():
 
 @pytest.fixture(scope="module")
 def server(built):
-    """The viewer on a free loopback port, in a thread of its own."""
-    from aiohttp import web
-
-    from tensorverse.store import Store
-    from tensorverse.viz.server import create_app
-
-    store = Store.open(built.path, readonly=True)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    # inline_rows=0: every top-k panel is fetched per position, as for a long turn (the export
-    # test below covers panels carried in the view)
-    runner = web.AppRunner(create_app(store, host="127.0.0.1", inline_rows=0))
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    assert started.wait(20)
-    yield f"http://127.0.0.1:{port}/"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(20)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(10)
-    store.close()
+    """The viewer on a free loopback port, in a thread of its own (every top-k panel fetched per
+    position, as for a long turn; the export test below covers panels carried in the view)."""
+    with serve_viewer(built.path) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,14 @@ the view model, and in a real browser (Debian's headless Chromium, as test_brows
 
 from __future__ import annotations
 
-import asyncio
-import os
-import shutil
-import threading
 
 import pytest
 
-from tensorverse.ports import free_port
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
 from tensorverse.store.engine_state import RUNNER_V1, EngineState
 from tensorverse.viz.data import ViewData
+from tests.viz.viewer_thread import ARGS, CHROMIUM, serve_viewer
 
 
 def build(path, vz) -> list[int]:
@@ -55,62 +51,31 @@ def test_panel_carries_each_members_batch(tmp_path, vz):
                                                   for p in range(len(ids))]
 
 
-CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
 @pytest.mark.browser
 def test_topk_panel_shows_each_members_batch(tmp_path, vz):
     import playwright.sync_api as playwright_api
-    from aiohttp import web
-
-    from tensorverse.store import Store
-    from tensorverse.viz.server import create_app
 
     ids = build(tmp_path / "s", vz)
-    store = Store.open(tmp_path / "s", readonly=True)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(create_app(store, host="127.0.0.1", inline_rows=0))
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    assert started.wait(20)
     errors: list[str] = []
-    try:
-        with playwright_api.sync_playwright() as p:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            pg = b.new_page(viewport={"width": 1400, "height": 900})
-            pg.set_default_timeout(15_000)
-            pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            pg.on("pageerror", lambda e: errors.append(str(e)))
-            pg.goto(f"http://127.0.0.1:{port}/#/t/t?mode=forced")
-            pg.wait_for_selector("body[data-view=turn]")
-            pg.locator('.stream .tok[data-p="2"]').first.click()
-            line = pg.locator("#topk p.engine")
-            line.wait_for()
-            text = line.inner_text()
-            assert "secondary" in text and "1 req · step 102" in text
-            assert "batchy" in text and "8 req · step 102" in text
-            last = len(ids) - 1  # the shadow's last row has no state: only the secondary's shows
-            pg.locator(f'.stream .tok[data-p="{last}"]').first.click()
-            pg.wait_for_function(f"document.querySelector('#topk h2') && "
-                                 f"document.querySelector('#topk h2').textContent.startsWith('Position {last}')")
-            text = pg.locator("#topk p.engine").inner_text()
-            assert f"1 req · step {100 + last}" in text and "8 req" not in text
-            b.close()
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(20)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
-        store.close()
+    with serve_viewer(tmp_path / "s") as url, playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = b.new_page(viewport={"width": 1400, "height": 900})
+        pg.set_default_timeout(15_000)
+        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(f"{url}#/t/t?mode=forced")
+        pg.wait_for_selector("body[data-view=turn]")
+        pg.locator('.stream .tok[data-p="2"]').first.click()
+        line = pg.locator("#topk p.engine")
+        line.wait_for()
+        text = line.inner_text()
+        assert "secondary" in text and "1 req · step 102" in text
+        assert "batchy" in text and "8 req · step 102" in text
+        last = len(ids) - 1  # the shadow's last row has no state: only the secondary's shows
+        pg.locator(f'.stream .tok[data-p="{last}"]').first.click()
+        pg.wait_for_function(f"document.querySelector('#topk h2') && "
+                             f"document.querySelector('#topk h2').textContent.startsWith('Position {last}')")
+        text = pg.locator("#topk p.engine").inner_text()
+        assert f"1 req · step {100 + last}" in text and "8 req" not in text
+        b.close()
     assert errors == []
