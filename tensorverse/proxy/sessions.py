@@ -176,6 +176,9 @@ class _Session:
     last_user: str = ""
     side_texts: deque = field(default_factory=lambda: deque(maxlen=8))  # side answers (norm)
     probes: tuple[str, ...] = ()  # starts of the latest tool results (for `quotes`)
+    # its record until a turn carrying it has finished: every turn that joins before then carries
+    # a copy, since it may finish (and be stored) before the turn that opened the session
+    unstored: dict | None = None
 
 
 @dataclass(slots=True)
@@ -265,7 +268,7 @@ class Sessions(Addon):
             # Stored once the turn is over (`response_done`/`error`, in the background), just
             # before the recorder stores the turn: nothing reaches the store's writer thread
             # while the request is on its way.
-            flow.meta["session_record"] = record
+            flow.meta["session_record"] = s.unstored = record
         return s
 
     def _put(self, record: dict) -> None:
@@ -369,6 +372,8 @@ class Sessions(Addon):
                 s = self._create(self.new_id(), flow, "prefix")
         flow.session_id = s.id
         flow.turn_index = s.next_index
+        if s.unstored is not None and "session_record" not in flow.meta:
+            flow.meta["session_record"] = dict(s.unstored)
         flow.meta["turn_kind"] = kind
         flow.meta["grouping"] = {"evidence": evidence, "score": score}
         s.next_index += 1
@@ -451,6 +456,9 @@ class Sessions(Addon):
         record = flow.meta.pop("session_record", None)
         if record is not None:
             self._put(record)
+            s = self._sessions.get(record["id"])
+            if s is not None:
+                s.unstored = None
         moves = self._pending_moves.pop(flow.session_id, None) if flow.session_id else None
         for tid, index in moves or ():
             if self.store is not None:

@@ -17,6 +17,7 @@ from tensorverse.proxy import grouping as G
 from tensorverse.proxy.flow import Flow
 from tensorverse.proxy.accumulate import ACCUMULATORS
 from tensorverse.proxy.protocol import CHAT
+from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
 
 SYSTEM = {"role": "system", "content": "You are a network automation agent."}
@@ -32,9 +33,10 @@ class Driver:
     """Sends requests through a `Sessions` addon as the proxy does: `request_forwarded`, then
     (after the answer) `response_done` with the answer in the real chat accumulator."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, store=None, **kw) -> None:
         self.clock = [0.0]
-        self.sessions = Sessions(None, clock=lambda: self.clock[0], **kw)
+        self.sessions = Sessions(store, clock=lambda: self.clock[0], **kw)
+        self.recorder = Recorder(store) if store is not None else None  # next in line, as in the proxy
 
     def start(self, messages, *, tools=TOOLS, headers=None, body_extra=None) -> Flow:
         body = {"model": "m", "messages": messages, **({"tools": tools} if tools else {}), **(body_extra or {})}
@@ -52,6 +54,9 @@ class Driver:
                       "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
         f.meta["acc"] = acc
         asyncio.run(self.sessions.response_done(f))
+        if self.recorder is not None:
+            asyncio.run(self.recorder.response_done(f))
+            f.meta["turn_future"].result(timeout=10)  # raises what the store refused
 
     def turn(self, messages, answer, **kw) -> Flow:
         f = self.start(messages, **kw)
@@ -177,6 +182,31 @@ def test_title_request_before_the_first_turn_is_linked():
     assert title.meta["session_record"]["id"] == first.session_id and d.sessions.counters["created"] == 1
     d.finish(title, {"role": "assistant", "content": "Uplinks"})
     assert d.turn(*conv[1]).session_id == first.session_id
+
+
+def test_side_request_that_finishes_before_the_first_turn_is_stored(tmp_path):
+    """turnstone sends its title request while the first turn streams; the title is quick, so its
+    turn reaches the store first: the session's record must too (CI lost such turns once)."""
+    from tensorverse.store import Store
+
+    store = Store.open(tmp_path / "store", durable=False)
+    try:
+        d = Driver(store)
+        conv = conversation("q", 2)
+        first = d.start(*conv[0][:1])
+        title = d.start([{"role": "system", "content": "You are a conversation title generator."},
+                         {"role": "user", "content": f"Generate a title:\n\nUser: {conv[0][0][1]['content']}"}],
+                        tools=None)
+        assert title.session_id == first.session_id and title.meta["turn_kind"] == G.SIDE
+        d.finish(title, {"role": "assistant", "content": "Uplinks"})  # raised RecordNotFound before
+        d.finish(first, conv[0][1])
+        later = d.turn(*conv[1])
+        assert later.session_id == first.session_id and "session_record" not in later.meta
+        turns = list(store.iter_turns(first.session_id))
+        assert [(t["index"], t["kind"]) for t in turns] == [(0, G.MAIN), (1, G.SIDE), (2, G.MAIN)]
+        assert store.get_session(first.session_id)["turns"] == 3 and d.sessions.counters["created"] == 1
+    finally:
+        store.close()
 
 
 def test_new_conversation_with_the_same_system_prompt_opens_a_session():
