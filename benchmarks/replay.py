@@ -111,7 +111,8 @@ async def direct(corpus: Any, urls: dict[str, str], concurrency: int) -> float:
     from openai import AsyncOpenAI
 
     from tensorverse.replay.runner import case_turn_input
-    from tensorverse.shadow.runner import TurnInput, forced_body, free_body
+    from tensorverse.shadow.completions import forced_body, free_body
+    from tensorverse.shadow.turn import TurnInput
 
     backends = _backends(urls, concurrency)
     clients = {b.name: AsyncOpenAI(base_url=b.url, api_key="unused", max_retries=0, timeout=300) for b in backends}

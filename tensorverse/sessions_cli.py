@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import orjson
 
+from tensorverse.store import records
+
 FIRST_USER_CHARS = 80
 
 
@@ -42,10 +44,10 @@ def _first_user(store: Any, sid: str, scrubber: Any) -> str:
     from tensorverse.proxy.grouping import first_user_text
     from tensorverse.proxy.sessions import request_messages
 
-    for turn in store.iter_turns(sid):
-        if turn.get("kind", "main") != "main":
+    for turn in map(records.turn, store.iter_turns(sid)):
+        if turn.kind != "main":
             continue
-        msgs = request_messages(turn.get("endpoint"), turn.get("request")) or []
+        msgs = request_messages(turn.endpoint, turn.request) or []
         text = first_user_text(msgs)
         if text:
             text = scrubber.scrub_text(text)
@@ -57,15 +59,14 @@ def session_rows(store: Any, limit: int | None = None) -> Iterator[SessionRow]:
     """The newest ``limit`` sessions (all when None), oldest first."""
     from tensorverse.replay.scrub import Scrubber
 
-    sessions = list(store.iter_sessions())
+    sessions = [records.session(s) for s in store.iter_sessions()]
     if limit:
         sessions = sessions[-limit:]
     scrubber = Scrubber()  # one mapping for the whole list: the same host gets the same placeholder
     for s in sessions:
-        yield SessionRow(id=s["id"], created_ns=int(s.get("created_ns", 0)), turns=int(s.get("turns", 0)),
-                         side_turns=int(s.get("side_turns", 0)), tool_call_turns=int(s.get("tool_call_turns", 0)),
-                         grouping=str(s.get("grouping", "")), edits=len(s.get("edits") or ()),
-                         first_user=_first_user(store, s["id"], scrubber))
+        yield SessionRow(id=s.id, created_ns=s.created_ns, turns=s.turns, side_turns=s.side_turns,
+                         tool_call_turns=s.tool_call_turns, grouping=s.grouping or "", edits=len(s.edits),
+                         first_user=_first_user(store, s.id, scrubber))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tensorverse.proxy.loop import LoopThread
+from tensorverse.store import records
 
 DEFAULT_OUT = Path("out/demo")
 DEFAULT_TASKS = 4
@@ -231,12 +232,8 @@ def shadow_verdict(summary: dict[str, Any], backend: str) -> ShadowVerdict | Non
 def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: str = UNDER_TEST) -> dict[str, Any]:
     """The demo's summary of one session, computed from what the store holds; ``under_test`` (a
     backend name) gets its verdict against the noise floor in ``summary["under_test"]``."""
-    turns = list(store.iter_turns(session_id))
-    roles: dict[str, str] = {}
-    for b in store.iter_backends():
-        name = b.get("name") or b.get("id")
-        if name:
-            roles[name] = b.get("role") or "shadow"
+    turns = [records.turn(t) for t in store.iter_turns(session_id)]
+    roles = {b.name: b.role or "shadow" for b in map(records.backend, store.iter_backends())}
     per: dict[str, dict[str, Any]] = {}
     first_flip: dict[str, Any] | None = None
     closest: dict[str, Any] | None = None
@@ -253,52 +250,52 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
                          "noise_floor_flips": None, "failed_runs": 0}
         return per[name]
 
-    for t in sorted(turns, key=lambda t: t.get("index", 0)):
-        tid = t["id"]
-        runs = list(store.iter_runs(tid))
+    for t in sorted(turns, key=lambda t: t.index):
+        tid = t.id
+        runs = [records.run(r) for r in store.iter_runs(tid)]
         for r in runs:
-            if r.get("mode") == "recorded":
+            if r.mode == "recorded":
                 continue
-            runs_total[(r.get("backend"), r.get("mode"), r.get("status"))] += 1
-            if r.get("status") != "ok":
-                entry(r["backend"])["failed_runs"] += 1
+            runs_total[(r.backend, r.mode, r.status)] += 1
+            if r.status != "ok":
+                entry(r.backend)["failed_runs"] += 1
         for r in runs:
-            for c in store.iter_comparisons(r["id"]):
-                if c.get("status", "ok") != "ok":
+            cmps = [records.comparison(c) for c in store.iter_comparisons(r.id)]
+            for c in cmps:
+                if c.status != "ok":
                     continue
-                name = c.get("backend")
+                name = c.backend
                 e = entry(name)
-                if c.get("mode") == "forced":
-                    if c.get("noise_floor"):  # the secondary against the primary's recorded top-k
-                        e["noise_floor_flips"] = (e["noise_floor_flips"] or 0) + len(c.get("flips") or [])
+                if c.mode == "forced":
+                    if c.noise_floor:  # the secondary against the primary's recorded top-k
+                        e["noise_floor_flips"] = (e["noise_floor_flips"] or 0) + len(c.flips or [])
                     elif e["role"] == "secondary":
                         continue
-                    if c.get("ref_role") == "primary" and c.get("ref_backend") != name and c.get("kind") != "full":
+                    if c.ref_role == "primary" and c.ref_backend != name and c.kind != "full":
                         # a shadow against the primary's recorded top-k: kept only if no full one
-                        if any(cc.get("kind") == "full" for cc in store.iter_comparisons(r["id"])
-                               if cc.get("mode") == "forced" and not cc.get("noise_floor")):
+                        if any(cc.kind == "full" for cc in cmps if cc.mode == "forced" and not cc.noise_floor):
                             continue
                     e["forced_turns"] += 1
-                    e["positions"] += int(c.get("n") or 0)
-                    flips = c.get("flip_tokens") or []
-                    e["flips"] += len(c.get("flips") or [])
+                    e["positions"] += c.n or 0
+                    flips = c.flip_tokens or []
+                    e["flips"] += len(c.flips or [])
                     for f in flips:
                         e["flips_by_region"][f.get("region") or "?"] += 1
-                    s = c.get("summary") or {}
+                    s = c.summary or {}
                     kl = s.get("kl") or {}
                     if kl.get("mean") is not None:
-                        e["kl_mean"].append((kl["mean"], int(c.get("n") or 0)))
+                        e["kl_mean"].append((kl["mean"], c.n or 0))
                     if kl.get("max") is not None:
                         e["kl_max"] = max(e["kl_max"], float(kl["max"]))
-                    m = c.get("metrics") or {}
+                    m = c.metrics or {}
                     margins = m.get("margin") or []
-                    positions = c.get("positions") or list(range(len(margins)))
-                    regions = c.get("regions") or [None] * len(margins)
+                    positions = c.positions or list(range(len(margins)))
+                    regions = c.regions or [None] * len(margins)
                     if flips:
                         f = flips[0]
                         i = positions.index(f["position"]) if f["position"] in positions else None
-                        cand = {"turn": t.get("index"), "turn_id": tid, "backend": name,
-                                "ref_backend": c.get("ref_backend"), "position": f["position"],
+                        cand = {"turn": t.index, "turn_id": tid, "backend": name,
+                                "ref_backend": c.ref_backend, "position": f["position"],
                                 "region": f.get("region"), "token": f.get("token"),
                                 "cand_token": f.get("cand_top1"),
                                 "margin": margins[i] if i is not None and i < len(margins) else None,
@@ -312,20 +309,20 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
                         if mg is None:
                             continue
                         if closest is None or mg < closest["margin"]:
-                            closest = {"turn": t.get("index"), "turn_id": tid, "position": positions[i],
+                            closest = {"turn": t.index, "turn_id": tid, "position": positions[i],
                                        "margin": mg, "region": regions[i] if i < len(regions) else None,
                                        "token": (m.get("ref_top1") or [None] * len(margins))[i],
-                                       "backend": name, "ref_backend": c.get("ref_backend")}
-                elif c.get("mode") == "free":
+                                       "backend": name, "ref_backend": c.ref_backend}
+                elif c.mode == "free":
                     e["free_turns"] += 1
-                    if c.get("diverged"):
+                    if c.diverged:
                         e["diverged_turns"] += 1
-                    e["verdicts"][c.get("verdict") or "none"] += 1
-                    diffs = (c.get("tool_calls") or {}).get("differences") or []
-                    if c.get("verdict") not in (None, "match"):
+                    e["verdicts"][c.verdict or "none"] += 1
+                    diffs = (c.tool_calls or {}).get("differences") or []
+                    if c.verdict not in (None, "match"):
                         d0 = diffs[0] if diffs else {}
-                        this = {"turn": t.get("index"), "turn_id": tid, "backend": name,
-                                "verdict": c.get("verdict"), "path": d0.get("path"),
+                        this = {"turn": t.index, "turn_id": tid, "backend": name,
+                                "verdict": c.verdict, "path": d0.get("path"),
                                 "reference": d0.get("reference"), "candidate": d0.get("candidate")}
                         if broken is None:
                             broken = this
@@ -355,7 +352,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
     summary = {
         "session_id": session_id,
         "turns": len(turns),
-        "output_tokens": sum(len(t.get("output_token_ids") or []) for t in turns),
+        "output_tokens": sum(len(t.output_token_ids or []) for t in turns),
         "backends": out_backends,
         "first_flip": first_flip,
         "closest_call": closest,

@@ -29,6 +29,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
+from tensorverse.store import records
+from tensorverse.store.records import Comparison, Run, Session, Turn
+
 __all__ = ["SCHEMA", "TABLES", "FORMATS", "export_store", "parse_since", "ExportError"]
 
 FORMATS = ("parquet", "jsonl")
@@ -161,87 +164,77 @@ def _json(v: Any) -> str | None:
     return None if v is None else orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
 
 
-def _ids(v: Any) -> list[int] | None:
-    return [int(t) for t in v] if isinstance(v, list) else None
+def session_row(s: Session) -> dict[str, Any]:
+    return {"session_id": s.id, "created_ns": s.created_ns, "updated_ns": s.updated_ns, "turns": s.turns,
+            "grouping": s.grouping, "endpoint": s.endpoint, "tags": _json(s.tags)}
 
 
-def session_row(s: Mapping[str, Any]) -> dict[str, Any]:
-    return {"session_id": s.get("id"), "created_ns": _int(s.get("created_ns")),
-            "updated_ns": _int(s.get("updated_ns")), "turns": _int(s.get("turns")),
-            "grouping": _str(s.get("grouping")), "endpoint": _str(s.get("endpoint")),
-            "tags": _json(s.get("tags") or {})}
-
-
-def turn_row(t: Mapping[str, Any], include_text: bool) -> dict[str, Any]:
-    timings = t.get("timings") or {}
-    prompt = _ids(t.get("prompt_token_ids"))
-    output = _ids(t.get("output_token_ids"))
-    return {"turn_id": t.get("id"), "session_id": t.get("session_id"), "index": _int(t.get("index")),
-            "created_ns": _int(t.get("created_ns")), "endpoint": _str(t.get("endpoint")),
-            "backend": _str(t.get("backend")), "model": _str(t.get("model")), "state": _str(t.get("state")),
-            "status": _int(t.get("status")), "stream": _bool(t.get("stream")),
-            "tools_offered": _bool(t.get("tools_offered")), "finish_reason": _str(t.get("finish_reason")),
+def turn_row(t: Turn, include_text: bool) -> dict[str, Any]:
+    timings = t.timings
+    prompt, output = t.prompt_token_ids, t.output_token_ids
+    return {"turn_id": t.id, "session_id": t.session_id, "index": t.index,
+            "created_ns": t.created_ns, "endpoint": t.endpoint,
+            "backend": t.backend, "model": t.model, "state": t.state,
+            "status": t.status, "stream": t.stream,
+            "tools_offered": t.tools_offered, "finish_reason": t.finish_reason,
             "prompt_tokens": len(prompt) if prompt is not None else None,
             "output_tokens": len(output) if output is not None else None,
-            "n_tool_calls": len(t.get("tool_calls") or []),
+            "n_tool_calls": len(t.tool_calls or ()),
             "ttfb_ms": _float(timings.get("ttfb_ms")), "ttft_ms": _float(timings.get("ttft_ms")),
             "total_ms": _float(timings.get("total_ms")),
             "prompt_token_ids": prompt, "output_token_ids": output,
-            "text": _str(t.get("text")) if include_text else None}
+            "text": t.text if include_text else None}
 
 
-def run_row(r: Mapping[str, Any], session_id: str | None, include_text: bool) -> dict[str, Any]:
-    rows = r.get("rows") or {}
-    timings = r.get("timings") or {}
-    ids = _ids(r.get("token_ids"))
-    return {"run_id": r.get("id"), "turn_id": r.get("turn_id"), "session_id": r.get("session_id") or session_id,
-            "backend": _str(r.get("backend")), "role": _str(r.get("role")), "mode": _str(r.get("mode")),
-            "status": _str(r.get("status")), "capture": _str(r.get("capture")),
-            "approximate": _bool(r.get("approximate")), "method": _str(r.get("method")),
-            "created_ns": _int(r.get("created_ns")), "n_tokens": len(ids) if ids is not None else None,
-            "finish_reason": _str(r.get("finish_reason")), "rows_expected": _int(rows.get("expected")),
+def run_row(r: Run, session_id: str | None, include_text: bool) -> dict[str, Any]:
+    rows = r.rows or {}
+    timings = r.timings
+    pc = r.parser_check or {}
+    return {"run_id": r.id, "turn_id": r.turn_id, "session_id": r.session_id or session_id,
+            "backend": r.backend, "role": r.role, "mode": r.mode,
+            "status": r.status, "capture": r.capture,
+            "approximate": r.approximate, "method": r.method,
+            "created_ns": r.created_ns, "n_tokens": len(r.token_ids),
+            "finish_reason": r.finish_reason, "rows_expected": _int(rows.get("expected")),
             "rows_present": _int(rows.get("present")), "rows_complete": _bool(rows.get("complete")),
             "request_s": _float(timings.get("request_s")), "rows_wait_s": _float(timings.get("rows_wait_s")),
-            "total_s": _float(timings.get("total_s")), "error": _str(r.get("error")), "token_ids": ids,
-            "text": _str(r.get("text")) if include_text else None,
-            "parser_mismatch": _bool((r.get("parser_check") or {}).get("mismatch")),
-            "parser_verdict": _str((r.get("parser_check") or {}).get("verdict"))}
+            "total_s": _float(timings.get("total_s")), "error": r.error, "token_ids": r.token_ids,
+            "text": r.text if include_text else None,
+            "parser_mismatch": _bool(pc.get("mismatch")), "parser_verdict": _str(pc.get("verdict"))}
 
 
 def _pcol(p: str) -> str:
     return "kl_" + p.replace(".", "_")
 
 
-def comparison_row(c: Mapping[str, Any], turn_id: str | None, session_id: str | None) -> dict[str, Any]:
-    s = c.get("summary") or {}
+def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None) -> dict[str, Any]:
+    s = c.summary or {}
     kl = s.get("kl") or {}
     dp = s.get("delta_p") or {}
     same = s.get("same_top_p") or {}
-    noise = c.get("noise") if isinstance(c.get("noise"), Mapping) else {}
-    mode = c.get("mode")
-    flips = c.get("flips")
-    n_flips = len(flips) if isinstance(flips, list) else (1 if mode == "free" and c.get("diverged") else
-                                                          (0 if mode == "free" and c.get("status") == "ok" else None))
-    n = _int(c.get("n"))
-    if mode == "free" and c.get("status") == "ok":
-        d = c.get("divergence") or {}
-        prefix = _int(c.get("common_prefix", d.get("common_prefix"))) or 0
-        n = prefix + (1 if c.get("diverged") else 0)  # as tensorverse_compared_tokens_total
-    row = {"run_id": c.get("run_id"), "ref_run_id": c.get("ref_run_id"), "turn_id": c.get("turn_id") or turn_id,
-           "session_id": session_id, "backend": _str(c.get("backend")), "ref_backend": _str(c.get("ref_backend")),
-           "role": _str(c.get("role")), "ref_role": _str(c.get("ref_role")), "mode": _str(mode),
-           "kind": _str(c.get("kind")), "status": _str(c.get("status")), "error": _str(c.get("error")),
-           "approximate": _bool(c.get("approximate")), "noise_floor": _bool(c.get("noise_floor")),
-           "template_mismatch": _bool(c.get("template_mismatch")), "n": n, "flips": n_flips,
+    noise = c.noise or {}
+    free_ok = c.mode == "free" and c.status == "ok"
+    n_flips = len(c.flips) if c.flips is not None else (int(bool(c.diverged)) if free_ok else None)
+    n = c.n
+    if free_ok:
+        prefix = c.common_prefix if c.common_prefix is not None else \
+            _int((c.divergence or {}).get("common_prefix")) or 0
+        n = prefix + (1 if c.diverged else 0)  # as tensorverse_compared_tokens_total
+    row = {"run_id": c.run_id, "ref_run_id": c.ref_run_id, "turn_id": c.turn_id or turn_id,
+           "session_id": session_id, "backend": c.backend, "ref_backend": c.ref_backend,
+           "role": c.role, "ref_role": c.ref_role, "mode": c.mode,
+           "kind": c.kind, "status": c.status, "error": c.error,
+           "approximate": c.approximate, "noise_floor": c.noise_floor,
+           "template_mismatch": c.template_mismatch, "n": n, "flips": n_flips,
            "flip_rate": (n_flips / n) if n_flips is not None and n else None,
-           "first_flip": _int(c.get("first_flip")),
+           "first_flip": c.first_flip,
            "kl_mean": _float(kl.get("mean")), "kl_se": _float(kl.get("se")), "kl_max": _float(kl.get("max")),
            "kl_min": _float(kl.get("min")), "rms_delta_p": _float(dp.get("rms")),
            "same_top_p": _float(same.get("p")), "same_top_p_se": _float(same.get("se")),
            "flips_by_region": _json(s.get("flips_by_region")),
-           "diverged": _bool(c.get("diverged")), "common_prefix": _int(c.get("common_prefix")),
-           "verdict": _str(c.get("verdict")), "tool_calls": _json(c.get("tool_calls")),
-           "forced_departure": _int(c.get("forced_departure")), "confirms_forced": _bool(c.get("confirms_forced")),
+           "diverged": c.diverged, "common_prefix": c.common_prefix,
+           "verdict": c.verdict, "tool_calls": _json(c.tool_calls),
+           "forced_departure": c.forced_departure, "confirms_forced": c.confirms_forced,
            "noise_verdict": _str(noise.get("verdict")), "noise_p_value": _float(noise.get("p_value")),
            "noise_difference": _float(noise.get("difference")),
            **_class_columns(c, s)}
@@ -250,34 +243,33 @@ def comparison_row(c: Mapping[str, Any], turn_id: str | None, session_id: str | 
     return row
 
 
-def _class_columns(c: Mapping[str, Any], s: Mapping[str, Any]) -> dict[str, Any]:
-    by_class = c.get("flips_by_class") or s.get("flips_by_class")
-    excess = c.get("excess") if isinstance(c.get("excess"), Mapping) else {}
+def _class_columns(c: Comparison, s: Mapping[str, Any]) -> dict[str, Any]:
+    by_class = c.flips_by_class or s.get("flips_by_class")
+    excess = c.excess or {}
     return {"flips_by_class": _json(by_class),
-            "flip_class": _str(c.get("flip_class")),
+            "flip_class": c.flip_class,
             "runtime_flips": _int(by_class.get("runtime")) if isinstance(by_class, Mapping) else None,
             "excess": _float(excess.get("excess")), "excess_low": _float(excess.get("low")),
             "excess_high": _float(excess.get("high"))}
 
 
-def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | None) -> Iterator[dict[str, Any]]:
+def position_rows(c: Comparison, turn_id: str | None, session_id: str | None) -> Iterator[dict[str, Any]]:
     """One row per compared position of a forced comparison (nothing for free ones)."""
-    m = c.get("metrics")
-    if c.get("mode") != "forced" or c.get("status") != "ok" or not isinstance(m, Mapping):
+    m = c.metrics
+    if c.mode != "forced" or c.status != "ok" or m is None:
         return
-    n = int(c.get("n") or len(m.get("kl") or ()))
-    positions = c.get("positions") or list(range(n))
-    regions = c.get("regions") or [None] * n
+    n = int(c.n or len(m.get("kl") or ()))
+    positions = c.positions or list(range(n))
+    regions = c.regions or [None] * n
     tokens = m.get("tokens")
     lb = m.get("rank_lower_bound")
-    base = {"run_id": c.get("run_id"), "ref_run_id": c.get("ref_run_id"), "turn_id": c.get("turn_id") or turn_id,
-            "session_id": session_id, "backend": _str(c.get("backend")), "ref_backend": _str(c.get("ref_backend")),
-            "role": _str(c.get("role")), "ref_role": _str(c.get("ref_role")), "kind": _str(c.get("kind"))}
+    base = {"run_id": c.run_id, "ref_run_id": c.ref_run_id, "turn_id": c.turn_id or turn_id,
+            "session_id": session_id, "backend": c.backend, "ref_backend": c.ref_backend,
+            "role": c.role, "ref_role": c.ref_role, "kind": c.kind}
     cols = {k: m.get(k) or [None] * n for k in ("ref_top1", "cand_top1", "top1_agree", "kl", "delta_p",
                                                  "margin", "rank", "entropy")}
-    flip_tokens = {f.get("position"): f.get("token") for f in c.get("flip_tokens") or () if isinstance(f, Mapping)}
-    classes = c.get("flip_classes")
-    class_at = dict(zip(c.get("flips") or (), classes)) if isinstance(classes, list) else {}
+    flip_tokens = {f.get("position"): f.get("token") for f in c.flip_tokens or () if isinstance(f, Mapping)}
+    class_at = dict(zip(c.flips or (), c.flip_classes)) if c.flip_classes is not None else {}
     for i in range(n):
         agree = cols["top1_agree"][i]
         token = tokens[i] if isinstance(tokens, list) else flip_tokens.get(positions[i])
@@ -291,8 +283,6 @@ def position_rows(c: Mapping[str, Any], turn_id: str | None, session_id: str | N
                "flip_class": _str(class_at.get(positions[i]))}
 
 
-def _turn_tokens(turn: Mapping[str, Any]) -> list[int] | None:
-    return _ids(turn.get("output_token_ids"))
 
 
 # --------------------------------------------------------------------------- writers
@@ -367,18 +357,18 @@ class _Table:
 # --------------------------------------------------------------------------- export
 
 
-def _logits_rows(store: Any, run: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
     import numpy as np
 
     from tensorverse.store.codec import decode_row
 
-    for pos, blob in store.read_rows(run["id"]):
-        a = decode_row(blob, record=f"{run['id']}@{pos}")
+    for pos, blob in store.read_rows(run.id):
+        a = decode_row(blob, record=f"{run.id}@{pos}")
         if a.dtype == np.uint16:  # bf16 bit patterns
             a = (a.astype(np.uint32) << 16).view(np.float32)
         a = np.asarray(a, dtype=np.float32).reshape(-1)
-        yield {"run_id": run["id"], "turn_id": run.get("turn_id"), "backend": run.get("backend"),
-               "mode": run.get("mode"), "position": int(pos), "vocab": int(a.size), "logits": a.tolist()}
+        yield {"run_id": run.id, "turn_id": run.turn_id, "backend": run.backend,
+               "mode": run.mode, "position": int(pos), "vocab": int(a.size), "logits": a.tolist()}
 
 
 def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet", since_ns: int = 0,
@@ -419,28 +409,28 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
         need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits", "engine"))
         states = _EngineStates(store)
         n_sessions = 0
-        for s in store.iter_sessions(since_ns=since_ns, until_ns=until_ns):
+        for s in map(records.session, store.iter_sessions(since_ns=since_ns, until_ns=until_ns)):
             n_sessions += 1
             add("sessions", session_row(s))
-            for t in store.iter_turns(s["id"]):
+            for t in map(records.turn, store.iter_turns(s.id)):
                 add("turns", turn_row(t, include_text))
                 if not need_runs:
                     continue
-                for r in store.iter_runs(t["id"]):
-                    add("runs", run_row(r, s["id"], include_text))
+                for r in map(records.run, store.iter_runs(t.id)):
+                    add("runs", run_row(r, s.id, include_text))
                     if "comparisons" in writers or "positions" in writers:
-                        for c in store.iter_comparisons(r["id"]):
-                            add("comparisons", comparison_row(c, t["id"], s["id"]))
+                        for c in map(records.comparison, store.iter_comparisons(r.id)):
+                            add("comparisons", comparison_row(c, t.id, s.id))
                             if "positions" in writers:
-                                for p in _with_tokens(position_rows(c, t["id"], s["id"]), c, t):
+                                for p in _with_tokens(position_rows(c, t.id, s.id), t):
                                     states.fill(p)
                                     add("positions", p)
-                    if "engine" in writers and r.get("mode") != "recorded":
-                        for pos, st in sorted(states.of(r["id"]).items()):
-                            add("engine", {"run_id": r["id"], "turn_id": r.get("turn_id"),
-                                           "backend": r.get("backend"), "mode": r.get("mode"),
+                    if "engine" in writers and r.mode != "recorded":
+                        for pos, st in sorted(states.of(r.id).items()):
+                            add("engine", {"run_id": r.id, "turn_id": r.turn_id,
+                                           "backend": r.backend, "mode": r.mode,
                                            "position": pos, **st.as_dict()})
-                    if "logits" in writers and r.get("mode") != "recorded":
+                    if "logits" in writers and r.mode != "recorded":
                         for row in _logits_rows(store, r):
                             add("logits", row)
             if progress is not None:
@@ -475,10 +465,10 @@ class _EngineStates:
             row[col] = st.batch_size if st is not None and st.batch_size >= 0 else None
 
 
-def _with_tokens(rows: Iterable[dict[str, Any]], c: Mapping[str, Any], turn: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+def _with_tokens(rows: Iterable[dict[str, Any]], turn: Turn) -> Iterator[dict[str, Any]]:
     """Fill ``token`` (the primary's token at the position) from the turn when the comparison's
     metrics do not carry it."""
-    tokens = _turn_tokens(turn)
+    tokens = turn.output_token_ids
     for row in rows:
         if row["token"] is None and tokens is not None and 0 <= row["position"] < len(tokens):
             row["token"] = tokens[row["position"]]

@@ -31,7 +31,6 @@ import bisect
 import math
 import shutil
 import threading
-import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np

@@ -133,7 +133,8 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
     """Free and forced runs of every turn of ``cases`` on the server at ``url``."""
     from tensorverse.replay.runner import case_turn_input, with_retries
     from tensorverse.shadow.backend import Backend
-    from tensorverse.shadow.runner import ShadowRunner, TurnInput
+    from tensorverse.shadow.runner import ShadowRunner
+    from tensorverse.shadow.turn import TurnInput
 
     spec = req.spec
     modes = spec.replay.modes

@@ -316,7 +316,7 @@ class PackageRunner:
 
     def _compare(self, store: Any, turn_id: str) -> list[dict]:
         from tensorverse.shadow.compare import compare_turn
-        from tensorverse.shadow.runner import primary_run_id
+        from tensorverse.shadow.runs import primary_run_id
 
         results = compare_turn(store, turn_id)
         if self.metrics is not None:

@@ -81,7 +81,7 @@ class NoiseOptions:
 
 def turns_from_store(store: Any, *, limit: int | None = None) -> list[ProbeTurn]:
     """Recorded turns of a store that have prompt and output token ids (newest sessions first)."""
-    from tensorverse.shadow.runner import TurnInput
+    from tensorverse.shadow.turn import TurnInput
 
     out: list[ProbeTurn] = []
     for s in store.iter_sessions():
@@ -139,7 +139,7 @@ async def _filler(session: Any, backend: Backend, prompt: Sequence[int], model: 
 async def forced_in_batch(runner: Any, backend: Backend, turn: Any, concurrency: int, *,
                           run_id: str | None = None, filler_tokens: int | None = None,
                           settle_s: float = 0.2, session: Any = None) -> dict[str, Any]:
-    """``runner.run_forced(turn, backend)`` (a :class:`~tensorverse.shadow.runner.TurnInput`)
+    """``runner.run_forced(turn, backend)`` (a :class:`~tensorverse.shadow.turn.TurnInput`)
     inside a batch of ``concurrency`` requests: ``concurrency - 1`` fillers (the same prompt,
     free-running, ``ignore_eos``, nothing captured) start ``settle_s`` before it and are
     abandoned (the server aborts them) once it is done. Returns the run record."""
@@ -167,7 +167,7 @@ async def forced_in_batch(runner: Any, backend: Backend, turn: Any, concurrency:
 
 async def _forced_in_batch(runner: Any, session: Any, backend: Backend, turn: ProbeTurn, c: int,
                            run_id: str, opts: NoiseOptions) -> dict[str, Any]:
-    from tensorverse.shadow.runner import TurnInput
+    from tensorverse.shadow.turn import TurnInput
 
     ti = TurnInput(id=turn.id, prompt_token_ids=list(turn.prompt_token_ids),
                    output_token_ids=list(turn.tokens), model=turn.model)

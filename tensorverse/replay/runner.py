@@ -1,7 +1,7 @@
 """``tensorverse replay``: run a corpus's cases on a set of backends and report the divergence.
 
 Replay is shadowing from a corpus instead of live traffic: every case turn becomes a
-:class:`~tensorverse.shadow.runner.TurnInput` (the case's prompt ids and reference output ids) and
+:class:`~tensorverse.shadow.turn.TurnInput` (the case's prompt ids and reference output ids) and
 goes through the same :class:`~tensorverse.shadow.runner.ShadowRunner` (forced + free runs, the
 chat-template check, capture) and :func:`~tensorverse.shadow.compare.compare_turn` as live turns.
 Runs and rows land in a working store (``--store DIR`` keeps it for ``tensorverse view``).
@@ -61,7 +61,7 @@ __all__ = ["replay", "run_replay", "case_turn_input", "with_retries"]
 log = logging.getLogger("tensorverse.replay")
 
 def case_turn_input(case: Mapping[str, Any], turn: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
-    """A case turn in the dict form :class:`~tensorverse.shadow.runner.TurnInput` reads."""
+    """A case turn in the dict form :class:`~tensorverse.shadow.turn.TurnInput` reads."""
     ref = turn.get("reference") or {}
     req = None
     if turn.get("messages"):
@@ -78,7 +78,7 @@ def case_turn_input(case: Mapping[str, Any], turn: Mapping[str, Any], *, prefix:
         "request": req,
         "endpoint": turn.get("endpoint") or ("chat.completions" if req else None),
         "tool_calls": None,  # the verdict compares text with text (both parsed the same way)
-        "primary": RECORDED,
+        "backend": RECORDED,  # whose answer the basis is
         "finish_reason": ref.get("finish_reason"),
     }
 
@@ -194,7 +194,7 @@ class _Replay:
         """The turn's basis: the reference backend's free run on the scrubbed prompt (retried
         like any run), stored under the turn. Returns ``(turn input, that run, basis info)``;
         the recorded output stands in when the reference cannot run."""
-        from tensorverse.shadow.runner import TurnInput
+        from tensorverse.shadow.turn import TurnInput
 
         run: dict[str, Any] | None = None
         if ref is not None:
@@ -205,9 +205,9 @@ class _Replay:
         if run is None or run["status"] != "ok":
             info = {"source": RECORDED, "tokens": len(rec["output_token_ids"]),
                     "why": "reference refused" if run is None else f"reference free run {run['status']}"}
-            return dict(rec, primary=RECORDED), run, info
+            return dict(rec, backend=RECORDED), run, info
         t = dict(rec, output_token_ids=list(run.get("token_ids") or []), text=run.get("text"),
-                 finish_reason=run.get("finish_reason"), primary=ref.name)
+                 finish_reason=run.get("finish_reason"), backend=ref.name)
         vs = _vs_recorded(run, rec)
         return t, run, {"source": "reference", "backend": ref.name, "tokens": len(t["output_token_ids"]),
                         "vs_recorded": {k: vs[k] for k in ("diverged", "first_flip", "verdict")}}
@@ -221,7 +221,7 @@ class _Replay:
                 self.store.put_session({"id": t["session_id"], "tags": {
                     "case": str(case["id"]), **({"title": str(case["title"])} if case.get("title") else {})}}).result()
             self.store.put_turn({"id": t["id"], "session_id": t["session_id"], "index": turn["index"],
-                                 "state": "ok", "endpoint": t.get("endpoint"), "primary": t["primary"],
+                                 "state": "ok", "endpoint": t.get("endpoint"), "backend": t["backend"],
                                  "request": t.get("request"), "prompt_token_ids": t["prompt_token_ids"],
                                  "output_token_ids": t["output_token_ids"], "text": t.get("text"),
                                  "finish_reason": t.get("finish_reason"), "sampling": t.get("sampling"),
@@ -414,8 +414,8 @@ class _Replay:
                 break
             t = {"id": _turn_id(self.prefix, case["id"], turn["index"]) + f".sim{b.name}{step}",
                  "prompt_token_ids": prompt, "output_token_ids": [],
-                 "sampling": dict(turn.get("sampling") or {}), "primary": RECORDED}
-            from tensorverse.shadow.runner import TurnInput
+                 "sampling": dict(turn.get("sampling") or {}), "backend": RECORDED}
+            from tensorverse.shadow.turn import TurnInput
 
             r = await self.runner.run_free(TurnInput.from_dict(t), b)
             text = r.get("text") or ""
@@ -470,7 +470,8 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
     ``finalize`` completes the results (the ``--fail-on`` verdicts) before they are written and
     before the HTML report (``opts.html``) is made from the working store."""
     from tensorverse.replay.report import build_results
-    from tensorverse.shadow.runner import RunnerCache, ShadowRunner
+    from tensorverse.shadow.cache import RunnerCache
+    from tensorverse.shadow.runner import ShadowRunner
     from tensorverse.store import Store
 
     cases = [c for c in corpus.cases if not opts.cases or c["id"] in set(opts.cases)]

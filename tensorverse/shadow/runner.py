@@ -1,372 +1,53 @@
 """Forced and free runs of one recorded turn on shadow backends (docs/architecture.md, "Data flow").
 
 For each shadow backend and each recorded turn, two runs, both through the backend's
-``/v1/completions`` with the primary's prompt *token ids* (so a chat-template difference cannot
-masquerade as numeric divergence):
+``/v1/completions`` with the primary's prompt token ids (the requests and their answers:
+:mod:`tensorverse.shadow.completions`; the turn: :mod:`tensorverse.shadow.turn`; the records:
+:mod:`tensorverse.shadow.runs`):
 
 ``forced``
-    teacher forcing through the decode path: ``max_tokens = len(output)``, ``ignore_eos``, no stop,
-    ``temperature 0``, and ``vllm_xargs`` asking the Tensorverse plugin to force the primary's ids
-    (``tv_force``) and capture every row (``tv_capture`` = the run id). The emitted ids must equal
-    the forced ids; when they do not (no plugin), or the server cannot force, the run falls back to
-    *scoring* the primary's output as a prompt (``prompt_logprobs`` over prompt + output: the
-    prefill path, top-k only) and is marked ``approximate``.
+    teacher forcing through the decode path, the plugin forcing the primary's ids and capturing
+    every row. The emitted ids must equal the forced ids; when they do not (no plugin), or the
+    server cannot force, the run falls back to *scoring* the primary's output as a prompt
+    (``prompt_logprobs``: the prefill path, top-k only) and is marked ``approximate``.
 ``free``
-    the shadow generates on its own from the same prompt ids: greedy, or the primary's
-    temperature/top-p/top-k and seed when the primary had a seed; ``max_tokens`` as the primary
-    asked (else ``len(output) + free_margin``), the primary's stop strings, capture on.
+    the shadow generates on its own from the same prompt ids, capture on.
 
 Rows travel from the plugin to the store through the server's sink (``TENSORVERSE_CAPTURE_SINK``);
 the runner waits (bounded by ``rows_timeout_s``) until the expected rows are in the store.
 Failures never raise to the caller: they become run records with ``status`` ``failed`` or
 ``timeout`` and an ``error``. A backend whose tokenizer differs from the primary's gets
-``status: refused`` records and is never run.
-
-The turn (a dict, as the proxy records it): ``id``, ``session_id``, ``prompt_token_ids``,
-``output_token_ids`` (or ``token_ids``), ``text`` (or ``output_text``), optional ``sampling`` (the
-primary's ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``max_tokens``, ``stop``,
-``stop_token_ids``, penalties; read from ``request`` when absent), ``top_logprobs`` (the primary's,
-one entry per output position, any form :func:`tensorverse.analysis.topk.parse_top_logprobs`
-reads), ``pieces`` (decoded text of each output token), ``request`` (the chat request, for the
-template check), ``tool_calls`` (OpenAI ``tool_calls`` of the primary's answer), ``primary``
-(the primary backend's name), ``finish_reason``.
-
-Run record (``store.put_run``; its ``id`` is the capture id): ``id``, ``turn_id``,
-``session_id``, ``backend``, ``role``, ``mode`` (``forced``/``free``; the primary's own output is
-stored as a ``recorded`` run, id ``<turn id>~primary``), ``status`` (``ok``/``failed``/
-``timeout``/``refused``), ``capture`` (``full``/``topk``), ``approximate``, ``method``
-(``forced_decode``/``prompt_logprobs``/``generate``), ``token_ids``, ``text``, ``finish_reason``,
-``top_logprobs`` (per position ``[[id, logprob], ...]``, best first), ``token_logprobs``, ``k``,
-``rows`` (``expected``, ``present``, ``complete``, ``waited_s``), ``timings`` (``request_s``,
-``rows_wait_s``, ``total_s``), ``sampling`` (what was sent, without the prompt), ``template``
-(the chat-template check), ``tokenizer``, ``attempts`` (earlier tries and why they were abandoned),
-``error``.
+``status: refused`` records and is never run. Capabilities and fingerprints are cached
+(:mod:`tensorverse.shadow.cache`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import aiohttp
 
-from tensorverse.capture.optin import KEY_CAPTURE, KEY_FORCE, KEY_POSITIONS
+from tensorverse.capture.optin import KEY_CAPTURE
 from tensorverse.shadow.backend import Backend
+from tensorverse.shadow.cache import SHARED_CACHE, RunnerCache, _Caps
 from tensorverse.shadow.client import BackendClient, BackendError
+from tensorverse.shadow.completions import (forced_body, free_body, parse_completion,
+                                            parse_prompt_logprobs, scoring_body)
 from tensorverse.shadow.doctor import probe_capabilities
+from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, primary_record,
+                                        primary_run_id, run_record, sent_sampling)
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
-from tensorverse.store.turns import UPSTREAM_LOGPROBS, logprobs_values
+from tensorverse.shadow.turn import TurnInput
 
 # How long a run waits for its captured rows to land in the store (the tee budgets for it).
 ROWS_TIMEOUT_S = 30.0
 
-__all__ = ["TurnInput", "ShadowRunner", "RunnerCache", "SHARED_CACHE", "shadow_turn", "primary_run_id", "forced_body",
-           "free_body", "scoring_body", "parse_completion", "parse_prompt_logprobs",
-           "normalize_topk", "RECORDED", "MODES"]
+__all__ = ["ShadowRunner", "shadow_turn", "ROWS_TIMEOUT_S"]
 
 log = logging.getLogger("tensorverse.shadow")
-
-RECORDED = "recorded"
-MODES = ("forced", "free")
-_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
-                  "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def primary_run_id(turn_id: str) -> str:
-    """The id of the run record holding the primary's own output for a turn."""
-    return f"{turn_id}~primary"
-
-
-# --------------------------------------------------------------------------- the turn
-
-
-def _ids(value: Any, what: str) -> list[int]:
-    if value is None:
-        raise ValueError(f"turn: {what} missing")
-    try:
-        out = [int(v) for v in value]
-    except (TypeError, ValueError):
-        raise ValueError(f"turn: {what} must be a list of token ids") from None
-    if any(v < 0 for v in out):
-        raise ValueError(f"turn: {what} holds a negative token id")
-    return out
-
-
-def normalize_topk(entry: Any) -> list[list[float]] | None:
-    """One position's top-k logprobs as ``[[token_id, logprob], ...]``, most likely first."""
-    if entry is None:
-        return None
-    from tensorverse.analysis.topk import parse_top_logprobs
-
-    try:
-        d = parse_top_logprobs(entry)
-    except ValueError:
-        return None
-    return [[int(t), (lp if math.isfinite(lp) else -9999.0)]
-            for t, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
-
-
-def _recorded_logprobs(turn: Mapping[str, Any], n: int) -> tuple[list | None, list | None]:
-    """Top-k and pieces from the proxy's record of the primary's answer: ``choices[0].logprobs``
-    is a list of ``{"token", "logprob", "top": [[token, logprob], ...]}`` where a token is an int
-    (the answer used ``token_id:N`` keys) or the decoded text. A turn straight from the proxy
-    may still hold them as received (``upstream_logprobs``): converted here, only when needed."""
-    choices = turn.get("choices")
-    ch = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else None
-    lps = ch.get("logprobs") if ch else None
-    if lps is None and ch is not None and UPSTREAM_LOGPROBS in ch:
-        lps = logprobs_values(ch[UPSTREAM_LOGPROBS])
-    if not isinstance(lps, list) or len(lps) != n or not n:
-        return None, None
-    tops: list[dict[int, float] | None] = []
-    pieces: list[str] | None = []
-    for e in lps:
-        if not isinstance(e, Mapping):
-            tops.append(None)
-            pieces = None
-            continue
-        d: dict[int, float] = {}
-        for pair in e.get("top") or ():
-            if isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int) \
-                    and isinstance(pair[1], (int, float)):
-                d[pair[0]] = float(pair[1])
-        tok = e.get("token")
-        if isinstance(tok, int) and isinstance(e.get("logprob"), (int, float)):
-            d.setdefault(tok, float(e["logprob"]))
-        tops.append(d or None)
-        if pieces is not None:
-            if isinstance(tok, str):
-                pieces.append(tok)
-            else:
-                pieces = None
-    return tops, pieces
-
-
-@dataclass
-class TurnInput:
-    """What the runner needs of a recorded turn (see the module docstring for the dict form)."""
-
-    id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    session_id: str | None = None
-    text: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    top_logprobs: list[list[list[float]] | None] | None = None
-    pieces: list[str] | None = None
-    request: dict[str, Any] | None = None
-    tool_calls: Any = None
-    primary: str | None = None
-    finish_reason: str | None = None
-    model: str | None = None
-    endpoint: str | None = None  # the proxy's kind: chat.completions, completions, messages
-
-    @property
-    def chat_request(self) -> dict[str, Any] | None:
-        """The OpenAI chat request to render for the template check (None for completions and
-        Anthropic ``messages`` requests, whose messages are not in the chat template's form)."""
-        if not self.request or not self.request.get("messages"):
-            return None
-        if self.endpoint not in (None, "chat.completions"):
-            return None
-        return self.request
-
-    @classmethod
-    def from_dict(cls, turn: Mapping[str, Any]) -> "TurnInput":
-        if isinstance(turn, TurnInput):
-            return turn
-        tid = turn.get("id")
-        if not isinstance(tid, str) or not tid:
-            raise ValueError("turn: id missing")
-        prompt = _ids(turn.get("prompt_token_ids"), "prompt_token_ids")
-        out = turn.get("output_token_ids", turn.get("token_ids"))
-        output = _ids(out, "output_token_ids")
-        if not prompt:
-            raise ValueError("turn: prompt_token_ids is empty")
-        request = turn.get("request") if isinstance(turn.get("request"), Mapping) else None
-        endpoint = turn.get("endpoint")
-        sampling = dict(turn.get("sampling") or {})
-        if not sampling and request:
-            sampling = {k: request[k] for k in _SAMPLING_KEYS if request.get(k) is not None}
-            if "max_tokens" not in sampling and request.get("max_completion_tokens") is not None:
-                sampling["max_tokens"] = request["max_completion_tokens"]
-        tops = turn.get("top_logprobs")
-        pieces = turn.get("pieces")
-        if tops is None:
-            tops, lp_pieces = _recorded_logprobs(turn, len(output))
-            if pieces is None:
-                pieces = lp_pieces
-        top_logprobs = None
-        if isinstance(tops, list) and len(tops) == len(output):
-            top_logprobs = [normalize_topk(e) for e in tops]
-            if all(e is None for e in top_logprobs):
-                top_logprobs = None
-        if not (isinstance(pieces, list) and len(pieces) == len(output)
-                and all(isinstance(p, str) for p in pieces)):
-            pieces = None
-        return cls(
-            id=tid,
-            prompt_token_ids=prompt,
-            output_token_ids=output,
-            session_id=turn.get("session_id"),
-            text=turn.get("text", turn.get("output_text")),
-            sampling=sampling,
-            top_logprobs=top_logprobs,
-            pieces=pieces,
-            request=dict(request) if request else None,
-            endpoint=endpoint if isinstance(endpoint, str) else None,
-            tool_calls=turn.get("tool_calls"),
-            primary=turn.get("primary") or turn.get("backend"),
-            finish_reason=turn.get("finish_reason"),
-            model=turn.get("model") or (request or {}).get("model"),
-        )
-
-
-# --------------------------------------------------------------------------- request bodies
-
-
-def _base(backend: Backend, turn: TurnInput) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    model = backend.model or turn.model
-    if model:
-        body["model"] = model
-    return body
-
-
-def forced_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool = True,
-                positions: str | Sequence[int] | None = None) -> dict[str, Any]:
-    """The forced run's ``/v1/completions`` body (teacher forcing through the plugin)."""
-    xargs: dict[str, Any] = {KEY_FORCE: list(turn.output_token_ids)}
-    if capture:
-        xargs[KEY_CAPTURE] = run_id
-        if positions is not None:
-            xargs[KEY_POSITIONS] = positions if isinstance(positions, str) else list(positions)
-    body = _base(backend, turn)
-    body.update({
-        "prompt": list(turn.prompt_token_ids),
-        "max_tokens": len(turn.output_token_ids),
-        "temperature": 0,
-        "ignore_eos": True,
-        "n": 1,
-        "stream": False,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
-        "vllm_xargs": xargs,
-    })
-    if backend.logprobs:
-        body["logprobs"] = backend.logprobs
-    return body
-
-
-def free_sampling(turn: TurnInput, *, margin: int = 64) -> dict[str, Any]:
-    """The free run's sampling: greedy, or the primary's sampling when it had a seed."""
-    s = turn.sampling or {}
-    out: dict[str, Any] = {}
-    seeded = s.get("seed") is not None and (s.get("temperature") or 0) > 0
-    if seeded:
-        for k in ("temperature", "top_p", "top_k", "min_p", "seed"):
-            if s.get(k) is not None:
-                out[k] = s[k]
-    else:
-        out["temperature"] = 0
-    mt = s.get("max_tokens")
-    out["max_tokens"] = int(mt) if isinstance(mt, int) and mt > 0 else len(turn.output_token_ids) + margin
-    out["max_tokens"] = max(out["max_tokens"], 1)
-    for k in ("stop", "stop_token_ids"):
-        if s.get(k):
-            out[k] = s[k]
-    for k, neutral in _PENALTIES.items():
-        if s.get(k) is not None and s[k] != neutral:
-            out[k] = s[k]
-    return out
-
-
-def free_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool = True,
-              margin: int = 64, positions: str | Sequence[int] | None = None) -> dict[str, Any]:
-    """The free run's body. Capture is left out when the sampling uses penalties (they change
-    the row before the plugin copies it on Model Runner V2, so the plugin refuses them)."""
-    sampling = free_sampling(turn, margin=margin)
-    body = _base(backend, turn)
-    body.update({"prompt": list(turn.prompt_token_ids), **sampling, "n": 1, "stream": False,
-                 "return_token_ids": True, "return_tokens_as_token_ids": True})
-    if backend.logprobs:
-        body["logprobs"] = backend.logprobs
-    if capture and not any(k in sampling for k in _PENALTIES):
-        xargs: dict[str, Any] = {KEY_CAPTURE: run_id}
-        if positions is not None:
-            xargs[KEY_POSITIONS] = positions if isinstance(positions, str) else list(positions)
-        body["vllm_xargs"] = xargs
-    return body
-
-
-def scoring_body(turn: TurnInput, backend: Backend) -> dict[str, Any]:
-    """The forced-mode fallback: score prompt + output in one prefill (``prompt_logprobs``)."""
-    body = _base(backend, turn)
-    body.update({
-        "prompt": [*turn.prompt_token_ids, *turn.output_token_ids],
-        "max_tokens": 1,
-        "temperature": 0,
-        "n": 1,
-        "stream": False,
-        "prompt_logprobs": max(1, backend.logprobs),
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    })
-    return body
-
-
-# --------------------------------------------------------------------------- answers
-
-
-def parse_completion(resp: Mapping[str, Any]) -> dict[str, Any]:
-    """Token ids, text, finish reason and per-position top-k of a completion answer."""
-    choice = resp["choices"][0]
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list):
-        raise BackendError("protocol", "the answer has no token_ids (return_token_ids not honoured: "
-                           "vLLM >= 0.10 needed)", path="/completions")
-    lp = choice.get("logprobs") or {}
-    tops = lp.get("top_logprobs")
-    top_logprobs = [normalize_topk(e) for e in tops] if isinstance(tops, list) else None
-    return {
-        "token_ids": [int(t) for t in ids],
-        "text": choice.get("text") or "",
-        "finish_reason": choice.get("finish_reason"),
-        "stop_reason": choice.get("stop_reason"),
-        "top_logprobs": top_logprobs,
-        "token_logprobs": lp.get("token_logprobs"),
-    }
-
-
-def parse_prompt_logprobs(resp: Mapping[str, Any], start: int, tokens: Sequence[int]) -> dict[str, Any]:
-    """Top-k and token logprobs of positions ``start..start+len(tokens)`` from ``prompt_logprobs``
-    (vLLM: a list with ``None`` first, then ``{"<id>": {"logprob", "rank", ...}}`` per token)."""
-    choice = resp["choices"][0]
-    pl = choice.get("prompt_logprobs")
-    if not isinstance(pl, list) or len(pl) < start + len(tokens):
-        raise BackendError("protocol", "the answer has no prompt_logprobs for the output",
-                           path="/completions")
-    tops: list[list[list[float]] | None] = []
-    token_lps: list[float | None] = []
-    for i, t in enumerate(tokens):
-        entry = pl[start + i] or {}
-        d: dict[int, float] = {}
-        for k, v in entry.items():
-            key = k[len("token_id:"):] if isinstance(k, str) and k.startswith("token_id:") else k
-            lp = v.get("logprob") if isinstance(v, Mapping) else v
-            try:
-                d[int(key)] = max(float(lp), -9999.0)
-            except (TypeError, ValueError):
-                continue
-        tops.append([[tid, lp] for tid, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))] or None)
-        token_lps.append(d.get(int(t)))
-    return {"top_logprobs": tops, "token_logprobs": token_lps}
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -386,53 +67,6 @@ def _now() -> float:
 
 
 # --------------------------------------------------------------------------- the runner
-
-
-@dataclass
-class _Caps:
-    forcing: bool = True
-    capture: bool = True
-    probed: bool = False
-    detail: str = ""
-    at: float = field(default_factory=lambda: _now())
-
-
-class RunnerCache:
-    """Backend capabilities and tokenizer fingerprints, kept ``ttl_s`` seconds, keyed by
-    (name, url, model). :func:`shadow_turn` shares one per process, so a proxy that calls it once
-    per turn and backend probes each backend once, not once per turn."""
-
-    def __init__(self, ttl_s: float = 600.0) -> None:
-        self.ttl_s = ttl_s
-        self.caps: dict[tuple, _Caps] = {}
-        self.fps: dict[tuple, tuple[float, dict[str, Any]]] = {}
-
-    @staticmethod
-    def key(b: Backend) -> tuple:
-        return (b.name, b.base_url, b.model)
-
-    def get_caps(self, b: Backend) -> _Caps | None:
-        c = self.caps.get(self.key(b))
-        if c is not None and _now() - c.at > self.ttl_s:
-            self.caps.pop(self.key(b), None)
-            return None
-        return c
-
-    def get_fp(self, b: Backend) -> dict[str, Any] | None:
-        e = self.fps.get(self.key(b))
-        if e is None or _now() - e[0] > self.ttl_s:
-            return None
-        return e[1]
-
-    def put_fp(self, b: Backend, fp: dict[str, Any]) -> None:
-        self.fps[self.key(b)] = (_now(), fp)
-
-    def clear(self) -> None:
-        self.caps.clear()
-        self.fps.clear()
-
-
-SHARED_CACHE = RunnerCache()
 
 
 class ShadowRunner:
@@ -635,41 +269,6 @@ class ShadowRunner:
         return out
 
     # -- runs -----------------------------------------------------------------------------
-    def _record(self, t: TurnInput, backend: Backend, mode: str, run_id: str) -> dict[str, Any]:
-        return {
-            "id": run_id,
-            "turn_id": t.id,
-            "session_id": t.session_id,
-            "backend": backend.name,
-            "role": backend.role,
-            "mode": mode,
-            "status": "failed",
-            "capture": "topk",
-            "approximate": True,
-            "method": None,
-            "token_ids": [],
-            "text": None,
-            "finish_reason": None,
-            "top_logprobs": None,
-            "token_logprobs": None,
-            "k": backend.logprobs,
-            "rows": None,
-            "timings": {},
-            "sampling": None,
-            "prompt_tokens": len(t.prompt_token_ids),
-            "attempts": [],
-            "error": None,
-        }
-
-    @staticmethod
-    def _fail(run: dict[str, Any], e: BackendError | str) -> dict[str, Any]:
-        if isinstance(e, BackendError):
-            run["status"] = "timeout" if e.kind == "timeout" else "failed"
-            run["error"] = str(e)
-        else:
-            run["status"] = "failed"
-            run["error"] = e
-        return run
 
     async def _post(self, backend: Backend, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         async with self._sem(backend):
@@ -677,23 +276,14 @@ class ShadowRunner:
             resp = await self._client(backend).completions(body)
             return resp, _now() - t0
 
-    @staticmethod
-    def _sent(body: Mapping[str, Any]) -> dict[str, Any]:
-        """What was sent, without the prompt and the forced ids (they are in the turn)."""
-        out = {k: v for k, v in body.items() if k != "prompt"}
-        xa = out.get("vllm_xargs")
-        if isinstance(xa, dict) and KEY_FORCE in xa:
-            out["vllm_xargs"] = {**xa, KEY_FORCE: f"<{len(xa[KEY_FORCE])} forced ids>"}
-        return out
-
     async def run_forced(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
         from tensorverse.store.schema import new_id
 
         t_start = _now()
-        run = self._record(t, backend, "forced", run_id or new_id())
+        run = run_record(t, backend, "forced", run_id or new_id())
         n = len(t.output_token_ids)
         if n == 0:
-            return self._fail(run, "the primary's output is empty: nothing to force")
+            return fail_run(run, "the primary's output is empty: nothing to force")
         caps = await self.capabilities(backend)
         resp = None
         if caps.forcing:
@@ -710,11 +300,11 @@ class ShadowRunner:
                         resp, dt = await self._post(backend, body)
                     except BackendError as e2:
                         if e2.kind in ("timeout", "connect"):
-                            return self._fail(run, e2)
+                            return fail_run(run, e2)
                         run["attempts"].append({"method": "forced_decode", "error": str(e2)})
                 elif e.kind in ("timeout", "connect"):
                     run["timings"]["total_s"] = round(_now() - t_start, 4)
-                    return self._fail(run, e)
+                    return fail_run(run, e)
                 else:
                     run["attempts"].append({"method": "forced_decode", "error": str(e)})
             if resp is not None:
@@ -726,7 +316,7 @@ class ShadowRunner:
                 if got is not None:
                     j = _first_difference(t.output_token_ids, got["token_ids"])
                     if j is None:
-                        run.update(status="ok", method="forced_decode", sampling=self._sent(body),
+                        run.update(status="ok", method="forced_decode", sampling=sent_sampling(body),
                                    token_ids=got["token_ids"], text=got["text"],
                                    finish_reason=got["finish_reason"],
                                    top_logprobs=got["top_logprobs"],
@@ -757,8 +347,8 @@ class ShadowRunner:
             got = parse_prompt_logprobs(resp, len(t.prompt_token_ids), t.output_token_ids)
         except BackendError as e:
             run["timings"]["total_s"] = round(_now() - t_start, 4)
-            return self._fail(run, e)
-        run.update(status="ok", method="prompt_logprobs", sampling=self._sent(body),
+            return fail_run(run, e)
+        run.update(status="ok", method="prompt_logprobs", sampling=sent_sampling(body),
                    token_ids=list(t.output_token_ids), top_logprobs=got["top_logprobs"],
                    token_logprobs=got["token_logprobs"], capture="topk", approximate=True,
                    k=max(1, backend.logprobs))
@@ -770,7 +360,7 @@ class ShadowRunner:
         from tensorverse.store.schema import new_id
 
         t_start = _now()
-        run = self._record(t, backend, "free", run_id or new_id())
+        run = run_record(t, backend, "free", run_id or new_id())
         caps = await self.capabilities(backend)
         body = free_body(t, backend, run["id"], capture=caps.capture, margin=self.free_margin,
                          positions=self.free_positions)
@@ -782,7 +372,7 @@ class ShadowRunner:
         except BackendError as e:
             if not _sink_refusal(e):
                 run["timings"]["total_s"] = round(_now() - t_start, 4)
-                return self._fail(run, e)
+                return fail_run(run, e)
             caps.capture = False
             run["attempts"].append({"method": "generate", "error": str(e)})
             body.pop("vllm_xargs", None)
@@ -790,12 +380,12 @@ class ShadowRunner:
                 resp, dt = await self._post(backend, body)
             except BackendError as e2:
                 run["timings"]["total_s"] = round(_now() - t_start, 4)
-                return self._fail(run, e2)
+                return fail_run(run, e2)
         try:
             got = parse_completion(resp)
         except BackendError as e:
-            return self._fail(run, e)
-        run.update(status="ok", method="generate", sampling=self._sent(body),
+            return fail_run(run, e)
+        run.update(status="ok", method="generate", sampling=sent_sampling(body),
                    token_ids=got["token_ids"], text=got["text"], finish_reason=got["finish_reason"],
                    top_logprobs=got["top_logprobs"], token_logprobs=got["token_logprobs"])
         run["timings"]["request_s"] = round(dt, 4)
@@ -868,29 +458,6 @@ class ShadowRunner:
             return rendered, "primary_render"
         return rendered, "recorded_prompt"
 
-    def _primary_record(self, t: TurnInput, pieces: list[str] | None,
-                        primary: Backend | None) -> dict[str, Any]:
-        return {
-            "id": primary_run_id(t.id),
-            "turn_id": t.id,
-            "session_id": t.session_id,
-            "backend": t.primary or (primary.name if primary else "primary"),
-            "role": "primary",
-            "mode": RECORDED,
-            "status": "ok",
-            "capture": "topk" if t.top_logprobs else "none",
-            "approximate": True,
-            "method": "recorded",
-            "token_ids": list(t.output_token_ids),
-            "text": t.text,
-            "finish_reason": t.finish_reason,
-            "top_logprobs": t.top_logprobs,
-            "pieces": pieces,
-            "tool_calls": t.tool_calls,
-            "prompt_tokens": len(t.prompt_token_ids),
-            "sampling": t.sampling,
-        }
-
     async def run_turn(self, turn: Mapping[str, Any] | TurnInput, *,
                        modes: Sequence[str] = MODES,
                        backends: Sequence[Backend] | None = None) -> list[dict[str, Any]]:
@@ -915,7 +482,7 @@ class ShadowRunner:
             for b in targets:
                 for mode in modes:
                     if (b.name, mode) not in written:
-                        run = self._record(t, b, mode, new_id())
+                        run = run_record(t, b, mode, new_id())
                         run.update(status="timeout", error="cancelled: the deadline for the turn passed")
                         try:
                             self.store.put_run(run)  # the writer thread commits it; not awaited
@@ -944,7 +511,7 @@ class ShadowRunner:
             from tensorverse.store.schema import new_id
 
             if not verdict["allowed"]:
-                run = self._record(t, b, mode, new_id())
+                run = run_record(t, b, mode, new_id())
                 run.update(status="refused", error=verdict["message"])
             else:
                 try:
@@ -954,8 +521,8 @@ class ShadowRunner:
                         run = await self.run_free(t, b)
                 except Exception as e:  # noqa: BLE001 - never an exception to the caller
                     log.exception("tensorverse shadow: %s run of turn %s on %s", mode, t.id, b.name)
-                    run = self._record(t, b, mode, new_id())
-                    self._fail(run, f"internal error: {type(e).__name__}: {e}")
+                    run = run_record(t, b, mode, new_id())
+                    fail_run(run, f"internal error: {type(e).__name__}: {e}")
             run["tokenizer"] = {"same_dictionary": verdict["allowed"], "message": verdict["message"],
                                 "fingerprint": verdict.get("fingerprint")}
             run["template"] = tmpl
@@ -975,24 +542,11 @@ class ShadowRunner:
                 pieces = await self._pieces(t, allowed)
             except Exception as e:  # noqa: BLE001
                 log.info("tensorverse shadow: no pieces for turn %s: %s", t.id, e)
-        record = self._primary_record(t, pieces, primary)
+        record = primary_record(t, pieces, primary)
         if pieces is not None:
             record["parser_check"] = primary_parser_check(t, pieces)
         await self._put("put_run", record)
         return [record, *runs]
-
-
-def primary_parser_check(t: TurnInput, pieces: Sequence[str]) -> dict[str, Any] | None:
-    """The primary's emitted tool calls against its own output ids re-parsed (the ids decoded
-    into ``pieces``, the project's extractor): issue 19's parser check, run here in the shadow
-    worker, never on the agent's path. None when it cannot be made."""
-    from tensorverse.analysis.attribution import parser_check
-
-    try:
-        return parser_check("".join(pieces), t.text, t.tool_calls).as_dict()
-    except Exception as e:  # noqa: BLE001 - a check never breaks shadowing
-        log.info("tensorverse shadow: parser check of turn %s failed: %s", t.id, e)
-        return None
 
 
 async def shadow_turn(turn: Mapping[str, Any], backends: Sequence[Backend], store: Any, *,

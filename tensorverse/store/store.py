@@ -608,6 +608,18 @@ class Store:
         for _, value in self._paged(schema.COMPARISONS, schema.child_prefix(run_id, "run")):
             yield orjson.loads(value)
 
+    _RECORD_DBS = {"session": schema.SESSIONS, "turn": schema.TURNS, "run": schema.RUNS,
+                   "comparison": schema.COMPARISONS, "backend": schema.BACKENDS}
+
+    def records(self, kind: str) -> Iterator[dict]:
+        """Every stored record of ``kind`` (session, turn, run, comparison, backend) in key order,
+        whatever it belongs to: for checks and exports of a whole store."""
+        db = self._RECORD_DBS.get(kind)
+        if db is None:
+            raise ValueError(f"unknown record kind {kind!r} (one of {', '.join(self._RECORD_DBS)})")
+        for _, value in self._paged(db, b""):
+            yield read_turn(_loads(value)) if kind == "turn" else _loads(value)
+
     def read_rows(self, run_id: str) -> list[tuple[int, bytes]]:
         """All stored rows of a run as `(position, blob)`, in position order."""
         return [(schema.row_position(k), v) for k, v in self._paged(schema.ROWS, schema.row_prefix(run_id))]

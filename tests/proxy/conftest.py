@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from tests.typed_records import assert_records_typed
+
 from tensorverse.config import parse_config
 from tensorverse.proxy.fake import FakeUpstream
 from tensorverse.proxy.loop import LoopThread, new_event_loop
@@ -68,7 +70,10 @@ def make_proxy(loop, tmp_path):
     for p, st in made:
         loop.run(p.close())
         if st:
-            st.close()
+            try:
+                assert_records_typed(st)
+            finally:
+                st.close()
 
 
 def _settle(loop: Any, proxy: Any, timeout: float = 10.0) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.typed_records import assert_records_typed
+
 
 
 @pytest.fixture
@@ -13,4 +15,7 @@ def store(tmp_path):
 
     s = Store.open(tmp_path / "store", durable=False)
     yield s
-    s.close()
+    try:
+        assert_records_typed(s)
+    finally:
+        s.close()

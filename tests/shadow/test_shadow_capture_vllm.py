@@ -18,7 +18,7 @@ import pytest
 
 from tensorverse.shadow import Backend, ShadowRunner, compare_turn
 from tensorverse.shadow.doctor import doctor
-from tensorverse.shadow.runner import RunnerCache, _Caps
+from tensorverse.shadow.cache import RunnerCache, _Caps
 from tensorverse.store import Store
 from tensorverse.store.codec import decode_row
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tensorverse.shadow.compare import compare_runs, compare_turn, select_reference
-from tensorverse.shadow.runner import primary_run_id
+from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
 
 V = 50

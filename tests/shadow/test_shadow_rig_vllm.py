@@ -9,7 +9,7 @@ import pytest
 from tensorverse.shadow import Backend, ShadowRunner
 from tensorverse.shadow.client import BackendClient
 from tensorverse.shadow.doctor import doctor
-from tensorverse.shadow.runner import RunnerCache
+from tensorverse.shadow.cache import RunnerCache
 from tensorverse.shadow.tokenizer import check_template, fingerprint, same_dictionary
 
 pytestmark = pytest.mark.vllm

@@ -10,17 +10,16 @@ import pytest
 from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
 from tensorverse.shadow import Backend, ShadowRunner, shadow_turn
-from tensorverse.shadow.runner import (
-    SHARED_CACHE,
-    RunnerCache,
-    TurnInput,
+from tensorverse.shadow.cache import SHARED_CACHE, RunnerCache
+from tensorverse.shadow.completions import (
     forced_body,
     free_body,
     parse_completion,
     parse_prompt_logprobs,
-    primary_run_id,
     scoring_body,
 )
+from tensorverse.shadow.runs import primary_run_id
+from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.codec import decode_row
 
 PROMPT = [5, 6, 7, 8]
@@ -385,7 +384,7 @@ def test_turn_shadowed_backend_by_backend_like_the_proxy_tee(store):
             for f in (prim, sec, cand):
                 await f.close()
 
-    turn = run(main())
+    run(main())
     runs = {(r["backend"], r["mode"]): r for r in store.iter_runs("tee")}
     cf, sf = runs[("cand", "forced")], runs[("sec", "forced")]
     assert cf["tokenizer"]["same_dictionary"] is True  # the primary found through the store

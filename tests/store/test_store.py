@@ -375,7 +375,7 @@ def test_turn_stamp_changes_with_everything_below_the_turn(tmp_path: Path) -> No
 
 def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path) -> None:
     """A store written by the format-2 code (fixtures/make_format2_store.py, run at commit
-    c5adb6f) opens, migrates to 3 once, reads its rows unchanged with no engine state, and then
+    c5adb6f) opens, migrates to the current format once (through 3), reads its rows unchanged with no engine state, and then
     takes rows with engine states; a read-only open of the unmigrated copy refuses it."""
     import shutil
 
@@ -390,7 +390,7 @@ def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path
         Store.open(tmp_path / "ro", readonly=True)
     shutil.copytree(src, tmp_path / "s")
     with Store.open(tmp_path / "s") as store:
-        assert store.format_version == 3
+        assert store.format_version == S.FORMAT_VERSION
         rows = store.read_rows("r2")
         assert [p for p, _ in rows] == [0, 1, 2]
         np.testing.assert_array_equal(decode_row(rows[2][1]), np.arange(16, dtype=np.float32) * 3)
@@ -401,7 +401,7 @@ def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path
                                 (0, rows[0][1])]).result()
         assert store.read_engine_states("r2") == {3: st}
     with Store.open(tmp_path / "s") as store:  # migrated once; the history says when
-        assert store.format_version == 3 and store.read_engine_state("r2", 3) == st
+        assert store.format_version == S.FORMAT_VERSION and store.read_engine_state("r2", 3) == st
     with Store.open(tmp_path / "s", readonly=True) as store:
         assert store.read_engine_state("r2", 3).as_dict() == {
             "runner": "v1", "step": 7, "batch_size": 3, "row": 1, "joined": 0,
@@ -410,6 +410,40 @@ def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path
     with env.begin() as txn:
         assert txn.get(b"migrated:3", db=env.open_db(S.META, txn=txn, create=False)) is not None
     env.close()
+
+
+def test_format_3_store_migrates_to_4_with_one_name_per_field(tmp_path: Path) -> None:
+    """A store written by the format-3 code (fixtures/make_format3_store.py, run at commit
+    d4d4627): the turn ``tensorverse replay`` wrote with ``primary`` reads with ``backend`` after
+    the migration, every record decodes as its type, and rows, engine states and comparisons are
+    unchanged."""
+    import shutil
+
+    import numpy as np
+
+    from tensorverse.store import records
+    from tensorverse.store.codec import decode_row
+
+    src = Path(__file__).parent / "fixtures" / "format3-store"
+    shutil.copytree(src, tmp_path / "ro")
+    with pytest.raises(StoreVersionError, match="has format 3"):
+        Store.open(tmp_path / "ro", readonly=True)
+    shutil.copytree(src, tmp_path / "s")
+    with Store.open(tmp_path / "s") as store:
+        assert store.format_version == 4
+        proxy, replay = list(store.iter_turns("s3"))
+        assert "primary" not in replay and replay["backend"] == "reference-b" == replay["reference"]
+        assert proxy["backend"] == "vllm-main" and proxy["text"] == "abc"
+        assert records.turn(replay).backend == "reference-b" and records.turn(replay).output_token_ids == [7, 8]
+        assert store.get_session("s3")["turns"] == 2 and store.get_session("s3")["tags"] == {"case": "c1"}
+        rows = store.read_rows("r3")
+        np.testing.assert_array_equal(decode_row(rows[0][1]), np.arange(16, dtype=np.float32))
+        assert store.read_engine_state("r3", 0).step == 2 and store.read_engine_state("r3", 1) is None
+        assert records.comparison(store.get_comparison("r3", "t3-proxy~primary")).flips == [1]
+        for kind, cls in records.RECORD_TYPES.items():
+            for rec in store.records(kind):
+                assert records.unknown_fields(rec, cls) == [], (kind, rec)
+                records.decode(rec, cls)
 
 
 def test_engine_state_is_replaced_and_deleted_with_its_row(tmp_path: Path) -> None:

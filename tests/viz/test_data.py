@@ -301,7 +301,7 @@ def test_full_vocabulary_rows(tmp_path):
     with Store.open(tmp_path / "s") as store:
         store.put_session({"id": "s", "created_ns": 1}).result()
         store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6],
-                        "output_pieces": ["a", "b"]}).result()
+                        "pieces": ["a", "b"]}).result()
         rng = np.random.default_rng(0)
         rows = {}
         for be in ("ref", "cand"):
@@ -401,7 +401,7 @@ def test_primary_from_the_proxy_turn_alone(tmp_path, vz):
 
 
 def test_infer_pieces_from_text():
-    from tensorverse.viz.data import _infer_pieces
+    from tensorverse.viz.pieces import infer_pieces as _infer_pieces
 
     vocab = {1: "Gig", 2: "abit", 3: "0", 4: "/", 5: "<|im_end|>", 6: "1"}
     # one unknown token (9 = "4"): exact, even with <|im_end|> left out of the text

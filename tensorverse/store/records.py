@@ -1,0 +1,263 @@
+"""The typed records of the store: what each stored dict holds, field by field.
+
+The store keeps records as JSON (a dict per record, `tensorverse.store.store`), so a writer may add
+a field without a format change and a record written by an older Tensorverse still reads. The
+types here are how readers see them: :func:`turn`, :func:`run`, :func:`comparison`,
+:func:`session` and :func:`backend` decode a stored dict into a msgspec Struct, checking every
+field's type (``RecordError`` when a field has the wrong type). Fields a reader does not know are
+ignored, so a newer writer's record still decodes; fields a record lacks take the defaults below.
+Old field names are rewritten once, by the store's migrations (`tensorverse.store.schema`), never
+guessed by readers.
+
+Nested parts whose shape belongs to another module stay plain JSON values, typed ``dict`` or
+``list``: a turn's ``request`` (the client's body), ``choices`` (`tensorverse.store.turns`), a
+run's ``rows`` and ``sampling``, a comparison's ``metrics`` columns and ``summary``.
+
+Who writes them: the proxy's recorder (turns) and session grouping (sessions), the shadow runner
+(runs, backends), `tensorverse.shadow.compare` (comparisons), ``tensorverse replay`` (sessions,
+turns, runs and comparisons of its cases). docs/architecture.md, "Records", has the overview.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, TypeVar
+
+import msgspec
+
+__all__ = ["Session", "Turn", "Run", "Comparison", "BackendInfo", "RecordError", "session", "turn", "run",
+           "comparison", "backend", "RECORD_TYPES"]
+
+# modes of a run
+RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
+FORCED = "forced"
+FREE = "free"
+
+
+class RecordError(ValueError):
+    """A stored record whose field has the wrong type."""
+
+
+class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+class Session(_Record, kw_only=True):
+    """A conversation (`tensorverse.proxy.sessions`); the counters and ``edits`` are the store's."""
+
+    id: str
+    created_ns: int = 0
+    tags: dict[str, Any] = {}
+    grouping: str | None = None  # how its first turn was grouped: header, client_id, prefix
+    endpoint: str | None = None
+    turns: int = 0  # one past the highest turn index
+    side_turns: int = 0
+    tool_call_turns: int = 0
+    updated_ns: int | None = None
+    edits: list[dict[str, Any]] = []  # merges, splits and moves, by hand or by the proxy
+
+
+class Turn(_Record, kw_only=True):
+    """One LLM request of a session and the primary's answer (`tensorverse.proxy.recorder`)."""
+
+    id: str
+    session_id: str | None = None  # None only for a turn that is not stored (a replay case's)
+    index: int = 0
+    created_ns: int = 0
+    endpoint: str | None = None  # chat.completions, completions, responses, messages
+    method: str | None = None
+    path: str | None = None
+    backend: str | None = None  # the backend whose answer this is (the primary's name)
+    request_headers: dict[str, str] = {}
+    state: str | None = None  # ok, upstream_error, aborted, error
+    status: int | None = None
+    error: str | None = None
+    timings: dict[str, Any] = {}
+    injected: dict[str, Any] = {}
+    retried_without_injection: bool = False
+    kind: str = "main"  # main, or side (a title, a compaction summary...)
+    grouping: dict[str, Any] | None = None
+    request: dict[str, Any] | None = None  # the client's body (None when it was not JSON)
+    request_unparsed: bool = False
+    request_parse_error: str | None = None
+    request_text: str | None = None
+    model: str | None = None
+    stream: bool = False
+    tools_offered: bool = False
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    choices: list[dict[str, Any]] = []  # canonical logprobs: `tensorverse.store.turns`
+    text: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = []  # None: not parsed (a replay case's basis)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    response_id: str | None = None
+    events: int | None = None  # how many stream events the answer had (None: not streamed)
+    response_text: str | None = None
+    response_unparsed: bool = False
+    unparsed_events: int = 0
+    stream_tail: str | None = None
+    incomplete: bool = False
+    # written by ``tensorverse replay`` for its cases
+    sampling: dict[str, Any] | None = None
+    reference: str | None = None
+    # written by the store
+    index_requested: int | None = None
+    moved_from: list[dict[str, Any]] = []
+    # optional, from writers that have them: per-position top-k (any form
+    # `tensorverse.analysis.topk.parse_top_logprobs` reads), the decoded text of each output
+    # token, and {token id: text} for ids beyond the turn's own tokens
+    top_logprobs: list[Any] | None = None
+    pieces: list[str | None] | None = None
+    token_texts: dict[str, str] | None = None
+
+
+class Run(_Record, kw_only=True):
+    """One backend's run of one turn in one mode (`tensorverse.shadow.runner`); ``id`` is the
+    capture id of its rows. The primary's own answer is a ``recorded`` run."""
+
+    id: str
+    turn_id: str
+    session_id: str | None = None
+    backend: str
+    role: str | None = None  # primary, secondary, reference, shadow
+    mode: str  # recorded, forced, free
+    status: str = "ok"  # ok, failed, timeout, refused
+    capture: str | None = None  # full (rows in the store), topk, none
+    approximate: bool = False
+    method: str | None = None  # forced_decode, prompt_logprobs, generate, recorded
+    token_ids: list[int] = []
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    top_logprobs: list[Any] | None = None  # per position [[id, logprob], ...], best first
+    token_logprobs: list[float | None] | None = None
+    k: int | None = None
+    rows: dict[str, Any] | None = None  # expected, present, complete, waited_s, missing
+    timings: dict[str, Any] = {}
+    sampling: dict[str, Any] | None = None  # what was sent, without the prompt
+    prompt_tokens: int | None = None
+    attempts: list[dict[str, Any]] = []
+    error: str | None = None
+    tokenizer: dict[str, Any] | None = None  # the same-dictionary check
+    template: dict[str, Any] | None = None  # the chat-template check
+    created_ns: int = 0
+    # recorded runs: the primary's pieces, tool calls and parser check
+    pieces: list[str | None] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    parser_check: dict[str, Any] | None = None
+    # optional: positions with stored rows, when a writer lists them; {token id: text}
+    positions: list[int] | None = None
+    token_texts: dict[str, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Comparison(_Record, kw_only=True):
+    """A candidate run against a reference run (`tensorverse.shadow.compare`, whose docstring
+    says what each result field means)."""
+
+    run_id: str
+    ref_run_id: str
+    turn_id: str | None = None
+    mode: str = FORCED
+    kind: str | None = None  # forced: full / topk; free: tokens
+    backend: str | None = None
+    ref_backend: str | None = None
+    role: str | None = None
+    ref_role: str | None = None
+    status: str = "ok"  # ok, error
+    error: str | None = None
+    approximate: bool = False
+    noise_floor: bool = False
+    template_mismatch: bool = False
+    # forced
+    n: int | None = None
+    positions: list[int] | None = None  # the positions the metric columns cover (None: all)
+    incomplete: bool = False
+    summary: dict[str, Any] | None = None
+    flips: list[int] | None = None
+    first_flip: int | None = None
+    flip_tokens: list[dict[str, Any]] | None = None
+    metrics: dict[str, list[Any]] | None = None  # per-position columns: kl, delta_p, margin, rank...
+    regions: list[Any] | None = None
+    noise: dict[str, Any] | None = None
+    flip_classes: list[str] | None = None  # one class per entry of ``flips``
+    flips_by_class: dict[str, int] | None = None
+    attribution: dict[str, Any] | None = None
+    excess: dict[str, Any] | None = None
+    # free
+    divergence: dict[str, Any] | None = None
+    diverged: bool | None = None
+    common_prefix: int | None = None
+    flip_class: str | None = None
+    tool_calls: dict[str, Any] | None = None
+    verdict: str | None = None
+    ref_tool_calls: int | None = None
+    cand_tool_calls: int | None = None
+    forced_departure: int | None = None
+    confirms_forced: bool | None = None
+    finish_reason: str | None = None
+    ref_finish_reason: str | None = None
+
+
+class BackendInfo(_Record, kw_only=True):
+    """A backend as the proxy (at start) and the shadow runner (once it ran one) register it:
+    never its key or its headers' values."""
+
+    name: str
+    url: str | None = None
+    role: str | None = None
+    model: str | None = None
+    capture: str | None = None  # full, topk, auto
+    settings: dict[str, Any] = {}  # what differs from the primary (the proxy's config)
+    timeout_s: float | None = None
+    concurrency: int | None = None
+    logprobs: int | None = None
+    has_api_key: bool = False
+    tokenizer: dict[str, Any] | None = None  # fingerprint, vocab_size, template_fingerprint
+    capabilities: dict[str, Any] | None = None  # forcing, capture, detail (probed)
+
+
+RECORD_TYPES: dict[str, type[_Record]] = {"session": Session, "turn": Turn, "run": Run,
+                                          "comparison": Comparison, "backend": BackendInfo}
+
+R = TypeVar("R", bound=_Record)
+
+
+def decode(record: Mapping[str, Any] | R, cls: type[R]) -> R:
+    """``record`` (a stored dict) as ``cls``; a record already of that type is returned as is."""
+    if isinstance(record, cls):
+        return record
+    try:
+        return msgspec.convert(record, cls, strict=False)
+    except msgspec.ValidationError as e:
+        rid = record.get("id") if isinstance(record, Mapping) else None
+        raise RecordError(f"{cls.__name__.lower()} {rid!r}: {e}") from None
+
+
+def session(record: Mapping[str, Any] | Session) -> Session:
+    return decode(record, Session)
+
+
+def turn(record: Mapping[str, Any] | Turn) -> Turn:
+    return decode(record, Turn)
+
+
+def run(record: Mapping[str, Any] | Run) -> Run:
+    return decode(record, Run)
+
+
+def comparison(record: Mapping[str, Any] | Comparison) -> Comparison:
+    return decode(record, Comparison)
+
+
+def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
+    return decode(record, BackendInfo)
+
+
+def unknown_fields(record: Mapping[str, Any], cls: type[_Record]) -> list[str]:
+    """The fields of ``record`` that ``cls`` does not declare (a writer that forgot to type one)."""
+    return sorted(set(record) - set(cls.__struct_fields__))
