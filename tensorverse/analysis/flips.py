@@ -19,7 +19,17 @@ import numpy as np
 
 from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics
 
-__all__ = ["FreeDivergence", "forced_flips", "first_forced_flip", "free_divergence"]
+__all__ = ["FreeDivergence", "forced_flips", "first_forced_flip", "free_divergence", "first_difference"]
+
+
+def first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """The first position where ``b`` leaves ``a`` (the shorter one's length when one is a prefix of
+    the other); None when they are the same."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else n
 
 
 def forced_flips(m: PositionMetrics) -> list[int]:

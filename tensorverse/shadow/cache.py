@@ -11,10 +11,6 @@ from tensorverse.shadow.backend import Backend
 __all__ = ["RunnerCache", "SHARED_CACHE"]
 
 
-def _now() -> float:
-    return time.monotonic()
-
-
 @dataclass
 class _Caps:
     """What a backend can do for a run: force ids (``forcing``), capture rows through a sink
@@ -25,7 +21,7 @@ class _Caps:
     capture: bool = True
     probed: bool = False
     detail: str = ""
-    at: float = field(default_factory=_now)
+    at: float = field(default_factory=time.monotonic)
 
 
 class RunnerCache:
@@ -44,19 +40,19 @@ class RunnerCache:
 
     def get_caps(self, b: Backend) -> _Caps | None:
         c = self.caps.get(self.key(b))
-        if c is not None and _now() - c.at > self.ttl_s:
+        if c is not None and time.monotonic() - c.at > self.ttl_s:
             self.caps.pop(self.key(b), None)
             return None
         return c
 
     def get_fp(self, b: Backend) -> dict[str, Any] | None:
         e = self.fps.get(self.key(b))
-        if e is None or _now() - e[0] > self.ttl_s:
+        if e is None or time.monotonic() - e[0] > self.ttl_s:
             return None
         return e[1]
 
     def put_fp(self, b: Backend, fp: dict[str, Any]) -> None:
-        self.fps[self.key(b)] = (_now(), fp)
+        self.fps[self.key(b)] = (time.monotonic(), fp)
 
     def clear(self) -> None:
         self.caps.clear()

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import aiohttp
 
+from tensorverse.analysis.flips import first_difference
 from tensorverse.capture.optin import KEY_CAPTURE
 from tensorverse.shadow.backend import Backend
 from tensorverse.shadow.cache import SHARED_CACHE, RunnerCache, _Caps
@@ -38,7 +39,7 @@ from tensorverse.shadow.completions import (forced_body, free_body, parse_comple
                                             parse_prompt_logprobs, scoring_body)
 from tensorverse.shadow.doctor import probe_capabilities
 from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, primary_record,
-                                        primary_run_id, run_record, sent_sampling)
+                                     primary_run_id, run_record, sent_sampling)
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
 from tensorverse.shadow.turn import TurnInput
 
@@ -48,14 +49,6 @@ ROWS_TIMEOUT_S = 30.0
 __all__ = ["ShadowRunner", "shadow_turn", "ROWS_TIMEOUT_S"]
 
 log = logging.getLogger("tensorverse.shadow")
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else n
 
 
 def _sink_refusal(e: BackendError) -> bool:
@@ -314,7 +307,7 @@ class ShadowRunner:
                     run["attempts"].append({"method": "forced_decode", "error": str(e)})
                     got = None
                 if got is not None:
-                    j = _first_difference(t.output_token_ids, got["token_ids"])
+                    j = first_difference(t.output_token_ids, got["token_ids"])
                     if j is None:
                         run.update(status="ok", method="forced_decode", sampling=sent_sampling(body),
                                    token_ids=got["token_ids"], text=got["text"],

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import orjson
 
+from tensorverse.analysis.flips import first_difference
 from tensorverse.shadow.client import BackendClient, BackendError
 
 __all__ = ["PROBE_TEXTS", "SPECIAL_TOKENS", "DETOK_IDS", "TEMPLATE_PROBE", "FINGERPRINT_VERSION",
@@ -181,14 +182,6 @@ async def fingerprint(client: BackendClient, *, with_vocab: bool = True,
     return out
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else n
-
-
 def same_dictionary(primary: Mapping[str, Any] | None, shadow: Mapping[str, Any] | None, *,
                     primary_name: str = "primary", shadow_name: str = "shadow",
                     strict: bool = False) -> tuple[bool, str]:
@@ -214,7 +207,7 @@ def same_dictionary(primary: Mapping[str, Any] | None, shadow: Mapping[str, Any]
             problems.append(f"special tokens differ: {shown}{more}")
         pp, sp = primary.get("probes") or [], shadow.get("probes") or []
         firsts = [(i, j) for i, (a, b) in enumerate(zip(pp, sp))
-                  if (j := _first_difference(a, b)) is not None]
+                  if (j := first_difference(a, b)) is not None]
         if firsts:
             i, j = firsts[0]
             problems.append(f"{len(firsts)} of {len(PROBE_TEXTS)} probe texts tokenize differently "
@@ -256,7 +249,7 @@ async def render_chat(client: BackendClient, request: Mapping[str, Any]) -> list
 
 def template_difference(expected: Sequence[int], rendered: Sequence[int]) -> dict[str, Any]:
     """``{"status": "ok"}`` or ``{"status": "template_mismatch", "first_difference", ...}``."""
-    j = _first_difference(list(expected), list(rendered))
+    j = first_difference(list(expected), list(rendered))
     if j is None:
         return {"status": "ok", "prompt_tokens": len(expected)}
     return {

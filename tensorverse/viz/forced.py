@@ -16,10 +16,10 @@ import numpy as np
 
 from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics, position_metrics, summarize
 from tensorverse.analysis.regions import tag_regions
+from tensorverse.analysis.flips import first_difference
 from tensorverse.analysis.topk import topk_position_metrics
-from tensorverse.viz.lanes import divergence
-from tensorverse.viz.panels import panel
 from tensorverse.store.records import Comparison
+from tensorverse.viz.panels import panel
 from tensorverse.viz.lane import FORCED, ROLES_REFERENCE, Lane, comparison_flips
 from tensorverse.viz.rounding import sig, sigs
 from tensorverse.viz.rows import Row
@@ -105,7 +105,7 @@ def forced_view(tb: TurnBuilder, inline: bool, used: set[int]) -> dict:
         return {"available": False}
     members = tb.forced_members
     for name, lane in tb.inp.forced.items():
-        d = divergence(tokens, lane.token_ids)
+        d = first_difference(tokens, lane.token_ids)
         if lane.token_ids and d is not None and d < len(lane.token_ids):
             tb.rows.warn(f"{name} (forced): emitted tokens differ from the primary's at "
                          f"position {d}; its forced metrics may be misaligned")

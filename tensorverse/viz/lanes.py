@@ -1,17 +1,16 @@
 """A turn's lanes: its records normalised into the primary's lane and each backend's forced and
-free lane (:class:`TurnInputs`), and what is read off lanes: where one leaves another
-(:func:`divergence`) and a lane's tool calls (:func:`extract_calls`)."""
+free lane (:class:`TurnInputs`), and a lane's tool calls (:func:`extract_calls`)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from tensorverse.analysis.toolcalls import extract_tool_calls
 from tensorverse.viz.pieces import text_of
 from tensorverse.store.records import BackendInfo, Run
 from tensorverse.viz.lane import FORCED, RECORDED, ROLES_REFERENCE, Lane, TurnRec, lane_from_run
 
-__all__ = ["TurnInputs", "divergence", "extract_calls"]
+__all__ = ["TurnInputs", "extract_calls"]
 
 
 class TurnInputs:
@@ -89,16 +88,6 @@ class TurnInputs:
                 for r in self.runs
             )
         )
-
-
-def divergence(ref: Sequence[int], cand: Sequence[int]) -> int | None:
-    """The first position where ``cand`` leaves ``ref`` (the shorter one's length when one is a
-    prefix of the other); None when they are the same."""
-    n = min(len(ref), len(cand))
-    for i in range(n):
-        if ref[i] != cand[i]:
-            return i
-    return None if len(ref) == len(cand) else n
 
 
 def extract_calls(lane: Lane, vocab: Mapping[int, str] = {}) -> Any:

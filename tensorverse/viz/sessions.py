@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from tensorverse.analysis.toolcalls import SEVERITY, compare_tool_calls
-from tensorverse.viz.lanes import TurnInputs, divergence, extract_calls
+from tensorverse.analysis.flips import first_difference
+from tensorverse.viz.lanes import TurnInputs, extract_calls
 from tensorverse.store.records import Session
 from tensorverse.viz.lane import Lane
 
@@ -72,7 +73,7 @@ def turn_brief(inp: TurnInputs, forced_flips: Callable[[Lane | None], int | None
                                  "forced_flips": forced_flips(inp.forced.get(name)),
                                  "status": "ok"}
         if free is not None:
-            entry["divergence"] = divergence(prim.token_ids, free.token_ids)
+            entry["divergence"] = first_difference(prim.token_ids, free.token_ids)
             entry["verdict"] = compare_tool_calls(ref_calls, extract_calls(free)).verdict
             entry["status"] = free.status
         failed = [l for l in inp.failed if l.backend == name]

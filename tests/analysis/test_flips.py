@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tensorverse.analysis.flips import (
+    first_difference,
     FreeDivergence,
     first_forced_flip,
     forced_flips,
@@ -101,3 +102,14 @@ def test_free_divergence_bad_input():
         free_divergence([1.5, 2.0], [1, 2])
     with pytest.raises(AnalysisInputError):
         free_divergence([[1, 2]], [1, 2])
+
+
+@pytest.mark.parametrize("a,b,want", [
+    ([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 9, 3], 1), ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1], 1),
+    ([], [], None), ([], [5], 0), ([4], [5], 0),
+])
+def test_first_difference(a, b, want):
+    """Where the viewer's timeline, the template check and the forced run's own check say two
+    token sequences part (one function for the three)."""
+    assert first_difference(a, b) == want
+    assert first_difference(b, a) == want
