@@ -32,6 +32,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import jsonschema
 
 from tensorverse.replay.scrub import SCRUBBER_VERSION, Scrubber
+from tensorverse.store import records
+from tensorverse.store.records import Turn
 
 __all__ = ["CASE_FORMAT", "CORPUS_FORMAT", "FORMAT_VERSION", "Corpus", "CorpusError", "load_corpus",
            "write_corpus", "validate_case", "validate_manifest", "scrub_store", "case_from_turns",
@@ -226,13 +228,13 @@ def _sampling(request: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _usable(turn: Mapping[str, Any]) -> str | None:
+def _usable(turn: Turn) -> str | None:
     """Why a recorded turn cannot become a case turn (None when it can)."""
-    if turn.get("state") not in (None, "ok"):
+    if turn.state not in (None, "ok"):
         return "not_ok"
-    if not turn.get("prompt_token_ids"):
+    if not turn.prompt_token_ids:
         return "no_prompt_ids"
-    if turn.get("output_token_ids") is None:
+    if turn.output_token_ids is None:
         return "no_output_ids"
     return None
 
@@ -254,7 +256,7 @@ def iter_case_turns(case: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     return iter(case.get("turns") or ())
 
 
-def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | None, tokenizer: Any,
+def case_from_turns(turns: Sequence[Turn | Mapping[str, Any]], *, scrubber: Scrubber | None, tokenizer: Any,
                     case_id: str, tokenizer_info: Mapping[str, Any] | None,
                     session_id: str | None = None, title: str | None = None) -> tuple[dict[str, Any], dict[str, int]]:
     """One case from the recorded turns of a session (store turn records, in index order).
@@ -267,7 +269,7 @@ def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | 
     counters: dict[str, int] = {}
     out_turns: list[dict[str, Any]] = []
     usable = []
-    for t in turns:
+    for t in map(records.turn, turns):
         why = _usable(t)
         if why:
             counters[f"skipped_{why}"] = counters.get(f"skipped_{why}", 0) + 1
@@ -275,13 +277,13 @@ def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | 
         usable.append(t)
     scrub_value = scrubber.scrub_value if scrubber else (lambda v: v)
     for i, t in enumerate(usable):
-        req = t.get("request") if isinstance(t.get("request"), Mapping) else {}
+        req = t.request or {}
         messages = req.get("messages")
-        prompt = [int(x) for x in t["prompt_token_ids"]]
-        output = [int(x) for x in t["output_token_ids"]]
+        prompt = list(t.prompt_token_ids or [])
+        output = list(t.output_token_ids or [])
         turn: dict[str, Any] = {
             "index": i,
-            "endpoint": t.get("endpoint") if t.get("endpoint") in ("chat.completions", "completions", "messages") else None,
+            "endpoint": t.endpoint if t.endpoint in ("chat.completions", "completions", "messages") else None,
             "messages": scrub_value(messages) if messages is not None else None,
             "tools": scrub_value(req.get("tools")) if req.get("tools") is not None else None,
             "sampling": scrub_value(_sampling(req)),
@@ -300,23 +302,23 @@ def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | 
             except Exception:  # noqa: BLE001 - a tokenizer that cannot skip specials
                 text = None
         if text is None:
-            text = scrub_value(t.get("text")) if t.get("text") is not None else None
+            text = scrub_value(t.text) if t.text is not None else None
         turn["prompt_token_ids"] = prompt
         turn["reference"] = {
-            "backend": t.get("backend"),
+            "backend": t.backend,
             "output_token_ids": output,
             "text": text,
-            "tool_calls": scrub_value(t.get("tool_calls")) or None,
-            "finish_reason": t.get("finish_reason"),
+            "tool_calls": scrub_value(t.tool_calls) or None,
+            "finish_reason": t.finish_reason,
         }
         nxt = usable[i + 1] if i + 1 < len(usable) else None
         cur_req = {"messages": messages}
-        nxt_req = {"messages": (nxt.get("request") or {}).get("messages")} if nxt else None
+        nxt_req = {"messages": (nxt.request or {}).get("messages")} if nxt else None
         turn["tool_results"] = scrub_value(_tool_results(cur_req, nxt_req))
         out_turns.append(turn)
         counters["turns"] = counters.get("turns", 0) + 1
-    first = usable[0] if usable else {}
-    created = first.get("created_ns")
+    first = usable[0] if usable else None
+    created = first.created_ns if first is not None else None
     case = {
         "format": CASE_FORMAT,
         "format_version": FORMAT_VERSION,
@@ -326,8 +328,8 @@ def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | 
         "provenance": {
             "source": "store",
             "session": _hash_id(session_id) if session_id else None,
-            "reference_backend": first.get("backend"),
-            "model": first.get("model"),
+            "reference_backend": first.backend if first is not None else None,
+            "model": first.model if first is not None else None,
             "recorded_on": (_dt.datetime.fromtimestamp(created / 1e9, _dt.timezone.utc).strftime("%Y-%m-%d")
                             if isinstance(created, int) else None),
             "scrubbed": scrubber is not None,
@@ -339,14 +341,14 @@ def case_from_turns(turns: Sequence[Mapping[str, Any]], *, scrubber: Scrubber | 
     return case, counters
 
 
-def _learn_turn(scrubber: Scrubber, tokenizer: Any, t: Mapping[str, Any]) -> None:
-    scrubber.learn_value(t.get("request"))
-    scrubber.learn_value(t.get("text"))
-    scrubber.learn_value(t.get("tool_calls"))
+def _learn_turn(scrubber: Scrubber, tokenizer: Any, t: Turn) -> None:
+    scrubber.learn_value(t.request)
+    scrubber.learn_value(t.text)
+    scrubber.learn_value(t.tool_calls)
     if tokenizer is not None:
-        for key in ("prompt_token_ids", "output_token_ids"):
-            if t.get(key):
-                scrubber.learn(tokenizer.decode([int(x) for x in t[key]]))
+        for ids in (t.prompt_token_ids, t.output_token_ids):
+            if ids:
+                scrubber.learn(tokenizer.decode(list(ids)))
 
 
 def scrub_store(store_path: str | os.PathLike, out: str | os.PathLike, *, tokenizer: Any,
@@ -364,7 +366,7 @@ def scrub_store(store_path: str | os.PathLike, out: str | os.PathLike, *, tokeni
             chosen = [store.get_session(s) for s in sessions]
         else:
             chosen = list(store.iter_sessions())
-        recorded = [(s, list(store.iter_turns(s["id"]))) for s in chosen]
+        recorded = [(s, [records.turn(t) for t in store.iter_turns(s["id"])]) for s in chosen]
     # pass 1: learn names and reserved addresses over the whole corpus
     for _, turns in recorded:
         for t in turns:

@@ -98,9 +98,13 @@ def _vs_recorded(run: Mapping[str, Any] | None, rec: Mapping[str, Any]) -> dict[
     """A free run against the case's recorded output: divergence and tool-call verdict."""
     from tensorverse.shadow.compare import compare_free
 
-    recorded = {"backend": RECORDED, "token_ids": rec.get("output_token_ids") or [],
-                "text": rec.get("text") or "", "finish_reason": rec.get("finish_reason")}
-    return compare_free(dict(run or {}, backend=(run or {}).get("backend") or "?"), recorded)
+    from tensorverse.store.records import Run
+
+    recorded = Run(id=f"{rec['id']}~recorded", turn_id=rec["id"], backend=RECORDED, mode=RECORDED,
+                   token_ids=list(rec.get("output_token_ids") or []), text=rec.get("text") or "",
+                   finish_reason=rec.get("finish_reason"))
+    cand = run if run is not None else Run(id=f"{rec['id']}~none", turn_id=rec["id"], backend="?", mode="free")
+    return compare_free(cand, recorded)
 
 
 def _departures(run: Mapping[str, Any], tokens: Sequence[int]) -> list[int] | None:

@@ -65,7 +65,9 @@ from tensorverse.analysis.noise import compare_flip_rates
 from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
 from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
+from tensorverse.store import records
 from tensorverse.store.codec import decode_row
+from tensorverse.store.records import Run
 
 __all__ = ["compare_turn", "compare_runs", "select_reference", "load_rows", "latest_runs",
            "CHUNK"]
@@ -74,38 +76,38 @@ log = logging.getLogger("tensorverse.shadow")
 
 CHUNK = 64  # rows decoded and compared at a time (64 x 151,936 float32 = 39 MB per side)
 _REF_ROLES = ("secondary", "reference")
+RunLike = Run | Mapping[str, Any]  # a run record, typed or as stored (decoded on entry)
 
 
-def latest_runs(runs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+def latest_runs(runs: Iterable[RunLike]) -> dict[tuple[str, str], Run]:
     """The latest run per (backend, mode)."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in runs:
-        key = (r.get("backend"), r.get("mode"))
+    out: dict[tuple[str, str], Run] = {}
+    for r in map(records.run, runs):
+        key = (r.backend, r.mode)
         cur = out.get(key)
-        if cur is None or (r.get("created_ns") or 0) >= (cur.get("created_ns") or 0):
-            out[key] = dict(r)
+        if cur is None or r.created_ns >= cur.created_ns:
+            out[key] = r
     return out
 
 
-def _full(run: Mapping[str, Any] | None) -> bool:
-    return bool(run) and run.get("status") == "ok" and run.get("capture") == "full"
+def _full(run: Run | None) -> bool:
+    return run is not None and run.status == "ok" and run.capture == "full"
 
 
-def _has_topk(run: Mapping[str, Any] | None, n: int) -> bool:
-    tl = (run or {}).get("top_logprobs")
+def _has_topk(run: Run | None, n: int) -> bool:
+    tl = run.top_logprobs if run is not None else None
     return isinstance(tl, list) and len(tl) >= n and all(e for e in tl[:n])
 
 
-def select_reference(forced: Sequence[Mapping[str, Any]],
-                     roles: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+def select_reference(forced: Sequence[RunLike], roles: Mapping[str, str] | None = None) -> Run | None:
     """The forced reference run: a secondary's, else a reference's; full capture preferred."""
     roles = roles or {}
-    ok = [r for r in forced if r.get("status") == "ok"]
+    ok = [r for r in map(records.run, forced) if r.status == "ok"]
     for role in _REF_ROLES:
-        cands = sorted((r for r in ok if roles.get(r["backend"], r.get("role")) == role),
-                       key=lambda r: (not _full(r), r["backend"]))
+        cands = sorted((r for r in ok if roles.get(r.backend, r.role) == role),
+                       key=lambda r: (not _full(r), r.backend))
         if cands:
-            return dict(cands[0])
+            return cands[0]
     return None
 
 
@@ -126,15 +128,15 @@ def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
     return np.stack([r.reshape(-1) for r in rows]).astype(np.float32, copy=False)
 
 
-def _row_positions(store: Any, run: Mapping[str, Any], n: int) -> list[int]:
+def _row_positions(store: Any, run: Run, n: int) -> list[int]:
     """Positions < n whose row the run has in the store."""
-    rows = run.get("rows") or {}
+    rows = run.rows or {}
     if rows.get("complete") and rows.get("expected") == n:
         return list(range(n))
     have = []
     for p in range(n):
         try:
-            store.read_row(run["id"], p)
+            store.read_row(run.id, p)
         except KeyError:
             continue
         have.append(p)
@@ -155,7 +157,7 @@ def _concat(parts: list[PositionMetrics]) -> PositionMetrics:
     )
 
 
-def _full_metrics(store: Any, ref: Mapping[str, Any], cand: Mapping[str, Any],
+def _full_metrics(store: Any, ref: Run, cand: Run,
                   tokens: Sequence[int], noise_positions: Collection[int] | None = None,
                   rule: TieRule = DEFAULT_RULE,
                   ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution]]:
@@ -167,11 +169,11 @@ def _full_metrics(store: Any, ref: Mapping[str, Any], cand: Mapping[str, Any],
     classes: list[FlipAttribution] = []
     for s in range(0, len(both), CHUNK):
         ps = both[s: s + CHUNK]
-        r = load_rows(store, ref["id"], ps)
-        c = load_rows(store, cand["id"], ps)
+        r = load_rows(store, ref.id, ps)
+        c = load_rows(store, cand.id, ps)
         if r.shape[1] != c.shape[1]:
             raise AnalysisInputError(
-                f"rows of {ref['backend']} have {r.shape[1]} logits, rows of {cand['backend']} "
+                f"rows of {ref.backend} have {r.shape[1]} logits, rows of {cand.backend} "
                 f"{c.shape[1]}: different vocabularies cannot be compared")
         m = position_metrics(r, c, [tokens[p] for p in ps])
         parts.append(m)
@@ -195,11 +197,11 @@ def _columns(m: PositionMetrics) -> dict[str, list[Any]]:
     }
 
 
-def _template_mismatch(*runs: Mapping[str, Any] | None) -> bool:
-    return any(((r or {}).get("template") or {}).get("status") == "template_mismatch" for r in runs)
+def _template_mismatch(*runs: Run | None) -> bool:
+    return any(r is not None and (r.template or {}).get("status") == "template_mismatch" for r in runs)
 
 
-def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
+def compare_forced(store: Any, cand: RunLike, ref: RunLike,
                    tokens: Sequence[int], *, pieces: Sequence[str] | None = None,
                    roles: Mapping[str, str] | None = None,
                    noise_positions: Collection[int] | None = None, noise_source: str | None = None,
@@ -209,14 +211,15 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
     ``noise_positions``: positions where the noise run flips (None: no noise run; then no flip
     is ``noise``); every flip is classified (:mod:`tensorverse.analysis.attribution`)."""
     roles = roles or {}
+    cand, ref = records.run(cand), records.run(ref)
     n = len(tokens)
-    role = roles.get(cand["backend"], cand.get("role"))
-    ref_role = roles.get(ref["backend"], ref.get("role"))
+    role = roles.get(cand.backend, cand.role)
+    ref_role = roles.get(ref.backend, ref.role)
     result: dict[str, Any] = {
-        "turn_id": cand.get("turn_id"),
+        "turn_id": cand.turn_id,
         "mode": "forced",
-        "backend": cand["backend"],
-        "ref_backend": ref["backend"],
+        "backend": cand.backend,
+        "ref_backend": ref.backend,
         "role": role,
         "ref_role": ref_role,
         "noise_floor": role == "secondary" and ref_role == "primary",
@@ -228,18 +231,18 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
         m, positions, incomplete, classes = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
-        k = min(int(cand.get("k") or 0) or 10**9, int(ref.get("k") or 0) or 10**9)
-        m = topk_position_metrics(ref["top_logprobs"][:n], cand["top_logprobs"][:n], list(tokens),
+        k = min(cand.k or 10**9, ref.k or 10**9)
+        m = topk_position_metrics(ref.top_logprobs[:n], cand.top_logprobs[:n], list(tokens),
                                   k=None if k == 10**9 else k)
         positions = list(range(n))
         kind = "topk"
         flip_set = set(forced_flips(m))
-        entries = [parse_top_logprobs(ref["top_logprobs"][p]) if p in flip_set else {} for p in positions]
+        entries = [parse_top_logprobs(ref.top_logprobs[p]) if p in flip_set else {} for p in positions]
         noise = None if noise_positions is None else [p in noise_positions for p in positions]
         classes = classify_forced_topk(entries, m.ref_top1, m.cand_top1, noise=noise, rule=rule)
     else:
         raise AnalysisInputError(
-            f"{cand['backend']} ({cand.get('capture')}) and {ref['backend']} ({ref.get('capture')}) "
+            f"{cand.backend} ({cand.capture}) and {ref.backend} ({ref.capture}) "
             "have neither full rows nor top-k logprobs for every position on both sides")
     regions = None
     if pieces is not None and len(pieces) == n:
@@ -282,17 +285,16 @@ def compare_forced(store: Any, cand: Mapping[str, Any], ref: Mapping[str, Any],
     return result
 
 
-def _forced_departure(forced: Mapping[str, Any] | None, tokens: Sequence[int],
-                      store: Any) -> int | None:
+def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Any) -> int | None:
     """First position where a backend's forced run preferred another token than the primary's."""
-    if not forced or forced.get("status") != "ok":
+    if forced is None or forced.status != "ok":
         return None
     n = len(tokens)
     if _full(forced) and store is not None:
         for s in range(0, n, CHUNK):
             ps = list(range(s, min(n, s + CHUNK)))
             try:
-                rows = load_rows(store, forced["id"], ps)
+                rows = load_rows(store, forced.id, ps)
             except KeyError:
                 break
             top = np.argmax(rows, axis=1)
@@ -301,7 +303,7 @@ def _forced_departure(forced: Mapping[str, Any] | None, tokens: Sequence[int],
                     return p
         else:
             return None
-    tl = forced.get("top_logprobs")
+    tl = forced.top_logprobs
     if isinstance(tl, list) and len(tl) >= n:
         for p in range(n):
             e = tl[p]
@@ -312,8 +314,8 @@ def _forced_departure(forced: Mapping[str, Any] | None, tokens: Sequence[int],
     return None
 
 
-def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
-                 forced: Mapping[str, Any] | None = None, store: Any = None,
+def compare_free(cand: RunLike, primary: RunLike, *,
+                 forced: RunLike | None = None, store: Any = None,
                  roles: Mapping[str, str] | None = None,
                  noise_positions: Collection[int] = (), rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
     """One free-mode comparison with the primary's recorded output.
@@ -323,16 +325,18 @@ def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
     or diverges there (``noise_positions``), ``parser`` when the primary's own parser check
     (``primary["parser_check"]``) found a mismatch."""
     roles = roles or {}
-    ref_tokens = list(primary.get("token_ids") or [])
-    cand_tokens = list(cand.get("token_ids") or [])
+    cand, primary = records.run(cand), records.run(primary)
+    forced = records.run(forced) if forced is not None else None
+    ref_tokens = list(primary.token_ids)
+    cand_tokens = list(cand.token_ids)
     d = free_divergence(ref_tokens, cand_tokens)
-    ref_x = extract_tool_calls(primary.get("text") or "", openai_tool_calls=primary.get("tool_calls"))
-    cand_x = extract_tool_calls(cand.get("text") or "")
+    ref_x = extract_tool_calls(primary.text or "", openai_tool_calls=primary.tool_calls)
+    cand_x = extract_tool_calls(cand.text or "")
     verdict = compare_tool_calls(ref_x, cand_x)
-    forced_ok = bool(forced) and forced.get("status") == "ok"
+    forced_ok = forced is not None and forced.status == "ok"
     departure = _forced_departure(forced, ref_tokens, store) if forced_ok else None
-    role = roles.get(cand["backend"], cand.get("role"))
-    tops = primary.get("top_logprobs")
+    role = roles.get(cand.backend, cand.role)
+    tops = primary.top_logprobs
     pair = None
     if d.kind == "token" and isinstance(tops, list) and d.position is not None and d.position < len(tops) \
             and tops[d.position]:
@@ -340,18 +344,18 @@ def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
             pair = topk_pair(parse_top_logprobs(tops[d.position]), d.ref_token, d.cand_token)
         except AnalysisInputError:
             pair = None
-    pc = primary.get("parser_check")
+    pc = primary.parser_check
     flip = classify_free(position=d.position, ref_token=d.ref_token, cand_token=d.cand_token,
                          ref_logits=pair, noise_positions=noise_positions,
                          tool_calls_differ=not verdict.match,
-                         primary_parser_mismatch=bool(isinstance(pc, Mapping) and pc.get("mismatch")),
+                         primary_parser_mismatch=bool(pc and pc.get("mismatch")),
                          rule=rule)
     return {
-        "turn_id": cand.get("turn_id"),
+        "turn_id": cand.turn_id,
         "mode": "free",
         "kind": "tokens",
-        "backend": cand["backend"],
-        "ref_backend": primary.get("backend"),
+        "backend": cand.backend,
+        "ref_backend": primary.backend,
         "role": role,
         "ref_role": "primary",
         "noise_floor": role == "secondary",
@@ -371,12 +375,12 @@ def compare_free(cand: Mapping[str, Any], primary: Mapping[str, Any], *,
         "forced_departure": departure,
         "confirms_forced": (departure == d.position) if forced_ok else None,
         "template_mismatch": _template_mismatch(cand),
-        "finish_reason": cand.get("finish_reason"),
-        "ref_finish_reason": primary.get("finish_reason"),
+        "finish_reason": cand.finish_reason,
+        "ref_finish_reason": primary.finish_reason,
     }
 
 
-def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
+def compare_runs(store: Any, runs: Iterable[RunLike], *,
                  roles: Mapping[str, str] | None = None, pieces: Sequence[str] | None = None,
                  store_results: bool = True,
                  backends: Collection[str] | None = None) -> list[dict[str, Any]]:
@@ -390,17 +394,17 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
     primary = next((r for (b, m), r in latest.items() if m == "recorded"), None)
     if primary is None:
         raise AnalysisInputError("the turn has no recorded primary run")
-    tokens = [int(t) for t in primary.get("token_ids") or []]
+    tokens = [int(t) for t in primary.token_ids]
     n = len(tokens)
     if pieces is None:
-        pieces = primary.get("pieces")
+        pieces = primary.pieces
     forced = {b: r for (b, m), r in latest.items() if m == "forced"}
     free = {b: r for (b, m), r in latest.items() if m == "free"}
     ref = select_reference(list(forced.values()), roles)
     out: list[dict[str, Any]] = []
-    floor_run = next((r for b, r in sorted(forced.items()) if r.get("status") == "ok"
-                      and roles.get(b, r.get("role")) == "secondary"), None)
-    pivots = {x["backend"] for x in (ref, floor_run) if x is not None}
+    floor_run = next((r for b, r in sorted(forced.items()) if r.status == "ok"
+                      and roles.get(b, r.role) == "secondary"), None)
+    pivots = {x.backend for x in (ref, floor_run) if x is not None}
     everything = backends is None or bool(pivots & set(backends))
 
     def wanted(b: str) -> bool:
@@ -411,23 +415,23 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
         result["ref_run_id"] = ref_run_id
         out.append(result)
 
-    def failed(cand: Mapping[str, Any], refrun: Mapping[str, Any], mode: str, e: Exception) -> dict[str, Any]:
-        return {"turn_id": cand.get("turn_id"), "mode": mode, "backend": cand["backend"],
-                "ref_backend": refrun.get("backend"), "status": "error",
+    def failed(cand: Run, refrun: Run, mode: str, e: Exception) -> dict[str, Any]:
+        return {"turn_id": cand.turn_id, "mode": mode, "backend": cand.backend,
+                "ref_backend": refrun.backend, "status": "error",
                 "error": f"{type(e).__name__}: {e}"}
 
     # The noise run: where the secondary (the primary's exact config) flips against the primary,
     # a candidate's flip is `noise`; the secondary's own flips are noise by definition.
-    proles = {**roles, primary["backend"]: "primary"}
+    proles = {**roles, primary.backend: "primary"}
     noise_positions: set[int] | None = None
     noise_source = None
     floor_res: dict[str, Any] | Exception | None = None
-    if floor_run is not None and n and len(floor_run.get("token_ids") or []) >= n \
+    if floor_run is not None and n and len(floor_run.token_ids) >= n \
             and _has_topk(primary, n) and _has_topk(floor_run, n):
         try:
             first = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles)
             noise_positions = set(first["flips"])
-            noise_source = f"secondary:{floor_run['backend']}"
+            noise_source = f"secondary:{floor_run.backend}"
             floor_res = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles,
                                        noise_positions=noise_positions, noise_source=noise_source)
         except (AnalysisInputError, KeyError, ValueError) as e:
@@ -435,16 +439,16 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
 
     vs_primary: dict[str, dict[str, Any]] = {}
     for b, run in sorted(forced.items()):
-        if run.get("status") != "ok" or len(run.get("token_ids") or []) < n:
+        if run.status != "ok" or len(run.token_ids) < n:
             continue
-        if ref is not None and b != ref["backend"] and wanted(b):
+        if ref is not None and b != ref.backend and wanted(b):
             try:
                 add(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
                                    noise_positions=noise_positions, noise_source=noise_source),
-                    run["id"], ref["id"])
+                    run.id, ref.id)
             except (AnalysisInputError, KeyError, ValueError) as e:
-                add(failed(run, ref, "forced", e), run["id"], ref["id"])
-        is_floor = floor_run is not None and b == floor_run["backend"]
+                add(failed(run, ref, "forced", e), run.id, ref.id)
+        is_floor = floor_run is not None and b == floor_run.backend
         if n and (wanted(b) or is_floor) and _has_topk(primary, n) and _has_topk(run, n):
             try:
                 if is_floor and isinstance(floor_res, Exception):
@@ -454,10 +458,10 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
                                    noise_positions=noise_positions, noise_source=noise_source)
                 vs_primary[b] = res
                 if wanted(b):
-                    add(res, run["id"], primary["id"])
+                    add(res, run.id, primary.id)
             except (AnalysisInputError, KeyError, ValueError) as e:
                 if wanted(b):
-                    add(failed(run, primary, "forced", e), run["id"], primary["id"])
+                    add(failed(run, primary, "forced", e), run.id, primary.id)
 
     floor = next((r for r in vs_primary.values() if r.get("noise_floor")), None)
     if floor is not None:
@@ -479,21 +483,21 @@ def compare_runs(store: Any, runs: Iterable[Mapping[str, Any]], *,
                 res["excess"] = {"error": str(e)}
 
     free_noise: set[int] = set(noise_positions or ())
-    sec_free = free.get(floor_run["backend"]) if floor_run is not None else None
-    if sec_free is not None and sec_free.get("status") == "ok":
-        pos = free_divergence(tokens, list(sec_free.get("token_ids") or [])).position
+    sec_free = free.get(floor_run.backend) if floor_run is not None else None
+    if sec_free is not None and sec_free.status == "ok":
+        pos = free_divergence(tokens, list(sec_free.token_ids)).position
         if pos is not None:
             free_noise.add(pos)
 
     for b, run in sorted(free.items()):
-        if run.get("status") != "ok" or not wanted(b):
+        if run.status != "ok" or not wanted(b):
             continue
         try:
             add(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
                              noise_positions=free_noise),
-                run["id"], primary["id"])
+                run.id, primary.id)
         except (AnalysisInputError, KeyError, ValueError) as e:
-            add(failed(run, primary, "free", e), run["id"], primary["id"])
+            add(failed(run, primary, "free", e), run.id, primary.id)
 
     if store_results:
         futures = [store.put_comparison(r["run_id"], r["ref_run_id"],

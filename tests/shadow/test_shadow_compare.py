@@ -130,8 +130,8 @@ def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
 def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
     runs = list(store.iter_runs("T"))
     forced = [r for r in runs if r["mode"] == "forced"]
-    assert select_reference(forced)["backend"] == "sec"
-    assert select_reference(forced, roles={"sec": "shadow", "cand": "reference"})["backend"] == "cand"
+    assert select_reference(forced).backend == "sec"
+    assert select_reference(forced, roles={"sec": "shadow", "cand": "reference"}).backend == "cand"
     assert select_reference(forced, roles={"sec": "shadow"}) is None
     # no reference at all: candidates are compared with the primary's top-k only
     out = compare_runs(store, runs, roles={"sec": "shadow"}, store_results=False)
