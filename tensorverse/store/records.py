@@ -25,7 +25,7 @@ from typing import Any, Mapping, TypeVar
 import msgspec
 
 __all__ = ["Session", "Turn", "Run", "Comparison", "BackendInfo", "RecordError", "session", "turn", "run",
-           "comparison", "backend", "RECORD_TYPES"]
+           "comparison", "backend", "decode", "unknown_fields", "RECORD_TYPES", "RECORDED", "FORCED", "FREE"]
 
 # modes of a run
 RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
