@@ -43,7 +43,7 @@ from typing import Any, Collection, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from tensorverse.analysis.metrics import AnalysisInputError
+from tensorverse.analysis.metrics import AnalysisInputError, widen_bf16
 
 __all__ = [
     "FlipClass",
@@ -239,7 +239,7 @@ def classify_forced(ref_rows: Any, ref_top1: Any, cand_top1: Any, *, noise: Any 
     for i in np.flatnonzero(r1 != c1).tolist():
         row = rows[i]
         dtype = row_dtype(row)
-        vals = row if row.dtype != np.uint16 else (row.astype(np.uint32) << 16).view(np.float32)
+        vals = widen_bf16(row)
         a, b = vals[r1[i]], vals[c1[i]]
         cls, steps, margin = margin_class(a, b, dtype, rule)
         if cls is None:

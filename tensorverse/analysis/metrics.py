@@ -66,6 +66,7 @@ __all__ = [
     "reference_position_metrics",
     "summarize",
     "validate_inputs",
+    "widen_bf16",
     "PERCENTILES",
     "REGIONS",
 ]
@@ -161,6 +162,14 @@ class PositionMetrics:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def widen_bf16(a: np.ndarray) -> np.ndarray:
+    """bfloat16 rows given as their ``uint16`` bit patterns (how the store's codec returns them:
+    numpy has no bfloat16) as the float32 values they stand for, exactly; other arrays as they are."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a
 
 
 def _as_matrix(a: Any, name: str) -> np.ndarray:

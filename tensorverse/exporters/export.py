@@ -360,13 +360,11 @@ class _Table:
 def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
     import numpy as np
 
+    from tensorverse.analysis.metrics import widen_bf16
     from tensorverse.store.codec import decode_row
 
     for pos, blob in store.read_rows(run.id):
-        a = decode_row(blob, record=f"{run.id}@{pos}")
-        if a.dtype == np.uint16:  # bf16 bit patterns
-            a = (a.astype(np.uint32) << 16).view(np.float32)
-        a = np.asarray(a, dtype=np.float32).reshape(-1)
+        a = np.asarray(widen_bf16(decode_row(blob, record=f"{run.id}@{pos}")), dtype=np.float32).reshape(-1)
         yield {"run_id": run.id, "turn_id": run.turn_id, "backend": run.backend,
                "mode": run.mode, "position": int(pos), "vocab": int(a.size), "logits": a.tolist()}
 

@@ -367,7 +367,7 @@ class Sessions(Addon):
                         if not tools:
                             self._orphans.append(_Orphan(s.id, flow, text, self.clock()))
                         else:
-                            self._adopt_orphans(s, msgs, flow.meta.get("session_record"))
+                            self._adopt_orphans(s, msgs)
             if s is None:
                 s = self._create(self.new_id(), flow, "prefix")
         flow.session_id = s.id
@@ -411,7 +411,7 @@ class Sessions(Addon):
                 return s  # quoted, with another system prompt or tools: a side request
         return None
 
-    def _adopt_orphans(self, s: _Session, msgs: list[Any], record: dict | None) -> None:
+    def _adopt_orphans(self, s: _Session, msgs: list[Any]) -> None:
         """Link to a new conversation the side requests that reached the proxy before it."""
         first = grouping.first_user_text(msgs)
         now = self.clock()
@@ -433,8 +433,8 @@ class Sessions(Addon):
                 # its turn is not stored yet: it is simply recorded in this session, whose record
                 # it carries too (it may finish first; the store keeps one record, `put_session`)
                 f.meta.pop("session_record", None)
-                if record is not None:
-                    f.meta["session_record"] = dict(record)
+                if s.unstored is not None:
+                    f.meta["session_record"] = dict(s.unstored)
                 f.session_id, f.turn_index = s.id, index
                 self.counters["created"] -= 1
             else:  # stored already: moved once this turn's session record is (`_put_pending`)

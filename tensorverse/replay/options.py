@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tensorverse.shadow.backend import Backend
+from tensorverse.store.records import RECORDED
 
-__all__ = ["ReplayOptions", "parse_backend", "RECORDED"]
-
-RECORDED = "recorded"
+__all__ = ["ReplayOptions", "parse_backend"]
 
 
 def parse_backend(spec: str, *, capture: str = "auto", concurrency: int = 4,

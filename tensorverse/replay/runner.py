@@ -52,7 +52,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.replay.journal import journal_key, read_journal
-from tensorverse.replay.options import RECORDED, ReplayOptions
+from tensorverse.replay.options import ReplayOptions
+from tensorverse.store.records import RECORDED
 from tensorverse.replay.rig import rig_fingerprint
 from tensorverse.shadow.backend import Backend
 

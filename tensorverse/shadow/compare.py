@@ -60,7 +60,8 @@ from tensorverse.analysis.attribution import (
     topk_pair,
 )
 from tensorverse.analysis.flips import forced_flips, free_divergence
-from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics, position_metrics, summarize
+from tensorverse.analysis.metrics import (AnalysisInputError, PositionMetrics, position_metrics, summarize,
+                                          widen_bf16)
 from tensorverse.analysis.noise import compare_flip_rates
 from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
@@ -111,15 +112,9 @@ def select_reference(forced: Sequence[RunLike], roles: Mapping[str, str] | None 
     return None
 
 
-def _widen(a: np.ndarray) -> np.ndarray:
-    if a.dtype == np.uint16:  # bfloat16 bit patterns
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a
-
-
 def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
     """Decode the rows of ``positions`` of a run into one float32 matrix."""
-    rows = [_widen(decode_row(store.read_row(run_id, p), record=f"{run_id}@{p}")) for p in positions]
+    rows = [widen_bf16(decode_row(store.read_row(run_id, p), record=f"{run_id}@{p}")) for p in positions]
     if not rows:
         return np.zeros((0, 0), np.float32)
     widths = {r.shape[-1] for r in rows}

@@ -21,14 +21,14 @@ from tensorverse.capture.optin import KEY_FORCE
 from tensorverse.shadow.backend import Backend
 from tensorverse.shadow.client import BackendError
 from tensorverse.shadow.turn import TurnInput
+from tensorverse.store.records import FORCED, FREE, RECORDED
 
 __all__ = ["RECORDED", "MODES", "primary_run_id", "run_record", "fail_run", "sent_sampling",
            "primary_record", "primary_parser_check"]
 
 log = logging.getLogger("tensorverse.shadow")
 
-RECORDED = "recorded"  # the mode of the primary's own run
-MODES = ("forced", "free")
+MODES = (FORCED, FREE)
 
 
 def primary_run_id(turn_id: str) -> str:

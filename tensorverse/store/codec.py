@@ -9,7 +9,7 @@ bfloat16
     ``dtype="bfloat16"``: ``encode_row(bits, dtype="bfloat16")`` (``np.int16`` bits, as from
     ``tensor.view(torch.int16).numpy()``, are accepted too). ``decode_row`` returns such a
     row as ``np.uint16`` bit patterns too (``blob_info`` says ``dtype: "bfloat16"``); widen with
-    ``(bits.astype(np.uint32) << 16).view(np.float32)``. A numpy dtype named ``bfloat16`` with
+    ``tensorverse.analysis.metrics.widen_bf16``. A numpy dtype named ``bfloat16`` with
     2-byte items (ml_dtypes) is accepted as well and read as its bits.
 
 How a row is stored

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.metrics import widen_bf16
 from tensorverse.store import RecordNotFound
 from tensorverse.store.codec import CodecError, blob_info, decode_row
 from tensorverse.viz.lane import Lane
@@ -27,10 +28,7 @@ class Row:
     __slots__ = ("x", "_lse")
 
     def __init__(self, x: np.ndarray) -> None:
-        x = np.asarray(x)
-        if x.dtype == np.uint16:  # bfloat16 bit patterns
-            x = (x.astype(np.uint32) << 16).view(np.float32)
-        self.x = x.reshape(-1)
+        self.x = widen_bf16(np.asarray(x)).reshape(-1)
         self._lse: float | None = None
 
     @property

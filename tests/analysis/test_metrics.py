@@ -416,3 +416,15 @@ def test_summary_of_real_metrics_is_consistent():
     assert s["kl"]["mean"] == pytest.approx(float(m.kl.mean()))
     assert s["kl"]["min"] <= s["kl"]["p50"] <= s["kl"]["max"]
     assert s["flips"] == int((~m.top1_agree).sum())
+
+
+def test_widen_bf16_is_exact_and_leaves_other_rows_alone():
+    """uint16 bfloat16 bit patterns widen to the float32 values they stand for, bit for bit."""
+    import numpy as np
+
+    from tensorverse.analysis.metrics import widen_bf16
+
+    x = np.array([1.0, -2.5, 0.15625, np.inf, -0.0, 3.0e38], dtype=np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # these values are bf16-exact
+    np.testing.assert_array_equal(widen_bf16(bits).view(np.uint32), x.view(np.uint32) & 0xFFFF0000)
+    assert widen_bf16(x) is x
