@@ -116,9 +116,9 @@ def _add_view(sub: argparse._SubParsersAction) -> None:
 
 
 def _store_path(arg: str | None) -> str:
-    import os
+    from tensorverse.store import store_path
 
-    return arg or os.environ.get("TENSORVERSE_STORE") or "./tensorverse-data"
+    return store_path(arg)
 
 
 def _run_view(args: argparse.Namespace) -> int:
@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tensorverse.sessions_cli import register as register_sessions
 
     register_sessions(sub)  # tensorverse sessions [list|merge|split]
+    from tensorverse.verdict_cli import register as register_verdict
+
+    register_verdict(sub)  # tensorverse verdict
     register_report(sub)  # tensorverse report ...
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     return parser

@@ -32,6 +32,7 @@ __all__ = [
     "CaptureSection",
     "ShadowSection",
     "ShadowBackend",
+    "VerdictSection",
     "load_config",
     "parse_config",
     "parse_listen",
@@ -250,6 +251,22 @@ class CaptureSection(_Section):
         return list(dict.fromkeys(v))
 
 
+class VerdictSection(_Section):
+    """How a shadow's verdict is decided (docs/verdict.md): the confidence of every bound and the
+    margins below which its excess over the noise floor counts as equivalent."""
+
+    confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    tool_call_break_margin: float = Field(0.005, gt=0.0, lt=1.0)  # per tool-calling turn
+    flip_margin: float = Field(0.001, gt=0.0, lt=1.0)  # per position: shown, not deciding
+    refresh_s: float = Field(60.0, gt=0.0)  # the admin listener recomputes /verdict at most this often
+
+    def policy(self):  # -> tensorverse.analysis.verdict.VerdictPolicy
+        from tensorverse.analysis.verdict import VerdictPolicy
+
+        return VerdictPolicy(confidence=self.confidence, tool_call_break_margin=self.tool_call_break_margin,
+                             flip_margin=self.flip_margin)
+
+
 class ShadowSection(_Section):
     queue_size: int = Field(256, gt=0)  # turns waiting for shadows; full = dropped and counted
     workers: int = Field(4, gt=0)  # turns processed at once (each runs on its backends)
@@ -305,6 +322,7 @@ class Config(_Section):
     sessions: SessionsSection = Field(default_factory=SessionsSection)
     capture: CaptureSection = Field(default_factory=CaptureSection)
     shadow: ShadowSection = Field(default_factory=ShadowSection)
+    verdict: VerdictSection = Field(default_factory=VerdictSection)
     shadows: list[ShadowBackend] = Field(default_factory=list)
 
     @model_validator(mode="after")

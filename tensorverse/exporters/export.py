@@ -80,6 +80,10 @@ SCHEMA: dict[str, dict[str, str]] = {
         # flip rate (runtime class minus the noise floor) and its 95% interval
         "flips_by_class": "json", "flip_class": "string", "runtime_flips": "int64",
         "excess": "float64", "excess_low": "float64", "excess_high": "float64",
+        # what the verdict reads (issue 25; docs/verdict.md): the turn's time (recording order),
+        # tool calls on each side of a free run, flips by region and class, positions by region
+        "turn_created_ns": "int64", "ref_tool_calls": "int64", "cand_tool_calls": "int64",
+        "flips_by_region_class": "json", "positions_by_region": "json",
     },
     "positions": {
         "run_id": "string", "ref_run_id": "string", "turn_id": "string", "session_id": "string",
@@ -207,7 +211,8 @@ def _pcol(p: str) -> str:
     return "kl_" + p.replace(".", "_")
 
 
-def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None) -> dict[str, Any]:
+def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None,
+                   turn_created_ns: int | None = None) -> dict[str, Any]:
     s = c.summary or {}
     kl = s.get("kl") or {}
     dp = s.get("delta_p") or {}
@@ -237,6 +242,10 @@ def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None) -
            "forced_departure": c.forced_departure, "confirms_forced": c.confirms_forced,
            "noise_verdict": _str(noise.get("verdict")), "noise_p_value": _float(noise.get("p_value")),
            "noise_difference": _float(noise.get("difference")),
+           "turn_created_ns": turn_created_ns, "ref_tool_calls": c.ref_tool_calls,
+           "cand_tool_calls": c.cand_tool_calls,
+           "flips_by_region_class": _json(s.get("flips_by_region_class")),
+           "positions_by_region": _json(s.get("positions_by_region")),
            **_class_columns(c, s)}
     for p in ("p99.9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0.1"):
         row[_pcol(p)] = _float(kl.get(p))
@@ -418,7 +427,7 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
                     add("runs", run_row(r, s.id, include_text))
                     if "comparisons" in writers or "positions" in writers:
                         for c in map(records.comparison, store.iter_comparisons(r.id)):
-                            add("comparisons", comparison_row(c, t.id, s.id))
+                            add("comparisons", comparison_row(c, t.id, s.id, t.created_ns))
                             if "positions" in writers:
                                 for p in _with_tokens(position_rows(c, t.id, s.id), t):
                                     states.fill(p)

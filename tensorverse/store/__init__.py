@@ -3,4 +3,11 @@
 from tensorverse.store.store import RecordNotFound, Store, StoreVersionError
 from tensorverse.store.writer import StoreClosedError, StoreFullError
 
-__all__ = ["Store", "StoreFullError", "StoreClosedError", "StoreVersionError", "RecordNotFound"]
+__all__ = ["Store", "StoreFullError", "StoreClosedError", "StoreVersionError", "RecordNotFound", "store_path"]
+
+
+def store_path(arg: str | None) -> str:
+    """The store directory a command uses: ``--store``, else $TENSORVERSE_STORE, else ./tensorverse-data."""
+    import os
+
+    return arg or os.environ.get("TENSORVERSE_STORE") or "./tensorverse-data"

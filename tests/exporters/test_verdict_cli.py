@@ -1,0 +1,153 @@
+"""`tensorverse verdict` over a real LMDB store and over its exported tables (issue 25)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tensorverse.cli import main
+from tensorverse.exporters.export import export_store
+from tensorverse.store import Store
+
+T0 = 1_700_000_000_000_000_000
+
+
+def _forced(backend, role, turn_id, n, flips, cls, *, tool_flips=0, noise_floor=False):
+    by_class = {"tie": 0, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 0}
+    by_class[cls] = flips
+    return {"turn_id": turn_id, "mode": "forced", "kind": "topk", "backend": backend, "ref_backend": "primary",
+            "role": role, "ref_role": "primary", "status": "ok", "noise_floor": noise_floor, "n": n,
+            "flips": list(range(flips)), "flips_by_class": by_class,
+            "summary": {"flips_by_class": by_class,
+                        "positions_by_region": {"content": n - 10, "tool_name": 4, "tool_args": 6},
+                        "flips_by_region_class": {"tool_args": {cls: tool_flips},
+                                                  "content": {cls: flips - tool_flips}}}}
+
+
+def _free(backend, role, turn_id, verdict, *, calls=1):
+    return {"turn_id": turn_id, "mode": "free", "kind": "tokens", "backend": backend, "ref_backend": "primary",
+            "role": role, "ref_role": "primary", "status": "ok", "verdict": verdict,
+            "ref_tool_calls": calls, "cand_tool_calls": calls if verdict == "match" else 0,
+            "diverged": verdict != "match", "common_prefix": 5}
+
+
+def build_store(path, turns=40, prefix="", first=0):
+    """A primary, a shadow `bad` that breaks every 4th tool call and flips on every 5th turn, a
+    shadow `good` that never differs, and the secondary (never differs either)."""
+    with Store.open(path) as st:
+        sid = f"{prefix}sess1"
+        st.put_session({"id": sid, "created_ns": T0}).result()
+        for i in range(first, first + turns):
+            tid = f"{prefix}turn{i:03d}"
+            st.put_turn({"id": tid, "session_id": sid, "index": i - first,
+                         "created_ns": T0 + i * 30 * 10**9}).result()
+            st.put_run({"id": f"{prefix}rec{i}", "turn_id": tid, "backend": "primary", "role": "primary",
+                        "mode": "recorded"}).result()
+            for b, role in (("bad", "shadow"), ("good", "shadow"), ("secondary", "secondary")):
+                for mode in ("forced", "free"):
+                    st.put_run({"id": f"{prefix}{b}-{mode}-{i}", "turn_id": tid, "backend": b, "role": role,
+                                "mode": mode}).result()
+                flips = 6 if (b == "bad" and i % 5 == 0) else 0
+                st.put_comparison(f"{prefix}{b}-forced-{i}", f"{prefix}rec{i}",
+                                  _forced(b, role, tid, 40, flips, "noise" if role == "secondary" else "runtime",
+                                          tool_flips=2 if flips else 0, noise_floor=role == "secondary")).result()
+                verdict = "value_mismatch" if (b == "bad" and i % 4 == 0) else "match"
+                st.put_comparison(f"{prefix}{b}-free-{i}", f"{prefix}rec{i}", _free(b, role, tid, verdict)).result()
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("verdict") / "store"
+    build_store(d)
+    return d
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_verdict_from_a_store(store_dir, capsys):
+    out = _json(capsys, ["verdict", "--store", str(store_dir), "--json"])
+    by = {s["backend"]: s for s in out["shadows"]}
+    assert set(by) == {"bad", "good", "secondary"}
+    assert [s["backend"] for s in out["shadows"]][-1] == "secondary"
+    bad, good, sec = by["bad"], by["good"], by["secondary"]
+    assert bad["turns"] == 40 and bad["tool_call_turns"] == 40
+    assert bad["tool_call_break_excess"]["estimate"] == pytest.approx(10 / 40)
+    assert bad["flip_excess"]["estimate"] == pytest.approx(8 * (6 / 40) / 40)
+    assert bad["tool_flip_excess"]["estimate"] == pytest.approx(8 * (2 / 10) / 40)
+    assert bad["tool_call_breaks"] == 10 and bad["floor_backend"] == "secondary"
+    assert bad["runtime_flips"] == 48 and bad["positions"] == 1600
+    assert bad["decision"] == "regression"
+    assert bad["tool_call_break_excess"]["low"] > 0
+    assert good["decision"] == "undecided" and good["tool_call_break_excess"]["estimate"] == 0
+    assert good["turns_needed"] > 0
+    # 40 tool-calling turns over 19.5 minutes
+    assert good["tool_call_turns_per_hour"] == pytest.approx(39 / (39 * 30 / 3600))
+    assert good["hours_needed"] == pytest.approx(good["turns_needed"] / good["tool_call_turns_per_hour"])
+    assert sec["floor_backend"] is None and sec["decision"] != "regression"
+
+
+def test_text_output_and_one_shadow(store_dir, capsys):
+    assert main(["verdict", "--store", str(store_dir), "--shadow", "bad"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("bad (shadow, noise floor: secondary): REGRESSION after 40")
+    assert "position-level, descriptive only: 48/1600" in text
+    assert main(["verdict", "--store", str(store_dir), "--shadow", "nope"]) == 2
+    assert "no comparisons of backend 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_verdict_from_exports_equals_the_store(store_dir, tmp_path, capsys, fmt):
+    want = _json(capsys, ["verdict", "--store", str(store_dir), "--json"])
+    with Store.open(store_dir, readonly=True) as st:
+        export_store(st, tmp_path / "a", fmt=fmt, tables=["comparisons"])
+    got_dir = _json(capsys, ["verdict", "--comparisons", str(tmp_path / "a"), "--json"])
+    assert got_dir == want
+    # two replicas that exported the same store: every comparison counts once
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    f = tmp_path / "b" / f"comparisons.{fmt}"
+    got_two = _json(capsys, ["verdict", "--comparisons", str(tmp_path / "a"), str(f), "--json"])
+    assert got_two == want
+
+
+def test_a_fleet_of_replicas_is_one_verdict(store_dir, tmp_path, capsys):
+    """Two replicas' stores hold different halves of the traffic; their exports decide as one."""
+    build_store(tmp_path / "a", turns=20, prefix="a")
+    build_store(tmp_path / "b", turns=20, prefix="b", first=20)
+    for name in ("a", "b"):
+        with Store.open(tmp_path / name, readonly=True) as st:
+            export_store(st, tmp_path / f"x{name}", fmt="jsonl", tables=["comparisons"])
+    fleet = _json(capsys, ["verdict", "--comparisons", str(tmp_path / "xa"), str(tmp_path / "xb"), "--json"])
+    whole = _json(capsys, ["verdict", "--store", str(store_dir), "--json"])
+    assert fleet == whole
+
+
+def test_bad_inputs_are_refused(tmp_path, capsys):
+    assert main(["verdict", "--store", str(tmp_path / "none")]) == 2
+    assert "no Tensorverse store" in capsys.readouterr().err
+    old = tmp_path / "comparisons.jsonl"
+    old.write_text(json.dumps({"run_id": "r", "backend": "x", "mode": "free"}) + "\n")
+    assert main(["verdict", "--comparisons", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks column(s) turn_created_ns" in err and "export the store again" in err
+    assert main(["verdict", "--comparisons", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["verdict", "--store", str(tmp_path), "--margin", "0"]) == 2
+    assert "tool_call_break_margin" in capsys.readouterr().err
+
+
+def test_margins_from_the_config(store_dir, tmp_path, capsys):
+    cfg = tmp_path / "tv.toml"
+    cfg.write_text('[primary]\nurl = "http://127.0.0.1:9"\n[verdict]\nconfidence = 0.99\ntool_call_break_margin = 0.3\n')
+    out = _json(capsys, ["verdict", "--store", str(store_dir), "--config", str(cfg), "--json"])
+    assert out["confidence"] == 0.99 and out["tool_call_break_margin"] == 0.3
+    good = next(s for s in out["shadows"] if s["backend"] == "good")
+    assert good["decision"] == "equivalent"  # 40 clean turns rule out a 30 % excess
+    bad_cfg = tmp_path / "bad.toml"
+    bad_cfg.write_text('[primary]\nurl = "http://127.0.0.1:9"\n[verdict]\nconfidence = 2\n')
+    assert main(["verdict", "--store", str(store_dir), "--config", str(bad_cfg)]) == 2
+    assert "verdict.confidence" in capsys.readouterr().err
