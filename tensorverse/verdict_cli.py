@@ -10,15 +10,14 @@ margin), with the reason on stderr.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any, Iterable, Sequence
 
 import orjson
 
-from tensorverse.analysis.verdict import Interval, ShadowVerdict, VerdictPolicy, verdicts
+from tensorverse.analysis.verdict import Interval, ShadowVerdict, VerdictPolicy, verdicts, verdicts_json
 
-__all__ = ["register", "format_verdicts", "load_policy", "store_verdicts", "verdicts_json"]
+__all__ = ["register", "format_verdicts", "load_policy", "store_verdicts"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,20 +61,6 @@ def store_verdicts(store: Any, policy: VerdictPolicy, backend: str | None = None
     from tensorverse.exporters.comparison_rows import from_store
 
     return verdicts(from_store(store), policy, backend=backend)
-
-
-def _json_num(x: float | None) -> float | None:
-    return x if x is None or math.isfinite(x) else None
-
-
-def verdicts_json(vs: Iterable[ShadowVerdict], policy: VerdictPolicy) -> dict[str, Any]:
-    out = []
-    for v in vs:
-        d = v.as_dict()
-        d["hours_needed"] = _json_num(v.hours_needed)
-        out.append(d)
-    return {"confidence": policy.confidence, "tool_call_break_margin": policy.tool_call_break_margin,
-            "shadows": out}
 
 
 def _pct(x: float | None, signed: bool = True) -> str:

@@ -44,7 +44,7 @@ import numpy as np
 from tensorverse.analysis import sequential
 
 __all__ = ["DECISIONS", "TOOL_REGIONS", "VerdictPolicy", "ComparisonLike", "TurnEvidence", "Interval",
-           "ShadowVerdict", "evidence_from_rows", "decide", "verdicts", "fixed_sample_interval"]
+           "ShadowVerdict", "evidence_from_rows", "decide", "verdicts", "verdicts_json", "fixed_sample_interval"]
 
 DECISIONS = ("regression", "equivalent", "undecided")
 TOOL_REGIONS = ("tool_name", "tool_args")
@@ -326,9 +326,15 @@ def decide(backend: str, role: str, evidence: Sequence[TurnEvidence], policy: Ve
 
 
 def verdicts(rows: Iterable[ComparisonLike], policy: VerdictPolicy = VerdictPolicy(), *,
-             backend: str | None = None) -> list[ShadowVerdict]:
-    """Every shadow's verdict (the secondary's last), or only ``backend``'s."""
+             backend: str | None = None, known: Mapping[str, str] | None = None) -> list[ShadowVerdict]:
+    """Every shadow's verdict (the secondary's last), or only ``backend``'s. ``known``: backends
+    (name -> role) to judge even before they have a comparison (undecided, no turns)."""
     ev, roles, secondary = evidence_from_rows(rows)
+    for b, r in (known or {}).items():
+        if b not in ev:
+            ev[b], roles[b] = [], r
+            if r == "secondary" and secondary is None:
+                secondary = b
     out = []
     for b in sorted(ev, key=lambda b: (b == secondary, b)):
         if backend is not None and b != backend:
@@ -337,6 +343,18 @@ def verdicts(rows: Iterable[ComparisonLike], policy: VerdictPolicy = VerdictPoli
                                                     for e in ev[b]) else None
         out.append(decide(b, roles[b], ev[b], policy, floor_backend=floor))
     return out
+
+
+def verdicts_json(vs: Iterable[ShadowVerdict], policy: VerdictPolicy) -> dict[str, Any]:
+    """The JSON object of ``tensorverse verdict --json`` and ``/verdict`` (no NaN or infinity)."""
+    out = []
+    for v in vs:
+        d = v.as_dict()
+        if d["hours_needed"] is not None and not math.isfinite(d["hours_needed"]):
+            d["hours_needed"] = None
+        out.append(d)
+    return {"confidence": policy.confidence, "tool_call_break_margin": policy.tool_call_break_margin,
+            "shadows": out}
 
 
 def fixed_sample_interval(values: Sequence[float], clusters: Sequence[Any] | None = None, *,

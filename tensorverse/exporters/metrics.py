@@ -31,6 +31,7 @@ import bisect
 import math
 import shutil
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -224,6 +225,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_store_full", "gauge", "1 when the store refuses writes (cap or disk full)"),
     MetricSpec("tensorverse_store_writes_refused", "counter", "writes refused because the store was full"),
     MetricSpec("tensorverse_store_records", "gauge", "records per store table", ("table",)),
+    # -- the verdict (issue 25; docs/verdict.md), from the store every [verdict].refresh_s -------
+    MetricSpec("tensorverse_verdict", "gauge",
+               "1 for the shadow's current decision (regression, equivalent, undecided), 0 for the others",
+               (_B, _R, "decision")),
+    MetricSpec("tensorverse_verdict_tool_call_break_excess", "gauge",
+               "excess broken tool calls per tool-calling turn over the noise floor: the estimate and "
+               "its anytime-valid bounds (bound = estimate, low, high)", (_B, _R, "bound")),
+    MetricSpec("tensorverse_verdict_flip_excess", "gauge",
+               "excess runtime flip rate per turn over the noise floor: estimate and anytime-valid bounds",
+               (_B, _R, "bound")),
+    MetricSpec("tensorverse_verdict_tool_call_turns", "gauge", "tool-calling turns the verdict rests on", (_B, _R)),
+    MetricSpec("tensorverse_verdict_turns_needed", "gauge",
+               "about how many more tool-calling turns until a decision (0: decided; NaN: not at this rate)",
+               (_B, _R)),
+    MetricSpec("tensorverse_verdict_age_seconds", "gauge",
+               "seconds since the verdict was last computed (NaN: not yet)"),
+    MetricSpec("tensorverse_verdict_errors", "gauge", "1 when the last verdict computation failed"),
     # -- sessions --------------------------------------------------------------------------------
     MetricSpec("tensorverse_sessions_created", "counter", "sessions created"),
     MetricSpec("tensorverse_sessions_tracked", "gauge", "sessions held in memory for prefix matching"),
@@ -575,15 +593,18 @@ class Metrics:
             return [c.family() for c in self._counters.values()] + \
                 [h.family() for h in self._histograms.values()]
 
-    def collector(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None) -> "MetricsCollector":
-        return MetricsCollector(self, stats, store)
+    def collector(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None,
+                  verdict: Any = None) -> "MetricsCollector":
+        return MetricsCollector(self, stats, store, verdict)
 
-    def registry(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None) -> Any:
-        """A prometheus_client registry serving these metrics (plus ``stats`` and the store)."""
+    def registry(self, stats: Callable[[], Mapping[str, Any]] | None = None, store: Any = None,
+                 verdict: Any = None) -> Any:
+        """A prometheus_client registry serving these metrics (plus ``stats``, the store and the
+        last verdict of ``verdict``, a `tensorverse.exporters.verdict_watch.VerdictWatch`)."""
         from prometheus_client import CollectorRegistry
 
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(self.collector(stats, store))  # type: ignore[arg-type]
+        reg.register(self.collector(stats, store, verdict))  # type: ignore[arg-type]
         return reg
 
 
@@ -626,10 +647,11 @@ class MetricsCollector:
     ``stats()``, the proxy's `/stats` object) and the store's gauges, read at scrape time."""
 
     def __init__(self, metrics: Metrics | None, stats: Callable[[], Mapping[str, Any]] | None = None,
-                 store: Any = None) -> None:
+                 store: Any = None, verdict: Any = None) -> None:
         self.metrics = metrics
         self.stats = stats
         self.store = store
+        self.verdict = verdict
 
     def collect(self) -> Iterator[Any]:  # noqa: C901 - one family after another
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -711,6 +733,51 @@ class MetricsCollector:
 
         # store
         yield from self._store_families()
+        if self.verdict is not None:
+            yield from self._verdict_families()
+
+    def _verdict_families(self) -> Iterator[Any]:
+        """The last verdict snapshot (never computed here: `VerdictWatch` does, off the loop)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        from tensorverse.analysis.verdict import DECISIONS
+
+        spec = {m.name: m for m in METRICS}
+        snap = self.verdict.snapshot()
+
+        def fam(name: str, labels: Sequence[str] = ()) -> Any:
+            return GaugeMetricFamily(name, spec[name].help, labels=list(labels) or None)
+
+        decision = fam("tensorverse_verdict", (_B, _R, "decision"))
+        brk = fam("tensorverse_verdict_tool_call_break_excess", (_B, _R, "bound"))
+        flp = fam("tensorverse_verdict_flip_excess", (_B, _R, "bound"))
+        tct = fam("tensorverse_verdict_tool_call_turns", (_B, _R))
+        need = fam("tensorverse_verdict_turns_needed", (_B, _R))
+        nan = float("nan")
+        for v in snap.verdicts:
+            for d in DECISIONS:
+                decision.add_metric([v.backend, v.role, d], 1.0 if v.decision == d else 0.0)
+            for f, iv in ((brk, v.tool_call_break_excess), (flp, v.flip_excess)):
+                f.add_metric([v.backend, v.role, "estimate"], nan if iv.estimate is None else iv.estimate)
+                f.add_metric([v.backend, v.role, "low"], iv.low)
+                f.add_metric([v.backend, v.role, "high"], iv.high)
+            tct.add_metric([v.backend, v.role], float(v.tool_call_turns))
+            need.add_metric([v.backend, v.role], nan if v.turns_needed is None else float(v.turns_needed))
+        if snap.computed_ns is None:  # not computed yet: the configured shadows, no decision
+            for b, role in getattr(self.verdict, "backends", {}).items():
+                for d in DECISIONS:
+                    decision.add_metric([b, role, d], 0.0)
+                for f in (brk, flp):
+                    for bound in ("estimate", "low", "high"):
+                        f.add_metric([b, role, bound], nan)
+                tct.add_metric([b, role], nan)
+                need.add_metric([b, role], nan)
+        yield from (decision, brk, flp, tct, need)
+        age = nan if snap.computed_ns is None else max(0.0, (time.time_ns() - snap.computed_ns) / 1e9)
+        yield GaugeMetricFamily("tensorverse_verdict_age_seconds", spec["tensorverse_verdict_age_seconds"].help,
+                                value=age)
+        yield GaugeMetricFamily("tensorverse_verdict_errors", spec["tensorverse_verdict_errors"].help,
+                                value=1.0 if snap.error else 0.0)
 
     def _store_families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

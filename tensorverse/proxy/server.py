@@ -126,8 +126,14 @@ class Proxy:
             await self._register_backends()
         self.port = await self.core.start(c.proxy.host, c.proxy.port)
         if c.admin.enabled:
+            watch = None
+            if self.store is not None:
+                from tensorverse.exporters.verdict_watch import VerdictWatch
+
+                watch = VerdictWatch(self.store, c.verdict.policy(), c.verdict.refresh_s,
+                                     backends={b.name: b.role for b in c.selected_backends()})
             self._admin_runner = web.AppRunner(make_admin_app(self.stats, self.ingest, metrics=self.metrics,
-                                                            store=self.store), access_log=None)
+                                                            store=self.store, verdict=watch), access_log=None)
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, c.admin.host, c.admin.port)
             await site.start()

@@ -25,7 +25,8 @@ from tensorverse.exporters.metrics import (
     exported_names,
 )
 
-LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table"}
+LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table",
+            "decision", "bound"}  # decision: 3 values, bound: estimate, low, high
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -81,3 +81,40 @@ def test_ingest_stores_engine_states(fake, make_proxy, settle):
         assert r.status_code == 200 and r.json()["rows"] == 4
     assert proxy.store.read_engine_states("run-e") == dict(enumerate(states))
     assert len(proxy.store.read_rows("run-e")) == 4
+
+
+def test_verdict_endpoint_and_gauges(fake, make_proxy):
+    """/verdict and the tensorverse_verdict* gauges come from the store, recomputed off the loop."""
+    import math
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.exporters.verdict_store import fill_store
+
+    proxy = make_proxy(fake.url, verdict={"refresh_s": 0.2, "tool_call_break_margin": 0.3})
+    with httpx.Client(timeout=30) as c:
+        first = c.get(proxy.admin_url + "/verdict").json()
+        fill_store(proxy.store, turns=40)
+        deadline = time.monotonic() + 20
+        while True:
+            v = c.get(proxy.admin_url + "/verdict").json()
+            if len(v["shadows"]) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        m = c.get(proxy.admin_url + "/metrics").text
+    assert first["shadows"] == [] or first["computed_ns"] is not None
+    assert v["error"] is None and v["tool_call_break_margin"] == 0.3
+    by = {s["backend"]: s for s in v["shadows"]}
+    assert by["bad"]["decision"] == "regression" and by["good"]["decision"] == "equivalent"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m) for s in f.samples}
+    assert samples[("tensorverse_verdict", (("backend", "bad"), ("decision", "regression"), ("role", "shadow")))] == 1
+    assert samples[("tensorverse_verdict", (("backend", "bad"), ("decision", "equivalent"), ("role", "shadow")))] == 0
+    low = samples[("tensorverse_verdict_tool_call_break_excess", (("backend", "bad"), ("bound", "low"), ("role", "shadow")))]
+    assert low == by["bad"]["tool_call_break_excess"]["low"] > 0
+    assert samples[("tensorverse_verdict_tool_call_turns", (("backend", "good"), ("role", "shadow")))] == 40
+    assert samples[("tensorverse_verdict_turns_needed", (("backend", "bad"), ("role", "shadow")))] == 0
+    age = samples[("tensorverse_verdict_age_seconds", ())]
+    assert not math.isnan(age) and age < 20
+    assert samples[("tensorverse_verdict_errors", ())] == 0

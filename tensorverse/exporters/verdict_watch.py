@@ -1,0 +1,69 @@
+"""The verdict kept fresh for the admin listener: ``/verdict`` and the ``tensorverse_verdict*`` gauges.
+
+A verdict is computed from every comparison in the store (:mod:`tensorverse.analysis.verdict`):
+too much work for a scrape, and never on the event loop that relays the agent's requests. So a
+:class:`VerdictWatch` computes it in a worker thread (the admin app's background task calls
+:meth:`VerdictWatch.refresh` every ``refresh_s``) and readers only ever take the last snapshot
+(:meth:`VerdictWatch.snapshot`). A failed computation keeps the previous verdicts and records
+the error; the age of the snapshot is exported, so a stale verdict is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from tensorverse.analysis.verdict import ShadowVerdict, VerdictPolicy, verdicts, verdicts_json
+
+__all__ = ["VerdictWatch", "VerdictSnapshot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerdictSnapshot:
+    computed_ns: int | None = None  # None: not computed yet
+    seconds: float | None = None  # how long the computation took
+    verdicts: list[ShadowVerdict] = field(default_factory=list)
+    error: str | None = None
+
+    def as_dict(self, policy: VerdictPolicy) -> dict[str, Any]:
+        return {"computed_ns": self.computed_ns, "seconds": self.seconds, "error": self.error,
+                **verdicts_json(self.verdicts, policy)}
+
+
+class VerdictWatch:
+    def __init__(self, store: Any, policy: VerdictPolicy = VerdictPolicy(), refresh_s: float = 60.0,
+                 backends: Mapping[str, str] | None = None) -> None:
+        self.store = store
+        self.backends = dict(backends or {})  # the configured shadows: judged from their first turn
+        self.policy = policy
+        self.refresh_s = float(refresh_s)
+        self._lock = threading.Lock()
+        self._busy = threading.Lock()
+        self._snap = VerdictSnapshot()
+
+    def snapshot(self) -> VerdictSnapshot:
+        with self._lock:
+            return self._snap
+
+    def refresh(self) -> VerdictSnapshot:
+        """Recompute now (blocking: call from a worker thread). One computation at a time."""
+        from tensorverse.exporters.comparison_rows import from_store
+
+        with self._busy:
+            t0 = time.perf_counter()
+            try:
+                vs = verdicts(from_store(self.store), self.policy, known=self.backends)
+                snap = VerdictSnapshot(computed_ns=time.time_ns(), seconds=time.perf_counter() - t0, verdicts=vs)
+            except Exception as e:  # noqa: BLE001 - a verdict failure must not take the admin down
+                log.warning("verdict: computation failed: %s", e)
+                old = self.snapshot()
+                snap = VerdictSnapshot(computed_ns=old.computed_ns, seconds=old.seconds, verdicts=old.verdicts,
+                                       error=f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._snap = snap
+            return snap
