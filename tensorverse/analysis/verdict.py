@@ -4,7 +4,7 @@ Each turn a shadow ran gives one paired observation against the noise floor (the
 primary's exact configuration, on the same turn):
 
 * **tool-call break excess** (the primary endpoint), on *tool-calling turns* (the primary, the
-  shadow or the secondary called a tool): 1 if the shadow's free run's tool calls differ from
+  shadow or the secondary called a tool, or tried to: a malformed call counts): 1 if the shadow's free run's tool calls differ from
   the primary's, minus 1 if the secondary's do; a value in {-1, 0, 1};
 * **flip excess**: the shadow's ``runtime``-class flip rate at that turn (forced, against the
   primary) minus the secondary's ``noise`` flip rate at that turn, in [-1, 1];
@@ -205,19 +205,24 @@ def _runtime_flips(c: ComparisonLike, *, all_classes: bool) -> int:
     return int(by.get("runtime") or 0)
 
 
-def evidence_from_rows(rows: Iterable[ComparisonLike], *, primary_role: str = "primary"
+def evidence_from_rows(rows: Iterable[ComparisonLike], *, forced_refs: Sequence[str] = ("primary",)
                        ) -> tuple[dict[str, list[TurnEvidence]], dict[str, str], str | None]:
     """Per backend, its turns' evidence in recording order; the backends' roles; the secondary.
 
-    Only ``ok`` comparisons against the primary (``ref_role == "primary"``) count. Rows that
-    repeat (the same export read twice, replicas that exported the same store) count once."""
+    Only ``ok`` comparisons count: free runs against the primary (``ref_role == "primary"``),
+    forced runs against the first of ``forced_refs`` that the turn has (the proxy: the primary's
+    recorded top-k; a replay: its reference backend's forced run). Rows that repeat (the same
+    export read twice, replicas that exported the same store) count once."""
     seen: set[tuple[Any, ...]] = set()
     forced: dict[tuple[str, str], ComparisonLike] = {}
     free: dict[tuple[str, str], ComparisonLike] = {}
     roles: dict[str, str] = {}
     turns: dict[str, tuple[int, str | None]] = {}
+    rank = {r: i for i, r in enumerate(forced_refs)}
     for c in rows:
-        if c.status != "ok" or c.ref_role != primary_role or not c.backend or not c.turn_id:
+        if c.status != "ok" or not c.backend or not c.turn_id or c.backend == c.ref_backend:
+            continue
+        if not (c.mode == "free" and c.ref_role == "primary") and not (c.mode == "forced" and c.ref_role in rank):
             continue
         key = (c.turn_id, c.backend, c.mode, c.ref_backend)
         if key in seen:
@@ -226,8 +231,10 @@ def evidence_from_rows(rows: Iterable[ComparisonLike], *, primary_role: str = "p
         roles.setdefault(c.backend, c.role or "shadow")
         turns.setdefault(c.turn_id, (int(c.turn_created_ns or 0), c.session_id))
         if c.mode == "forced":
-            forced[(c.turn_id, c.backend)] = c
-        elif c.mode == "free":
+            old = forced.get((c.turn_id, c.backend))
+            if old is None or rank[c.ref_role or ""] < rank[old.ref_role or ""]:
+                forced[(c.turn_id, c.backend)] = c
+        else:
             free[(c.turn_id, c.backend)] = c
     secondary = next((b for b, r in sorted(roles.items()) if r == "secondary"), None)
     order = sorted(turns, key=lambda t: (turns[t][0], t))
@@ -255,10 +262,11 @@ def evidence_from_rows(rows: Iterable[ComparisonLike], *, primary_role: str = "p
                         ffc.flips_by_region_class, ffc.positions_by_region, None)
             if rc is not None:
                 calls = [rc.ref_tool_calls, rc.cand_tool_calls, frc.cand_tool_calls if frc is not None else 0]
-                kw["tool_call_turn"] = any((v or 0) > 0 for v in calls)
                 kw["broke"] = rc.verdict not in (None, "match")
                 if frc is not None:
                     kw["floor_broke"] = frc.verdict not in (None, "match")
+                # a malformed call where the primary called none is a break on a tool-calling turn
+                kw["tool_call_turn"] = any((v or 0) > 0 for v in calls) or kw["broke"] or bool(kw.get("floor_broke"))
             created, sid = turns[t]
             ev.append(TurnEvidence(turn_id=t, session_id=sid, created_ns=created, **kw))
         out[b] = ev
@@ -326,10 +334,12 @@ def decide(backend: str, role: str, evidence: Sequence[TurnEvidence], policy: Ve
 
 
 def verdicts(rows: Iterable[ComparisonLike], policy: VerdictPolicy = VerdictPolicy(), *,
-             backend: str | None = None, known: Mapping[str, str] | None = None) -> list[ShadowVerdict]:
+             backend: str | None = None, known: Mapping[str, str] | None = None,
+             forced_refs: Sequence[str] = ("primary",)) -> list[ShadowVerdict]:
     """Every shadow's verdict (the secondary's last), or only ``backend``'s. ``known``: backends
-    (name -> role) to judge even before they have a comparison (undecided, no turns)."""
-    ev, roles, secondary = evidence_from_rows(rows)
+    (name -> role) to judge even before they have a comparison (undecided, no turns);
+    ``forced_refs``: as :func:`evidence_from_rows`."""
+    ev, roles, secondary = evidence_from_rows(rows, forced_refs=forced_refs)
     for b, r in (known or {}).items():
         if b not in ev:
             ev[b], roles[b] = [], r

@@ -54,7 +54,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    "`tensorverse view`, and the capture sink); default: a temporary one")
     p.add_argument("--fail-on", action="append", default=[], metavar="RULE",
                    help="[BACKEND:]METRIC OP NUMBER, e.g. 'flip_rate>0.01' or "
-                   "'toolcall_mismatch_rate>0' (repeatable): exit 1 when exceeded")
+                   "'toolcall_mismatch_rate>0', or [BACKEND:]verdict=DECISION, e.g. "
+                   "'fp8:verdict=regression' (docs/verdict.md) (repeatable): exit 1 when met")
     p.add_argument("--tool-simulator", metavar="SPEC",
                    help="module:function or http(s) URL answering a diverged branch's tool calls")
     p.add_argument("--case", action="append", default=None, metavar="ID", help="only this case (repeatable)")

@@ -264,12 +264,25 @@ _THRESH = re.compile(r"^\s*(?:(?P<backend>[\w.-]+):)?(?P<metric>[a-z_]+)\s*(?P<o
                      r"(?P<value>[-+0-9.eE]+)\s*$")
 
 
+_VERDICT_RULE = re.compile(r"^\s*(?:(?P<backend>[\w.-]+):)?verdict\s*(?P<op>==|=|!=)\s*(?P<value>[a-z]+)\s*$")
+
+
 def parse_threshold(spec: str) -> dict[str, Any]:
-    """``'flip_rate>0.01'``, ``'fp8:toolcall_mismatch_rate>0'`` -> a rule. Rules without a
-    backend apply to every backend except the reference."""
+    """``'flip_rate>0.01'``, ``'fp8:toolcall_mismatch_rate>0'``, ``'fp8:verdict=regression'``
+    (docs/verdict.md) -> a rule. Rules without a backend apply to every backend except the
+    reference."""
+    from tensorverse.analysis.verdict import DECISIONS
+
+    v = _VERDICT_RULE.match(spec)
+    if v:
+        if v["value"] not in DECISIONS:
+            raise ValueError(f"--fail-on {spec!r}: a verdict is one of {', '.join(DECISIONS)}")
+        return {"spec": spec.strip(), "backend": v["backend"], "metric": "verdict",
+                "op": "!=" if v["op"] == "!=" else "==", "value": v["value"]}
     m = _THRESH.match(spec)
     if not m:
-        raise ValueError(f"--fail-on {spec!r}: use [BACKEND:]METRIC OP NUMBER, e.g. 'flip_rate>0.01'")
+        raise ValueError(f"--fail-on {spec!r}: use [BACKEND:]METRIC OP NUMBER, e.g. 'flip_rate>0.01', "
+                         "or [BACKEND:]verdict=DECISION, e.g. 'fp8:verdict=regression'")
     if m["metric"] not in METRICS:
         raise ValueError(f"--fail-on {spec!r}: unknown metric {m['metric']!r} (one of {', '.join(METRICS)})")
     try:
@@ -293,6 +306,7 @@ def check_thresholds(results: Mapping[str, Any], rules: Sequence[Mapping[str, An
     but a named backend that is missing does)."""
     failed = []
     summary = results["summary"]
+    decisions = {v["backend"]: v["decision"] for v in (results.get("verdict") or {}).get("shadows") or ()}
     for rule in rules:
         names = [rule["backend"]] if rule["backend"] else [n for n, s in summary.items() if not s.get("reference")]
         for name in names:
@@ -300,6 +314,12 @@ def check_thresholds(results: Mapping[str, Any], rules: Sequence[Mapping[str, An
             if s is None:
                 failed.append({**rule, "backend": name, "actual": None,
                                "message": f"{rule['spec']}: no backend {name!r} in the results"})
+                continue
+            if rule["metric"] == "verdict":
+                d = decisions.get(name)
+                if d is not None and (d == rule["value"]) == (rule["op"] == "=="):
+                    failed.append({**rule, "backend": name, "actual": d,
+                                   "message": f"{name}: verdict = {d} ({rule['spec']})"})
                 continue
             v = _metric(s, rule["metric"])
             if v is not None and _OPS[rule["op"]](v, rule["value"]):

@@ -530,11 +530,13 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
                     prog.close()
                     if jf is not None:
                         jf.close()
+            verdict = await asyncio.to_thread(_verdict, store)
         if interrupted.is_set():  # the cancellation was lost on the way (asyncio.wait_for in 3.11 can)
             raise KeyboardInterrupt
         ordered = [results_cases[c["id"]] for c in cases if c["id"] in results_cases]
         results = build_results(corpus, opts, ordered, rig=rig, tokenizers=tokenizers,
                                 refused=r.refused, wall_s=time.time() - started, resumed=len(done))
+        results["verdict"] = verdict
         if finalize is not None:
             finalize(results)
         if opts.out:
@@ -552,6 +554,18 @@ async def replay(corpus: Corpus, opts: ReplayOptions, *,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _verdict(store: Any) -> dict[str, Any]:
+    """Each candidate's verdict over the replayed turns (docs/verdict.md): forced runs against
+    the reference's, free runs against the basis; the replay has no secondary, so there is no
+    noise floor. For ``--fail-on 'NAME:verdict=regression'``."""
+    from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json
+    from tensorverse.exporters.comparison_rows import from_store
+
+    policy = VerdictPolicy()
+    vs = verdicts(from_store(store), policy, forced_refs=("reference", "primary"))
+    return verdicts_json([v for v in vs if v.role != "reference"], policy)
 
 
 async def with_retries(run: Callable[[], Any], retries: int, backoff_s: float) -> dict[str, Any]:

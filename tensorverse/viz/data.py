@@ -90,6 +90,7 @@ class ViewData:
         self._briefs: dict[str, tuple[tuple, dict]] = {}
         self._sessions: dict[str, tuple[float, Any, dict]] = {}
         self._summary_ttl = summary_ttl_s
+        self._verdict: tuple[float, dict] | None = None
 
     # ---- store access (a read-only store lacks the databases nothing was written to yet)
 
@@ -203,6 +204,24 @@ class ViewData:
         raw = [records.session(s) for s in self._safe(lambda: list(self.store.iter_sessions()), [])]
         return sessions_page(raw, lambda s: self._session_summary(s, backends), q=q, sort=sort,
                              order=order, offset=offset, limit=limit, verdict=verdict, backend=backend)
+
+    def verdict(self, ttl_s: float = 30.0) -> dict:
+        """Every shadow's verdict (docs/verdict.md) with the default policy: the banner of the
+        sessions page. Recomputed at most every ``ttl_s`` (it reads every comparison)."""
+        import time
+
+        from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json
+        from tensorverse.exporters.comparison_rows import from_store
+
+        with self._lock:
+            cached = self._verdict
+        if cached is not None and time.monotonic() - cached[0] < ttl_s:
+            return cached[1]
+        policy = VerdictPolicy()
+        out = verdicts_json(self._safe(lambda: verdicts(from_store(self.store), policy), []), policy)
+        with self._lock:
+            self._verdict = (time.monotonic(), out)
+        return out
 
     def session_view(self, sid: str) -> dict:
         s = self._session(sid)

@@ -198,6 +198,10 @@ async def sessions(request: web.Request) -> web.Response:
     )
 
 
+async def verdict(request: web.Request) -> web.Response:
+    return await _api(request, request.app[_VIEW].verdict)
+
+
 async def session(request: web.Request) -> web.Response:
     return await _api(request, request.app[_VIEW].session_view, request.match_info["id"])
 
@@ -248,6 +252,7 @@ def create_app(store: Any, *, host: str | None = DEFAULT_HOST, workers: int = 2,
     app.router.add_get("/api/backends", backends)
     app.router.add_get("/api/sessions", sessions)
     app.router.add_get("/api/sessions/{id}", session)
+    app.router.add_get("/api/verdict", verdict)
     app.router.add_get("/api/turns/{id}", turn)
     app.router.add_get("/api/turns/{id}/panel", panel)
 

@@ -118,6 +118,7 @@
       if (!t) throw new Error("turn not in this export");
       return t;
     }
+    if (parts[0] === "verdict") return { shadows: [] };  // an export is one session: no verdict
     throw new Error("unknown path " + path);
   }
 
@@ -233,6 +234,29 @@
     return Object.keys(tags || {}).map((k) => el("span", { class: "tag", text: tags[k] ? k + "=" + tags[k] : k }));
   }
 
+  // ------------------------------------------------------------------ can I ship it? (docs/verdict.md)
+
+  function pct(x) { return x === null || x === undefined ? "n/a" : (x >= 0 ? "+" : "") + (x * 100).toFixed(2) + "%"; }
+  function renderShipVerdicts(box, v) {
+    clear(box);
+    for (const s of v.shadows || []) {
+      const b = s.tool_call_break_excess;
+      let rest = "";
+      if (s.decision === "undecided") {
+        rest = s.turns_needed === null ? " · no decision in sight at the current rates" :
+          " · about " + s.turns_needed + " more tool-calling turns" +
+          (s.hours_needed !== null ? " (" + s.hours_needed.toFixed(1) + " h at the current traffic)" : "");
+      }
+      box.appendChild(el("div", { class: "ship " + s.decision, "data-backend": s.backend, "data-decision": s.decision,
+        title: s.method + "; " + Math.round(v.confidence * 100) + "% bounds" },
+        el("strong", { text: s.backend + ": " + s.decision }),
+        el("span", { text: " · tool-call break excess " + pct(b.estimate) + " [" + pct(b.low) + ", " + pct(b.high) +
+          "] over " + s.tool_call_turns + " tool-calling turns (margin " + pct(b.margin) + ")" +
+          " · flip excess " + pct(s.flip_excess.estimate) + " [" + pct(s.flip_excess.low) + ", " + pct(s.flip_excess.high) + "]" +
+          (s.floor_backend ? " vs " + s.floor_backend : " (no noise floor)") + rest })));
+    }
+  }
+
   // ------------------------------------------------------------------ sessions list
 
   function renderSessions(data, r) {
@@ -260,6 +284,9 @@
       el("option", { value: "", text: "any verdict" }),
       (data.verdicts || []).map((v) => el("option", { value: v, text: v, selected: v === cur.verdict ? "selected" : null })));
     append(form, [q, be, verdict, el("button", { type: "submit", text: "Filter" })]);
+    const banners = el("div", { class: "ship-verdicts", "aria-live": "polite" });
+    append(app, banners);
+    apiGet("verdict").then((v) => renderShipVerdicts(banners, v)).catch(() => {});
     append(app, el("section", { class: "panel" }, el("h1", { text: "Sessions" }), form));
 
     const cols = [
