@@ -247,7 +247,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
             per[name] = {"role": roles.get(name, "shadow"), "forced_turns": 0, "positions": 0, "flips": 0,
                          "flips_by_region": Counter(), "kl_mean": [], "kl_max": 0.0,
                          "free_turns": 0, "diverged_turns": 0, "verdicts": Counter(),
-                         "noise_floor_flips": None, "failed_runs": 0}
+                         "noise_floor_flips": None, "failed_runs": 0, "flips_by_class": Counter()}
         return per[name]
 
     for t in sorted(turns, key=lambda t: t.index):
@@ -279,6 +279,8 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
                     e["positions"] += c.n or 0
                     flips = c.flip_tokens or []
                     e["flips"] += len(c.flips or [])
+                    for k, n in (c.flips_by_class or {}).items():
+                        e["flips_by_class"][k] += int(n)
                     for f in flips:
                         e["flips_by_region"][f.get("region") or "?"] += 1
                     s = c.summary or {}
@@ -343,6 +345,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
             "verdicts": dict(sorted(e["verdicts"].items())),
             "noise_floor_flips": e["noise_floor_flips"],
             "failed_runs": e["failed_runs"],
+            "flips_by_class": {k: n for k, n in sorted(e["flips_by_class"].items()) if n},
         }
     for d in (first_flip, closest, *first_by.values()):
         if d is not None and tok is not None:
@@ -361,9 +364,40 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
         "first_flip_by_backend": first_by,
         "broken_tool_call_by_backend": broken_by,
     }
+    summary["verdict"] = session_verdicts(store, session_id)
     v = shadow_verdict(summary, under_test)
-    summary["under_test"] = dataclasses.asdict(v) | {"departs": v.departs} if v is not None else None
+    decision = next((x for x in summary["verdict"]["shadows"] if x["backend"] == under_test), None)
+    summary["under_test"] = dataclasses.asdict(v) | {"departs": v.departs, "verdict": decision} \
+        if v is not None else None
     return summary
+
+
+def session_verdicts(store: Any, session_id: str) -> dict[str, Any]:
+    """Every shadow's verdict (docs/verdict.md) over this session's turns, default policy."""
+    from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json
+    from tensorverse.exporters.comparison_rows import from_store
+
+    policy = VerdictPolicy()
+    rows = [r for r in from_store(store) if r.session_id == session_id]
+    return verdicts_json(verdicts(rows, policy), policy)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:+.2f}%"
+
+
+def format_decision(d: dict[str, Any]) -> str:
+    """One shadow's verdict in a line: decision, evidence, what is still needed."""
+    b, f = d["tool_call_break_excess"], d["flip_excess"]
+    if d["decision"] == "undecided":
+        more = ("; no decision in sight at this rate" if d["turns_needed"] is None else
+                f"; about {d['turns_needed']} more tool-calling turns needed")
+    else:
+        more = ""
+    floor = f"vs {d['floor_backend']}" if d["floor_backend"] else "no noise floor"
+    return (f"{d['decision'].upper()} after {d['tool_call_turns']} tool-calling turns{more}: "
+            f"tool-call break excess {_pct(b['estimate'])} [{_pct(b['low'])}, {_pct(b['high'])}], "
+            f"flip excess per turn {_pct(f['estimate'])} [{_pct(f['low'])}, {_pct(f['high'])}] ({floor})")
 
 
 def _signed(n: int | None) -> str:
@@ -377,8 +411,11 @@ def format_verdict(v: dict[str, Any]) -> list[str]:
     head = "FP8-KV verdict" if v["backend"] == "fp8_kv" else f"{v['backend']} verdict"
     reg = ", ".join(f"{k} {n}" for k, n in v["flips_by_region"].items()) or "none"
     verd = ", ".join(f"{k} {n}" for k, n in v["verdicts"].items()) or "-"
+    decision = v.get("verdict")
     lines = [f"{head}: {v['backend']}{what} against the bfloat16 primary: "
-             + ("DEPARTS from the noise floor" if v["departs"] else "within the noise floor")]
+             + (format_decision(decision) if decision else "no verdict (no comparison with the primary)")]
+    lines.append("  this session, counted (descriptive, not a decision): "
+                 + ("DEPARTS from the noise floor" if v["departs"] else "within the noise floor"))
     floor = v["floor_backend"]
     fl = (f"; noise floor ({floor}) {v['floor_flips']} -> excess {_signed(v['excess_flips'])}" if floor else
           "; no secondary ran (no noise floor)")
@@ -418,6 +455,16 @@ def format_summary(s: dict[str, Any], transcript: Any = None) -> str:
         fail = f"  ({b['failed_runs']} failed runs)" if b["failed_runs"] else ""
         lines.append(f"  {name:<10} {b['role']:<9} {b['positions']:>10} {b['flips']:>5}  {reg:<34} {kl:>9}  "
                      f"{b['diverged_turns']}/{b['free_turns']} turns; {verd}{fail}")
+    classes = [f"{name} " + (", ".join(f"{k} {n}" for k, n in b.get("flips_by_class", {}).items()) or "-")
+               for name, b in s["backends"].items()]
+    lines.append("  flips by class (docs/attribution.md): " + "; ".join(classes))
+    verdicts = (s.get("verdict") or {}).get("shadows") or []
+    if verdicts:
+        lines.append("")
+        lines.append("  verdicts (docs/verdict.md; 95% anytime-valid bounds, turns as the unit):")
+        width = max(len(d["backend"]) for d in verdicts)
+        for d in verdicts:
+            lines.append(f"    {d['backend']:<{width}}  {format_decision(d)}")
     floor = next((b for b in s["backends"].values() if b["role"] == "secondary"), None)
     lines.append("")
     if floor is not None:

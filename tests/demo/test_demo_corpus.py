@@ -256,13 +256,25 @@ def test_fp8_kv_verdict_against_the_noise_floor():
     assert (v.broken_tool_calls, v.floor_broken_tool_calls, v.excess_broken_tool_calls) == (1, 0, 1)
     assert v.first_broken_tool_call == broken and v.first_flip == first and v.departs
     assert shadow_verdict(s, "fp16") is None
-    s["under_test"] = dataclasses.asdict(v) | {"departs": v.departs}
+    from tensorverse.analysis.verdict import TurnEvidence, VerdictPolicy, decide, verdicts_json
+
+    ev = [TurnEvidence(turn_id=f"t{i}", session_id="s", created_ns=i, positions=25, flips=[5, 0, 0, 0][i],
+                       floor_positions=25, floor_flips=[1, 0, 0, 0][i], tool_call_turn=True,
+                       broke=i == 0, floor_broke=False) for i in range(4)]
+    decision = verdicts_json([decide("fp8_kv", "shadow", ev, floor_backend="secondary")], VerdictPolicy())["shadows"][0]
+    s["verdict"] = {"shadows": [decision]}
+    s["under_test"] = dataclasses.asdict(v) | {"departs": v.departs, "verdict": decision}
     text = format_summary(s)
     lines = text.splitlines()
-    # the FP8-KV verdict leads, before the per-backend table
-    assert lines[2].startswith("FP8-KV verdict: fp8_kv (bfloat16 + FP8 KV cache") and "DEPARTS" in lines[2]
-    assert "content 2, tool_args 3" in lines[3] and "excess +4" in lines[3]
-    assert "2/4 turns diverged" in lines[4] and "excess +1" in lines[4]
+    # the FP8-KV verdict leads, before the per-backend table: the decision, then the counts
+    assert lines[2].startswith("FP8-KV verdict: fp8_kv (bfloat16 + FP8 KV cache")
+    assert "UNDECIDED after 4 tool-calling turns; about" in lines[2]
+    assert "tool-call break excess +25.00% [" in lines[2] and "flip excess per turn +4.00% [" in lines[2]
+    assert "(vs secondary)" in lines[2]
+    assert lines[3] == "  this session, counted (descriptive, not a decision): DEPARTS from the noise floor"
+    assert "content 2, tool_args 3" in lines[4] and "excess +4" in lines[4]
+    assert "2/4 turns diverged" in lines[5] and "excess +1" in lines[5]
+    assert "    fp8_kv  UNDECIDED after 4 tool-calling turns" in text  # the verdicts section
     assert 'first broken tool call: turn 0: value_mismatch at $.arguments.description: primary ' \
            '"uplink to dist-sw3" vs fp8_kv "uplink to core-sw1"' in text
     assert text.index("FP8-KV verdict") < text.index("backend    role")
