@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from tensorverse.matrix.run import run_dir
+from tensorverse.matrix.layout import run_dir
 
 __all__ = ["TurnRows", "forced_turn", "free_turn", "point_cases"]
 

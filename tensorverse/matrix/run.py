@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.matrix.launcher import Launch, ServerProcess, StartError
+from tensorverse.matrix.layout import run_dir
 from tensorverse.matrix.spec import MatrixSpec, server_settings, settings_key
 
 __all__ = ["RunRequest", "run_config", "load_run", "run_dir", "BACKEND", "corpus_sha"]
@@ -47,10 +48,6 @@ BACKEND = "point"  # the backend name inside every cached run (its store and rep
 def corpus_sha(corpus_path: str | Path) -> str | None:
     m = Path(corpus_path) / "corpus.json"
     return hashlib.sha256(m.read_bytes()).hexdigest() if m.is_file() else None
-
-
-def run_dir(out: Path, key: str) -> Path:
-    return Path(out) / "runs" / key
 
 
 def load_run(out: Path, key: str) -> dict[str, Any] | None:

@@ -14,6 +14,8 @@ from typing import Callable
 
 import lmdb
 
+from tensorverse.store import blobs
+
 # 2: turns compressed, and may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
 # 3: rows may have an engine state (``row_engine``, `tensorverse.store.engine_state`)
 # 4: one name per field (`tensorverse.store.records`): a turn's answering backend is ``backend``
@@ -131,20 +133,18 @@ def _v3_to_v4(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None
     """Rename the fields that had two names (``RENAMED_V4``): ``tensorverse replay`` wrote a turn's
     answering backend as ``primary``, the proxy's recorder as ``backend``; readers looked under
     both. A record holding both keeps ``backend`` (the old name is dropped)."""
-    from tensorverse.store.store import _compress, _dumps, _loads
-
     for db, renames in RENAMED_V4.items():
         changed = []
         for key, raw in txn.cursor(db=dbs[db]):
-            rec = _loads(raw)
+            rec = blobs.loads(raw)
             if not isinstance(rec, dict) or not any(old in rec for old in renames):
                 continue
             for old, new in renames.items():
                 if old in rec:
                     value = rec.pop(old)
                     rec.setdefault(new, value)
-            blob = _dumps(rec)
-            changed.append((key, _compress(blob) if db == TURNS else blob))
+            blob = blobs.dumps(rec)
+            changed.append((key, blobs.compress(blob) if db == TURNS else blob))
         for key, blob in changed:  # not while the cursor walks the database
             txn.put(key, blob, db=dbs[db])
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -24,11 +23,8 @@ from typing import Any, Iterator, Sequence
 
 import lmdb
 import orjson
-import zstandard
 
-from tensorverse.jsonbytes import dumps
-from tensorverse.store import schema
-from tensorverse.store.codec import decompressor
+from tensorverse.store import blobs, schema
 from tensorverse.store.engine_state import EngineState
 from tensorverse.store.turns import read_turn
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer, adopt_map_size
@@ -47,27 +43,7 @@ class RecordNotFound(KeyError):
     """No record with that id."""
 
 
-def _dumps(value: Any) -> bytes:
-    return dumps(value, orjson.OPT_SERIALIZE_NUMPY)  # deeper than orjson writes: the stdlib
-
-
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame; JSON text never starts with it
-_local = threading.local()  # zstandard's objects are not thread-safe
-
-
-def _compress(blob: bytes) -> bytes:
-    """A turn's JSON as stored (zstd's defaults: the codec's compressors are tuned for logits)."""
-    c = getattr(_local, "cctx", None)
-    if c is None:
-        c = _local.cctx = zstandard.ZstdCompressor(level=3)
-    return c.compress(blob)
-
-
-def _loads(raw: bytes) -> Any:
-    """A stored record: JSON, or JSON in a zstd frame (turns, from store format 2)."""
-    if raw[:4] == _ZSTD_MAGIC:
-        raw = decompressor().decompress(raw)
-    return orjson.loads(raw)
+_dumps, _compress, _loads = blobs.dumps, blobs.compress, blobs.loads
 
 
 _STORE_KEPT = ("created_ns", "turns", "side_turns", "tool_call_turns", "updated_ns", "edits")
