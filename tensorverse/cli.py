@@ -362,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tensorverse.verdict_cli import register as register_verdict
 
     register_verdict(sub)  # tensorverse verdict
+    from tensorverse.store_cli import register as register_store
+
+    register_store(sub)  # tensorverse store [stats|prune|pin]
     register_report(sub)  # tensorverse report ...
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     return parser

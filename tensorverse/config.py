@@ -33,6 +33,7 @@ __all__ = [
     "ShadowSection",
     "ShadowBackend",
     "VerdictSection",
+    "RetentionSection",
     "load_config",
     "parse_config",
     "parse_listen",
@@ -251,6 +252,48 @@ class CaptureSection(_Section):
         return list(dict.fromkeys(v))
 
 
+class RetentionSection(_Section):
+    """The store's budget (tensorverse.store.retention): sessions past ``max_age``, then the
+    oldest until the live bytes fit ``max_bytes``, are deleted; pinned sessions never are."""
+
+    max_age: str | None = None  # a duration: "30d", "12h"
+    max_bytes: str | int | None = None  # a size: "80G", "512MiB", or bytes
+    interval_s: float = Field(300.0, gt=0.0)  # the proxy prunes this often (off the relay's path)
+
+    @field_validator("max_age")
+    @classmethod
+    def _age(cls, v: str | None) -> str | None:
+        if v is not None:
+            from tensorverse.store.retention import parse_duration
+
+            parse_duration(v)
+        return v
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _bytes(cls, v: str | int | None) -> str | int | None:
+        if v is not None:
+            from tensorverse.store.retention import parse_bytes
+
+            if parse_bytes(v) <= 0:
+                raise ValueError("must be positive")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_age is not None or self.max_bytes is not None
+
+    def max_age_seconds(self) -> float | None:
+        from tensorverse.store.retention import parse_duration
+
+        return parse_duration(self.max_age) if self.max_age is not None else None
+
+    def max_bytes_value(self) -> int | None:
+        from tensorverse.store.retention import parse_bytes
+
+        return parse_bytes(self.max_bytes) if self.max_bytes is not None else None
+
+
 class VerdictSection(_Section):
     """How a shadow's verdict is decided (docs/verdict.md): the confidence of every bound and the
     margins below which its excess over the noise floor counts as equivalent."""
@@ -323,6 +366,7 @@ class Config(_Section):
     capture: CaptureSection = Field(default_factory=CaptureSection)
     shadow: ShadowSection = Field(default_factory=ShadowSection)
     verdict: VerdictSection = Field(default_factory=VerdictSection)
+    retention: RetentionSection = Field(default_factory=RetentionSection)
     shadows: list[ShadowBackend] = Field(default_factory=list)
 
     @model_validator(mode="after")

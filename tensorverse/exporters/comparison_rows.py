@@ -22,7 +22,7 @@ import orjson
 from tensorverse.exporters.export import comparison_row
 from tensorverse.store import records
 
-__all__ = ["ComparisonRow", "TableError", "from_store", "read_tables", "REQUIRED"]
+__all__ = ["ComparisonRow", "TableError", "from_store", "read_tables", "row_of", "REQUIRED"]
 
 #: columns without which the verdict cannot be computed (exports older than issue 25 lack them)
 REQUIRED = ("turn_created_ns", "ref_tool_calls", "cand_tool_calls", "flips_by_region_class", "positions_by_region")
@@ -71,13 +71,19 @@ def _row(d: dict[str, Any], where: str) -> ComparisonRow:
         raise TableError(f"{where}: {e}") from None
 
 
+def row_of(c: records.Comparison, turn_id: str | None, session_id: str | None,
+           turn_created_ns: int | None) -> ComparisonRow:
+    """One stored comparison as its export row would read back."""
+    return _row(comparison_row(c, turn_id, session_id, turn_created_ns), f"turn {turn_id}")
+
+
 def from_store(store: Any) -> Iterator[ComparisonRow]:
     """Every comparison of the store, as the export would write it (sessions in creation order)."""
     for s in map(records.session, store.iter_sessions()):
         for t in map(records.turn, store.iter_turns(s.id)):
             for r in map(records.run, store.iter_runs(t.id)):
                 for c in map(records.comparison, store.iter_comparisons(r.id)):
-                    yield _row(comparison_row(c, t.id, s.id, t.created_ns), f"store turn {t.id}")
+                    yield row_of(c, t.id, s.id, t.created_ns)
 
 
 def _files(paths: Iterable[str | os.PathLike]) -> list[Path]:

@@ -225,6 +225,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_store_full", "gauge", "1 when the store refuses writes (cap or disk full)"),
     MetricSpec("tensorverse_store_writes_refused", "counter", "writes refused because the store was full"),
     MetricSpec("tensorverse_store_records", "gauge", "records per store table", ("table",)),
+    MetricSpec("tensorverse_store_pruned_sessions", "counter", "sessions deleted by [retention] (age or bytes)"),
+    MetricSpec("tensorverse_store_pruned_bytes", "counter", "live bytes freed by [retention]"),
+    MetricSpec("tensorverse_store_prune_errors", "counter", "[retention] runs that failed"),
+    MetricSpec("tensorverse_store_over_budget", "gauge",
+               "1 when [retention] cannot bring the store under max_bytes (the rest is pinned)"),
+    MetricSpec("tensorverse_store_days_left", "gauge",
+               "days until the budget (max_bytes, else the cap, else the disk) is full at the growth "
+               "since the last [retention] run (NaN: unknown, or retention off)"),
     # -- the verdict (issue 25; docs/verdict.md), from the store every [verdict].refresh_s -------
     MetricSpec("tensorverse_verdict", "gauge",
                "1 for the shadow's current decision (regression, equivalent, undecided), 0 for the others",
@@ -733,6 +741,13 @@ class MetricsCollector:
 
         # store
         yield from self._store_families()
+        ret = s.get("retention") or {}
+        yield counter("tensorverse_store_pruned_sessions", ret.get("sessions_pruned", 0))
+        yield counter("tensorverse_store_pruned_bytes", ret.get("bytes_pruned", 0))
+        yield counter("tensorverse_store_prune_errors", ret.get("errors", 0))
+        yield gauge("tensorverse_store_over_budget", 1.0 if ret.get("over_budget") else 0.0)
+        days = ret.get("days_left")
+        yield gauge("tensorverse_store_days_left", float("nan") if days is None else float(days))
         if self.verdict is not None:
             yield from self._verdict_families()
 

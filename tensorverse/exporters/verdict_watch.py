@@ -46,6 +46,11 @@ class VerdictWatch:
         self._busy = threading.Lock()
         self._snap = VerdictSnapshot()
 
+    def wait_idle(self) -> None:
+        """Block until a computation in progress (in another thread) is over: before the store closes."""
+        with self._busy:
+            pass
+
     def snapshot(self) -> VerdictSnapshot:
         with self._lock:
             return self._snap

@@ -187,6 +187,7 @@ def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *
             await task
         except asyncio.CancelledError:
             pass
+        await asyncio.get_running_loop().run_in_executor(None, verdict.wait_idle)  # the store closes next
 
     app = web.Application(client_max_size=(ingest.max_bytes if ingest else 1 << 20) + 1)
     app.router.add_get("/metrics", metrics)

@@ -111,6 +111,14 @@ class Proxy:
         )
         self.ingest = Ingest(self.store, c.admin.resolved_token(), max_bytes=c.admin.max_ingest_bytes)
         self._admin_runner: web.AppRunner | None = None
+        self.retention = None
+        self._retention_task: asyncio.Task | None = None
+        if self.store is not None and c.retention.enabled:
+            from tensorverse.store.retention import RetentionKeeper, RetentionPolicy
+
+            self.retention = RetentionKeeper(self.store, RetentionPolicy(
+                max_age_s=c.retention.max_age_seconds(), max_bytes=c.retention.max_bytes_value()),
+                c.retention.interval_s)
         self.port: int | None = None
         self.admin_port: int | None = None
 
@@ -118,13 +126,25 @@ class Proxy:
         s = self.core.stats()
         s["ingest"] = self.ingest.stats()
         s["in_flight"] = self.core.in_flight
+        if self.retention is not None:
+            s["retention"] = self.retention.stats()
         return s
+
+    async def _keep_retention(self) -> None:
+        """[retention]: prune in a worker thread when due (never on the relay's loop)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.retention.due():
+                await loop.run_in_executor(None, self.retention.run_once)
+            await asyncio.sleep(min(5.0, self.retention.interval_s))
 
     async def start(self) -> None:
         c = self.config
         if self.store is not None:
             await self._register_backends()
         self.port = await self.core.start(c.proxy.host, c.proxy.port)
+        if self.retention is not None:
+            self._retention_task = asyncio.get_running_loop().create_task(self._keep_retention())
         if c.admin.enabled:
             watch = None
             if self.store is not None:
@@ -186,6 +206,14 @@ class Proxy:
     async def close(self, timeout: float = 5.0) -> None:
         """Stop; requests still in flight after ``timeout`` seconds are cut."""
         await self.core.close(timeout)
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            try:
+                await self._retention_task
+            except asyncio.CancelledError:
+                pass
+            self._retention_task = None
+            await asyncio.get_running_loop().run_in_executor(None, self.retention.wait_idle)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None

@@ -54,6 +54,7 @@ class Session(_Record, kw_only=True):
     tool_call_turns: int = 0
     updated_ns: int | None = None
     edits: list[dict[str, Any]] = []  # merges, splits and moves, by hand or by the proxy
+    pinned: bool = False  # `tensorverse store pin`: never pruned by retention
 
 
 class Turn(_Record, kw_only=True):

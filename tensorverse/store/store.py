@@ -46,7 +46,7 @@ class RecordNotFound(KeyError):
 _dumps, _compress, _loads = blobs.dumps, blobs.compress, blobs.loads
 
 
-_STORE_KEPT = ("created_ns", "turns", "side_turns", "tool_call_turns", "updated_ns", "edits")
+_STORE_KEPT = ("created_ns", "turns", "side_turns", "tool_call_turns", "updated_ns", "edits", "pinned")
 
 
 def _count(session: dict, turn: dict, sign: int) -> None:
@@ -457,6 +457,67 @@ class Store:
 
         return self.submit(op)
 
+    def pin_session(self, session_id: str, pinned: bool = True) -> Future:
+        """Pin (or unpin) a session: retention never prunes a pinned session
+        (`tensorverse.store.retention`). Kept when the proxy rewrites the session's record."""
+        skey = schema.check_id(session_id, "session")
+
+        def op(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
+            if raw is None:
+                raise RecordNotFound(f"session {session_id} does not exist")
+            session = orjson.loads(raw)
+            was = bool(session.get("pinned"))
+            if pinned:
+                session["pinned"] = True
+            else:
+                session.pop("pinned", None)
+            txn.put(skey, _dumps(session), db=self._dbs[schema.SESSIONS])
+            return was
+
+        return self.submit(op)
+
+    def table_bytes(self) -> dict[str, int]:
+        """Live bytes per table: its pages in use (pages freed by deletions are reused)."""
+        psize = self._env.stat()["psize"]
+        with self._read() as txn:
+            return {name.decode(): (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * psize
+                    for name, st in ((n, txn.stat(db)) for n, db in self._dbs.items())}
+
+    def session_bytes(self, session_id: str) -> tuple[int, dict[tuple[str, str], tuple[int, int]]]:
+        """The bytes (keys and values) of a session's records and rows, and of its rows per
+        (backend, mode): ``(total, {(backend, mode): (rows, bytes)})``. One read transaction."""
+        dbs = self._dbs
+
+        def kv(txn: lmdb.Transaction, db: bytes, prefix: bytes) -> tuple[int, int]:
+            n = size = 0
+            for k, v in self._scan(txn, db, prefix):
+                n += 1
+                size += len(k) + len(v)
+            return n, size
+
+        skey = schema.check_id(session_id, "session")
+        by: dict[tuple[str, str], tuple[int, int]] = {}
+        with self._read() as txn:
+            raw = txn.get(skey, db=dbs[schema.SESSIONS])
+            if raw is None:
+                raise RecordNotFound(f"session {session_id} does not exist")
+            total = len(skey) + len(raw)
+            for _, tkey in list(self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))):
+                total += len(tkey) + len(txn.get(tkey, db=dbs[schema.TURNS]) or b"")
+                for rkey, _ in list(self._scan(txn, schema.RUNS_BY_TURN, schema.child_prefix(tkey.decode(), "turn"))):
+                    rid = rkey[len(tkey) + 1:]
+                    run_raw = txn.get(rid, db=dbs[schema.RUNS]) or b""
+                    n_rows, row_bytes = kv(txn, schema.ROWS, rid + schema.SEP)
+                    total += len(rid) + len(run_raw) + row_bytes + kv(txn, schema.ROW_ENGINE, rid + schema.SEP)[1] \
+                        + kv(txn, schema.COMPARISONS, rid + schema.SEP)[1]
+                    if n_rows and run_raw:
+                        run = orjson.loads(run_raw)
+                        key = (str(run.get("backend")), str(run.get("mode")))
+                        r0, b0 = by.get(key, (0, 0))
+                        by[key] = (r0 + n_rows, b0 + row_bytes)
+        return total, by
+
     def delete_older_than(self, cutoff_ns: int) -> int:
         """Retention: delete every session created before `cutoff_ns`. Returns how many.
 
@@ -464,9 +525,14 @@ class Store:
         """
         old = [s["id"] for s in self.iter_sessions(until_ns=cutoff_ns)]
         deleted = sum(bool(self.delete_session(sid).result()) for sid in old)
-        if deleted and self._writer is not None:
-            self._writer.note_space_freed()
+        if deleted:
+            self.note_space_freed()
         return deleted
+
+    def note_space_freed(self) -> None:
+        """After deletions: a store that refused writes for lack of space may take them again."""
+        if self._writer is not None:
+            self._writer.note_space_freed()
 
     # -- reads ----------------------------------------------------------------------------
 

