@@ -25,8 +25,8 @@ with ``mu`` and ``var`` the running mean and variance regularised by one pseudo-
 (``mu_0 = 1/2``, ``var_0 = 1/4``). Under any stream whose conditional means are all <= ``m``
 (whatever their dependence: flips that cluster in a turn, turns that cluster in a session) the
 wealth is a nonnegative supermartingale from 1, so the chance it ever reaches ``1/alpha`` is at
-most ``alpha``. ``low`` is the largest grid value below which every grid value is rejected. The
-upper side bets the other way. Both sides use the same ``alpha`` = 1 - confidence.
+most ``alpha``. ``low`` is the largest value below which every candidate tried is rejected (a
+grid of steps of 0.025, then bisection to 4e-7). The upper side bets the other way. Both sides use the same ``alpha`` = 1 - confidence.
 
 Why not the maintained package: ``confseq`` (the authors' own, last released 2023) builds a C++
 extension against pybind11 2.6 and pulls matplotlib; the part used here is the product above.
@@ -46,8 +46,8 @@ import numpy as np
 __all__ = ["TRUNCATION", "Bounds", "log_wealth", "log_wealth_path", "bounds", "grid_bounds", "turns_to_cross", "rejects"]
 
 TRUNCATION = 0.75  # of the largest bet that keeps the wealth positive
-_COARSE = 0.005  # grid step on the excess scale (-1..1), then refined 100-fold near each bound
-_FINE = 100
+_GRID = 81  # candidate means on the excess scale (-1..1, steps of 0.025), then bisection
+_BISECT = 16  # halvings between the last rejected and the first kept value: 4e-7
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,27 @@ def rejects(y: np.ndarray, m_excess: float, side: str, alpha: float) -> bool:
     return bool(log_wealth(y, m_excess, side)[0] >= math.log(1.0 / alpha))
 
 
-def _edge(y: np.ndarray, side: str, alpha: float, lo: float, hi: float, n: int) -> tuple[float, np.ndarray]:
-    grid = np.linspace(lo, hi, n)
-    rej = log_wealth(y, grid, side) >= math.log(1.0 / alpha)
-    if side == "lower":  # rejected from the bottom up
-        k = int(np.argmin(rej)) if not rej.all() else grid.size
-        return (grid[k - 1] if k > 0 else -math.inf), grid
-    k = int(np.argmin(rej[::-1])) if not rej.all() else grid.size
-    return (grid[grid.size - k] if k > 0 else math.inf), grid
+def _edge(y: np.ndarray, side: str, alpha: float) -> float:
+    """The bound of one side: a coarse grid of candidate means, then bisection between the last
+    rejected and the first kept grid value (the rejection is monotone there in practice)."""
+    thr = math.log(1.0 / alpha)
+    grid = np.linspace(-1.0, 1.0, _GRID)
+    rej = log_wealth(y, grid, side) >= thr
+    if side == "upper":  # walk down from +1 instead of up from -1
+        grid, rej = grid[::-1], rej[::-1]
+    if not rej[0]:
+        return float(grid[0])
+    if rej.all():
+        return float(grid[-1])
+    k = int(np.argmin(rej))
+    inside, outside = float(grid[k - 1]), float(grid[k])  # rejected, kept
+    for _ in range(_BISECT):
+        mid = (inside + outside) / 2
+        if log_wealth(y, mid, side)[0] >= thr:
+            inside = mid
+        else:
+            outside = mid
+    return inside
 
 
 def grid_bounds(y: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -150,20 +163,7 @@ def grid_bounds(y: np.ndarray, alpha: float) -> tuple[float, float]:
     y = np.asarray(y, dtype=np.float64)
     if y.size == 0:
         return -1.0, 1.0
-    n = int(round(2 / _COARSE)) + 1
-    low, _ = _edge(y, "lower", alpha, -1.0, 1.0, n)
-    if math.isinf(low):
-        low = -1.0
-    elif low < 1.0:
-        f, _ = _edge(y, "lower", alpha, low, min(1.0, low + _COARSE), _FINE + 1)
-        low = low if math.isinf(f) else f
-    high, _ = _edge(y, "upper", alpha, -1.0, 1.0, n)
-    if math.isinf(high):
-        high = 1.0
-    elif high > -1.0:
-        f, _ = _edge(y, "upper", alpha, max(-1.0, high - _COARSE), high, _FINE + 1)
-        high = high if math.isinf(f) else f
-    return float(low), float(high)
+    return _edge(y, "lower", alpha), _edge(y, "upper", alpha)
 
 
 def bounds(y: np.ndarray, alpha: float) -> Bounds:

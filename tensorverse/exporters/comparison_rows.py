@@ -22,7 +22,7 @@ import orjson
 from tensorverse.exporters.export import comparison_row
 from tensorverse.store import records
 
-__all__ = ["ComparisonRow", "TableError", "from_store", "read_tables", "row_of", "REQUIRED"]
+__all__ = ["ComparisonRow", "StoreRows", "TableError", "from_store", "read_tables", "row_of", "REQUIRED"]
 
 #: columns without which the verdict cannot be computed (exports older than issue 25 lack them)
 REQUIRED = ("turn_created_ns", "ref_tool_calls", "cand_tool_calls", "flips_by_region_class", "positions_by_region")
@@ -84,6 +84,46 @@ def from_store(store: Any) -> Iterator[ComparisonRow]:
             for r in map(records.run, store.iter_runs(t.id)):
                 for c in map(records.comparison, store.iter_comparisons(r.id)):
                     yield row_of(c, t.id, s.id, t.created_ns)
+
+
+class StoreRows:
+    """:func:`from_store` for a store read again and again (the proxy's verdict every minute):
+    each comparison is decoded once and kept; a later read only decodes comparisons stored since,
+    found from the store's indexes (turn ids, comparison keys) without reading the records again.
+    A turn moved to another session keeps its rows under its new session id; a deleted one
+    (retention) is dropped."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._created: dict[str, int] = {}  # turn id -> created_ns (a turn's time never changes)
+        self._rows: dict[str, dict[tuple[str, str], ComparisonRow]] = {}  # turn id -> key -> row
+
+    def rows(self) -> list[ComparisonRow]:
+        st = self.store
+        out: list[ComparisonRow] = []
+        seen: set[str] = set()
+        for s in map(records.session, st.iter_sessions()):
+            for tid in st.turn_ids(s.id):
+                seen.add(tid)
+                if tid not in self._created:
+                    self._created[tid] = records.turn(st.get_turn(tid)).created_ns
+                cache = self._rows.setdefault(tid, {})
+                keys = st.comparison_keys(tid)
+                for key in keys:
+                    if key not in cache:
+                        cache[key] = row_of(records.comparison(st.get_comparison(*key)), tid, s.id,
+                                            self._created[tid])
+                for key in set(cache) - set(keys):
+                    del cache[key]
+                for key in keys:
+                    row = cache[key]
+                    if row.session_id != s.id:  # moved by a merge or split
+                        row = cache[key] = msgspec.structs.replace(row, session_id=s.id)
+                    out.append(row)
+        for tid in set(self._rows) - seen:
+            self._rows.pop(tid, None)
+            self._created.pop(tid, None)
+        return out
 
 
 def _files(paths: Iterable[str | os.PathLike]) -> list[Path]:

@@ -45,6 +45,9 @@ class VerdictWatch:
         self._lock = threading.Lock()
         self._busy = threading.Lock()
         self._snap = VerdictSnapshot()
+        from tensorverse.exporters.comparison_rows import StoreRows
+
+        self._rows = StoreRows(store)  # each comparison decoded once, across refreshes
 
     def wait_idle(self) -> None:
         """Block until a computation in progress (in another thread) is over: before the store closes."""
@@ -57,12 +60,10 @@ class VerdictWatch:
 
     def refresh(self) -> VerdictSnapshot:
         """Recompute now (blocking: call from a worker thread). One computation at a time."""
-        from tensorverse.exporters.comparison_rows import from_store
-
         with self._busy:
             t0 = time.perf_counter()
             try:
-                vs = verdicts(from_store(self.store), self.policy, known=self.backends)
+                vs = verdicts(self._rows.rows(), self.policy, known=self.backends)
                 snap = VerdictSnapshot(computed_ns=time.time_ns(), seconds=time.perf_counter() - t0, verdicts=vs)
             except Exception as e:  # noqa: BLE001 - a verdict failure must not take the admin down
                 log.warning("verdict: computation failed: %s", e)

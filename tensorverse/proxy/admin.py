@@ -177,8 +177,9 @@ def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *
     async def refresh_verdict(app: web.Application) -> Any:
         async def loop() -> None:
             while True:
-                await asyncio.get_running_loop().run_in_executor(None, verdict.refresh)
-                await asyncio.sleep(verdict.refresh_s)
+                snap = await asyncio.get_running_loop().run_in_executor(None, verdict.refresh)
+                # at most a tenth of the time computing: a huge store is refreshed less often
+                await asyncio.sleep(max(verdict.refresh_s, 10 * (snap.seconds or 0.0)))
 
         task = asyncio.get_running_loop().create_task(loop())
         yield

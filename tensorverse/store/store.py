@@ -641,6 +641,29 @@ class Store:
         for _, tkey in self._paged(schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session")):
             yield read_turn(self._get_json(schema.TURNS, tkey, "turn"))
 
+    def turn_ids(self, session_id: str) -> list[str]:
+        """A session's turn ids in index order, from the index alone (no turn record read)."""
+        return [tkey.decode() for _, tkey in
+                self._paged(schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))]
+
+    def comparison_keys(self, turn_id: str) -> list[tuple[str, str]]:
+        """The (run id, reference run id) of every comparison of a turn's runs, keys only (no
+        record read): a cheap way to know which comparisons are new."""
+        out: list[tuple[str, str]] = []
+        prefix = schema.child_prefix(turn_id, "turn")
+        with self._read() as txn:
+            runs = [k[len(prefix):] for k, _ in self._scan(txn, schema.RUNS_BY_TURN, prefix)]
+            cur = txn.cursor(db=self._dbs[schema.COMPARISONS])
+            for rid in runs:
+                p = rid + schema.SEP
+                if not cur.set_range(p):
+                    continue
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(p):
+                        break
+                    out.append((rid.decode(), key[len(p):].decode()))
+        return out
+
     def iter_runs(self, turn_id: str) -> Iterator[dict]:
         prefix = schema.child_prefix(turn_id, "turn")
         for key, _ in self._paged(schema.RUNS_BY_TURN, prefix):
