@@ -106,3 +106,24 @@ def test_margins_from_the_config(store_dir, tmp_path, capsys):
     bad_cfg.write_text('[primary]\nurl = "http://127.0.0.1:9"\n[verdict]\nconfidence = 2\n')
     assert main(["verdict", "--store", str(store_dir), "--config", str(bad_cfg)]) == 2
     assert "verdict.confidence" in capsys.readouterr().err
+
+
+def test_store_rows_decode_each_comparison_once_and_follow_the_store(tmp_path, monkeypatch):
+    from tensorverse.exporters.comparison_rows import StoreRows, from_store
+    from tests.exporters.verdict_store import fill_store
+
+    with Store.open(tmp_path / "s", durable=False) as st:
+        fill_store(st, turns=6)
+        sr = StoreRows(st)
+        key = lambda r: (r.run_id, r.ref_run_id, r.session_id)  # noqa: E731
+        assert sorted(map(key, sr.rows())) == sorted(map(key, from_store(st)))
+        calls = []
+        real = st.get_comparison
+        monkeypatch.setattr(st, "get_comparison", lambda *a: calls.append(a) or real(*a))
+        assert len(sr.rows()) == 36 and calls == []  # nothing new: nothing decoded
+        fill_store(st, turns=2, prefix="b", first=6)  # a new session of 2 turns
+        rows = sr.rows()
+        assert len(rows) == 48 and len(calls) == 12
+        assert sorted(map(key, rows)) == sorted(map(key, from_store(st)))
+        st.delete_session("sess1").result()  # retention removed the first session
+        assert sorted(map(key, sr.rows())) == sorted(map(key, from_store(st))) and len(sr.rows()) == 12
