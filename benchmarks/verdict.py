@@ -6,8 +6,8 @@ Streams of turns are drawn by `tensorverse.analysis.simulate.Clustered`: a fract
 that flip many times and break tool calls more often, for the shadow and the noise floor alike
 (A/A: a noise-only shadow), plus a known excess for A/B. The parameters are fitted from a real
 store when one is given (`simulate.fit` on the turns of ``--shadow``, e.g. the demo's fp8_kv);
-else the defaults below, fitted from the demo's FP8-KV shadow on vLLM-CPU (RESULTS.md says which
-run). Every stream is watched after every turn, by the verdict (betting bounds, turns as the
+else the defaults below (the clustering issue 25 saw in the demo's FP8-KV shadow on vLLM-CPU,
+not a fit to a store). Every stream is watched after every turn, by the verdict (betting bounds, turns as the
 unit) and by the rule it replaces (the Newcombe interval of the position-level excess flip
 rate, positions as independent trials: `analysis.attribution.excess_flip_rate`, vectorised here
 and checked against it).
@@ -51,7 +51,7 @@ from tensorverse.analysis.verdict import VerdictPolicy, fixed_sample_interval  #
 # Defaults: the clustering seen in the demo's FP8-KV shadow on vLLM-CPU (issue 25: 2 of 9 turns
 # flipped, 6/32 and 1/32 of their positions; about 32 positions a turn), a floor that is hard on
 # the same turns (shared), breaks mostly on hard turns. `--store` fits them from a real store.
-DEMO_FIT = Clustered(hard=0.2, hard_rate=0.1, concentration=2.0, min_positions=20, max_positions=80,
+DEFAULT_MODEL = Clustered(hard=0.2, hard_rate=0.1, concentration=2.0, min_positions=20, max_positions=80,
                      tool_call=0.6, break_hard=0.1, break_easy=0.002)
 
 
@@ -127,7 +127,7 @@ def main() -> int:
     t0 = time.perf_counter()
     _check_newcombe()
     policy = VerdictPolicy()
-    base, source = DEMO_FIT, "defaults (the demo's FP8-KV clustering, see DEMO_FIT)"
+    base, source = DEFAULT_MODEL, "defaults (the demo's FP8-KV clustering, see DEFAULT_MODEL)"
     if a.store:
         from tensorverse.analysis.verdict import evidence_from_rows
         from tensorverse.exporters.comparison_rows import from_store
@@ -138,7 +138,7 @@ def main() -> int:
         if a.shadow not in ev:
             print(f"verdict.py: no shadow {a.shadow!r} in {a.store} (have {sorted(ev)})", file=sys.stderr)
             return 2
-        base, source = fit(ev[a.shadow], DEMO_FIT), f"fitted from {a.store} ({a.shadow}, {len(ev[a.shadow])} turns)"
+        base, source = fit(ev[a.shadow], DEFAULT_MODEL), f"fitted from {a.store} ({a.shadow}, {len(ev[a.shadow])} turns)"
     n_aa, n_ab, n_cov = (100, 60, 100) if a.quick else (1000, 400, 1000)
     turns = 600 if a.quick else a.turns
     rng = np.random.default_rng(a.seed)
