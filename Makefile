@@ -33,10 +33,14 @@ test-fast: setup
 audit: setup
 	$(PY) tests/reliability/audit.py
 
+## Every benchmark to the end (benchmarks/_run_all.py), one table of figure / target / measured /
+## verdict (targets: benchmarks/targets.toml), non-zero when a target is missed or a benchmark fails.
+## BENCH_ARGS="--only codec,store --timeout 900 --results benchmarks/RESULTS.md" etc.
+BENCH_ARGS ?=
 bench: setup setup-system
-	command -v nginx >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light)  # proxy baseline
-	@for b in benchmarks/*.py; do case $$b in */_*|*_cuda.py) continue;; esac; \
-		echo "== $$b"; $(PY) $$b || exit 1; done
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)  # proxy baseline
+	command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)  # server_instructions.py (callgrind)
+	$(PY) benchmarks/_run_all.py $(BENCH_ARGS)
 
 ## The one-command demo (docs/demo.md): DEMO_ARGS="--turns 3 --no-view" etc.
 demo: setup
@@ -44,3 +48,33 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+
+## Mutation testing (issue 27; the report is docs/mutants.md): mutmut over the modules that decide
+## numbers and sessions, in a scratch copy (build/mutants: the working tree is never touched), with
+## a bounded test selection; prints the score per module last. MUTANTS_PATHS, MUTANTS_TESTS and
+## MUTANTS_JOBS override the defaults; a survivor's diff:
+## `cd build/mutants && ../../.venv/bin/python -m mutmut show NAME`.
+MUTANTS_PATHS ?= tensorverse/analysis/attribution.py tensorverse/proxy/grouping.py
+MUTANTS_TESTS ?= tests/analysis/test_attribution.py tests/proxy/test_grouping.py tests/shadow/test_shadow_compare.py
+MUTANTS_JOBS ?= 2
+MUTANTS_DIR := build/mutants
+.PHONY: mutants
+mutants: setup
+	$(PY) -c 'import mutmut' 2>/dev/null || $(PY) -m pip install -q 'mutmut>=3.8,<4'
+	rm -rf $(MUTANTS_DIR) && mkdir -p $(MUTANTS_DIR)
+	tar c --exclude=./.venv --exclude=./build --exclude=./.git --exclude=./out --exclude=__pycache__ \
+	  --exclude=.hypothesis --exclude='*.egg-info' . | tar x -C $(MUTANTS_DIR)
+	{ echo '[mutmut]'; echo 'source_paths=tensorverse'; echo 'only_mutate='; \
+	  for p in $(MUTANTS_PATHS); do echo "    $$p"; done; \
+	  echo 'pytest_add_cli_args_test_selection='; for t in $(MUTANTS_TESTS); do echo "    $$t"; done; \
+	  echo 'pytest_add_cli_args='; echo '    -p'; echo '    no:cacheprovider'; echo '    -m'; \
+	  echo '    not vllm and not browser and not prometheus and not soak and not turnstone and not ray'; \
+	} > $(MUTANTS_DIR)/setup.cfg
+	cd $(MUTANTS_DIR) && $(abspath $(PY)) -m mutmut run --max-children $(MUTANTS_JOBS) > mutmut-run.log 2>&1 \
+	  || { tail -c 2000 mutmut-run.log; exit 1; }
+	cd $(MUTANTS_DIR) && $(abspath $(PY)) -m mutmut results --all true > results.txt && awk -F': ' \
+	  '{ m = $$1; sub(/^ +/, "", m); sub(/\.x[^.]*$$/, "", m); n[m]++; s[m, $$2]++ } \
+	   END { printf "%-34s %7s %7s %8s %6s\n", "module", "mutants", "killed", "survived", "score"; \
+	         for (m in n) { k = s[m, "killed"] + s[m, "timeout"]; printf "%-34s %7d %7d %8d %5.1f%%\n", \
+	           m, n[m], k, s[m, "survived"], 100 * k / (k + s[m, "survived"]) } }' results.txt
+	@echo "survivors: grep survived $(MUTANTS_DIR)/results.txt"

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.analysis.metrics import (  # noqa: E402
     position_metrics,
     reference_position_metrics,
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m": load,
         "threads": os.environ.get("OPENBLAS_NUM_THREADS"),
     }
-    print(json.dumps(result))
-    return 0
+    return finish("analysis", result)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._targets import finish  # noqa: E402
 VOCAB = 151_936
 
 
@@ -238,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         out["probe"] = probes
         out["probe_s_per_1000_positions"] = probes[0]["s_per_1000_positions"]
     out["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(out))
-    return 0
+    return finish("attribution", out)
 
 
 if __name__ == "__main__":

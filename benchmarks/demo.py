@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.demo.agent import MAX_TASKS  # noqa: E402
 from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, DemoOptions, run_demo  # noqa: E402
 
@@ -78,8 +79,7 @@ def main() -> int:
                        if k not in ("first_flip",)} or None,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(result, default=str))
-    return 0
+    return finish("demo", result)
 
 
 if __name__ == "__main__":

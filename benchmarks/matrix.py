@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
+from benchmarks._targets import finish  # noqa: E402
 from tests.matrix.matrix_support import base_spec, make_corpus  # noqa: E402
 from tensorverse.matrix.grid import run_matrix  # noqa: E402
 from tensorverse.matrix.spec import parse_spec  # noqa: E402
@@ -168,8 +169,7 @@ def main() -> int:
         out["local_wall_s"], out["ray_wall_s"] = runs["local"]["wall_s"], runs["ray"]["wall_s"]
     if not a.out:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(out))
-    return 0
+    return finish("matrix", out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import generate_latest  # noqa: E402
 
+from benchmarks._targets import finish  # noqa: E402
+
 from tensorverse.config import parse_config  # noqa: E402
 from tensorverse.exporters.metrics import REGIONS, Metrics  # noqa: E402
 
@@ -125,7 +127,7 @@ def bench_scrape(reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
@@ -133,9 +135,9 @@ def main() -> None:
     us = bench_updates(turns, 512)
     ms = bench_scrape(reps)
     print(f"metric updates: {us:.3f} us per compared token (target < 2); scrape: {ms:.2f} ms", file=sys.stderr)
-    print(json.dumps({"us_per_token": round(us, 4), "scrape_ms": round(ms, 3), "backends": len(BACKENDS),
-                      "tokens_per_comparison": 512}))
+    return finish("metrics", {"us_per_token": round(us, 4), "scrape_ms": round(ms, 3), "backends": len(BACKENDS),
+                              "tokens_per_comparison": 512})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
     python benchmarks/proxy_overhead.py [--requests 2000] [--events 32] [--quick]
 
-A fast fake OpenAI-protocol streaming upstream (`tensorverse.proxy.fake`, its own process)
+A fast fake OpenAI-protocol streaming upstream (`tensorverse.testing.fake_upstream`, its own process)
 is called, in the same run:
   direct              the upstream itself
   proxy               through the Tensorverse proxy (its own process, on uvloop through
@@ -25,8 +25,12 @@ forwarded request, session grouping among it, shows in the TTFT).
 At concurrency 1 (TTFT and total latency p50/p99, back to back and, as ``*_spaced``, with a pause
 of ``--think-ms`` between requests as an agent runs its tool between turns; the targets take
 turns in rounds, so that a change of the machine's load affects them alike) and 200 (throughput; in rounds too). The load generator is
-aiohttp in this process. On a small machine the generator, the upstream and the proxy share the
-CPU: compare ratios, not absolute numbers. The last line is one JSON object.
+aiohttp in this process; it checks every stream after timing it (``check_stream``: HTTP 200, every
+event parses, every token's event, ``data: [DONE]`` last): a stream that is not whole is an error,
+not a fast request (``errors``, ``invalid_streams``), and any error fails the run. On a small
+machine the generator, the upstream and the proxy share the CPU: compare ratios, not absolute
+numbers. The targets are those of ``benchmarks/targets.toml`` (exit 1 when one is missed). The
+last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ import time
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.ports import free_port  # noqa: E402
 
 #: the server decision (docs/proxy.md): uvicorn replaces the hand-written server only if its added
@@ -59,7 +65,7 @@ ASGI_THROUGHPUT_MARGIN = 0.05
 
 UPSTREAM = """
 import asyncio, sys
-from tensorverse.proxy.fake import FakeUpstream
+from tensorverse.testing.fake_upstream import FakeUpstream
 async def main():
     f = await FakeUpstream().start(int(sys.argv[1]))
     f.requests = type("Drop", (), {"append": lambda self, x: None, "__len__": lambda self: 0})()
@@ -154,48 +160,106 @@ def cpu_ms(pid: int) -> float:
 
 
 def pct(xs: list[float], q: float) -> float:
+    if not xs:  # no request came back whole (the run has failed: see its errors)
+        return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
+def check_stream(status: int, body: bytes, events: int) -> str | None:
+    """Why a chat stream did not arrive whole; None when it did: HTTP 200, every SSE event a
+    ``data:`` line whose JSON parses into a chunk, ``events`` content deltas (the fake upstream
+    sends one per output token), one ``finish_reason``, and ``data: [DONE]`` last. A proxy that
+    cut, dropped or garbled events would otherwise look faster than one that relays them all."""
+    if status != 200:
+        return f"HTTP {status}"
+    if b"\r" in body:
+        body = body.replace(b"\r\n", b"\n")
+    frames = body.split(b"\n\n")
+    if frames[-1].strip():
+        return "stream ends inside an event"
+    frames = [f for f in frames if f.strip()]
+    if not frames or frames[-1].strip() != b"data: [DONE]":
+        return "no final data: [DONE]"
+    content = finished = 0
+    for i, frame in enumerate(frames[:-1]):
+        for line in frame.split(b"\n"):
+            if not line or line.startswith(b":"):  # an SSE comment
+                continue
+            if not line.startswith(b"data:"):
+                return f"event {i}: not a data line: {line[:60]!r}"
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return f"event {i}: [DONE] before the end"
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError as e:
+                return f"event {i}: JSON does not parse ({e})"
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+                return f"event {i}: not a chat chunk"
+            for ch in chunk["choices"]:
+                delta = ch.get("delta") or {}
+                content += bool(delta.get("content"))
+                finished += ch.get("finish_reason") is not None
+    if content != events:
+        return f"{content} content events, {events} sent"
+    if finished != 1:
+        return f"{finished} finish_reason events"
+    return None
+
+
 async def load(url: str, n: int, concurrency: int, events: int, think_s: float = 0.0, first_s: float = 0.0) -> dict:
+    """``n`` streamed chat requests at ``concurrency``; every stream is checked (`check_stream`)
+    after its timing is taken: ``errors`` counts the requests that failed or arrived incomplete,
+    ``invalid`` those of them that came back with a stream that is not whole."""
     body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
     headers = {"Content-Type": "application/json", "X-Fake-Events": str(events), "Authorization": "Bearer bench",
                "X-Fake-First-Delay": str(first_s)}
     ttft: list[float] = []
     total: list[float] = []
-    errors = 0
+    errors = invalid = 0
+    why: list[str] = []
     conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
         todo = iter(range(n))
 
         async def worker() -> None:
-            nonlocal errors
+            nonlocal errors, invalid
             for _ in todo:
                 t0 = time.perf_counter()
                 try:
                     async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
                         first = None
-                        async for _chunk in r.content.iter_any():
+                        chunks = []
+                        async for chunk in r.content.iter_any():
                             if first is None:
                                 first = time.perf_counter()
-                        if r.status != 200:
-                            errors += 1
-                            continue
+                            chunks.append(chunk)
+                        status = r.status
                     t1 = time.perf_counter()
+                    bad = check_stream(status, b"".join(chunks), events)
+                    if bad is not None:
+                        errors += 1
+                        invalid += status == 200
+                        if len(why) < 3:
+                            why.append(bad)
+                        continue
                     ttft.append(((first or t1) - t0) * 1000)
                     total.append((t1 - t0) * 1000)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     errors += 1
+                    if len(why) < 3:
+                        why.append(f"{type(e).__name__}: {e}")
                 if think_s:
                     await asyncio.sleep(think_s)
 
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t
-    return {"n": len(total), "errors": errors, "rps": len(total) / wall, "ttft_p50": pct(ttft, 0.5),
-            "ttft_p99": pct(ttft, 0.99), "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99),
+    return {"n": len(total), "errors": errors, "invalid": invalid, "why": why, "rps": len(total) / wall,
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99),
             "ttft": ttft, "total": total}
 
 
@@ -203,7 +267,8 @@ def pooled(runs: list[dict]) -> dict:
     """Several c=1 runs of one target as one."""
     ttft = [x for r in runs for x in r["ttft"]]
     total = [x for r in runs for x in r["total"]]
-    return {"n": len(total), "errors": sum(r["errors"] for r in runs), "ttft_p50": pct(ttft, 0.5),
+    return {"n": len(total), "errors": sum(r["errors"] for r in runs), "invalid": sum(r["invalid"] for r in runs),
+            "why": [w for r in runs for w in r["why"]][:3], "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
 
 
@@ -271,8 +336,9 @@ def main() -> int:
         rounds = max(1, min(args.rounds, args.latency_requests))
         c1_runs: dict[str, list[dict]] = {name: [] for name in targets}
         spaced_runs: dict[str, list[dict]] = {name: [] for name in targets}
+        warm: dict[str, dict] = {}
         for name, (url, _pid) in targets.items():
-            asyncio.run(load(url, 50, 8, args.events, first_s=first_s))  # warm up
+            warm[name] = asyncio.run(load(url, 50, 8, args.events, first_s=first_s))  # warm up (checked too)
         for _ in range(rounds):
             for name, (url, _pid) in targets.items():
                 c1_runs[name].append(asyncio.run(load(url, args.latency_requests // rounds, 1, args.events, first_s=first_s)))
@@ -282,7 +348,7 @@ def main() -> int:
                                                           think_s=args.think_ms / 1000, first_s=first_s)))
         # c=200 (throughput): in rounds too (throughput = requests / time over a target's rounds)
         c200_rounds = max(1, min(args.throughput_rounds, args.requests // 200))
-        done = {name: {"n": 0, "errors": 0, "wall": 0.0, "cpu": 0.0} for name in targets}
+        done = {name: {"n": 0, "errors": 0, "invalid": 0, "why": [], "wall": 0.0, "cpu": 0.0} for name in targets}
         for _ in range(c200_rounds):
             for name, (url, pid) in targets.items():
                 cpu0 = cpu_ms(pid) if pid else 0.0
@@ -291,13 +357,17 @@ def main() -> int:
                 acc["cpu"] += (cpu_ms(pid) - cpu0) if pid else 0.0
                 acc["n"] += r["n"]
                 acc["errors"] += r["errors"]
+                acc["invalid"] += r["invalid"]
+                acc["why"] += r["why"]
                 acc["wall"] += r["n"] / r["rps"] if r["rps"] else 0.0
         for name, (url, pid) in targets.items():
             c1 = pooled(c1_runs[name])
             acc = done[name]
-            c200 = {"n": acc["n"], "errors": acc["errors"], "rps": acc["n"] / acc["wall"] if acc["wall"] else 0.0}
+            c200 = {"n": acc["n"], "errors": acc["errors"], "invalid": acc["invalid"], "why": acc["why"][:3],
+                    "rps": acc["n"] / acc["wall"] if acc["wall"] else 0.0}
             cpu = acc["cpu"] / max(1, acc["n"]) if pid else None
-            results[name] = {"c1": c1, "c1_spaced": pooled(spaced_runs[name]), "c200": c200, "cpu_ms_per_request": cpu}
+            results[name] = {"c1": c1, "c1_spaced": pooled(spaced_runs[name]), "c200": c200, "cpu_ms_per_request": cpu,
+                             "warm": warm[name]}
             print(f"{name:17s} c=1 ttft p50 {c1['ttft_p50']:.3f} ms p99 {c1['ttft_p99']:.3f} ms "
                   f"(spaced {results[name]['c1_spaced']['ttft_p50']:.3f}), total p50 "
                   f"{c1['total_p50']:.3f} ms | c=200 {c200['rps']:.0f} req/s (errors {c200['errors']})"
@@ -367,10 +437,14 @@ def main() -> int:
                                                            - d["c1_spaced"]["ttft_p50"], 3)}
                if "proxy-baseline" in results else {}),
             "load_average": round(load_avg, 2),
-            "errors": sum(r["c200"]["errors"] + r["c1"]["errors"] for r in results.values()),
+            "errors": sum(r[k]["errors"] for r in results.values() for k in ("warm", "c1", "c1_spaced", "c200")),
+            "invalid_streams": sum(r[k]["invalid"] for r in results.values() for k in ("warm", "c1", "c1_spaced", "c200")),
+            "errors_by_target": {n: {"errors": sum(r[k]["errors"] for k in ("warm", "c1", "c1_spaced", "c200")),
+                                     "why": [w for k in ("warm", "c1", "c1_spaced", "c200") for w in r[k]["why"]][:3]}
+                                 for n, r in results.items()
+                                 if any(r[k]["errors"] for k in ("warm", "c1", "c1_spaced", "c200"))},
         }
-        print(json.dumps(out))
-        return 0
+        return finish("proxy_overhead", out)
     finally:
         for p in procs:
             try:

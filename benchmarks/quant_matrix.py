@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._targets import finish  # noqa: E402
+
 from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES, VLLMServer  # noqa: E402
 
 # name -> settings over the bfloat16 base. KV-cache dtypes first, then online weight
@@ -261,11 +263,10 @@ def main() -> int:
                   f"{r['kv_cache_tokens'] or '-':>9} {sp.get('tokens_per_s', '-'):>6}")
         else:
             print(f"{name:<32} {r['status']:<12} {'':>10} {'':>9} {'':>9} {'':>8} {'':>9} {'':>6}  {r.get('error')}")
-    print(json.dumps({"benchmark": "quant_matrix", "model": str(model), "corpus": a.corpus,
-                      "matrix_wall_s": round(wall, 1), "points": rows,
-                      "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                  "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d")}}, default=str))
-    return 0
+    return finish("quant_matrix", {"benchmark": "quant_matrix", "model": str(model), "corpus": a.corpus,
+                                   "matrix_wall_s": round(wall, 1), "points": rows,
+                                   "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                               "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d")}})
 
 
 if __name__ == "__main__":

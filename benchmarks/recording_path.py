@@ -3,7 +3,7 @@ turn (in the background), the fast path against the general path in the same run
 
     python benchmarks/recording_path.py [--events 32] [--repeat 2000]
 
-The stream is a real response of the fake vLLM-protocol upstream (`tensorverse.proxy.fake`) to
+The stream is a real response of the fake vLLM-protocol upstream (`tensorverse.testing.fake_upstream`) to
 the request the proxy sends: token ids and top-5 logprobs injected, as in `proxy_overhead.py`.
 Both paths run over it, cut as it arrives at concurrency 1 (one event per read) and as one
 read (events coalesced, as at high concurrency):
@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.proxy import inject  # noqa: E402
-from tensorverse.proxy.fake import FakeUpstream  # noqa: E402
+from tensorverse.testing.fake_upstream import FakeUpstream  # noqa: E402
 from tensorverse.proxy.accumulate import ChatAccumulator  # noqa: E402
 from tensorverse.proxy.protocol import CHAT  # noqa: E402
 
@@ -102,8 +103,7 @@ def main() -> int:
                     "relay_ratio": round(f["relay_us"] / g["relay_us"], 3)}
         print(f"{cut:9s} general {g['total_us']:7.1f} us (relay {g['relay_us']:6.1f})  "
               f"fast {f['total_us']:7.1f} us (relay {f['relay_us']:6.1f})  ratio {out[cut]['total_ratio']}", flush=True)
-    print(json.dumps(out))
-    return 0
+    return finish("recording_path", out)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,13 @@ import os
 import shutil
 import statistics
 import tempfile
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._targets import finish  # noqa: E402
 
 
 def _turn(messages: int, tokens: int, top: int) -> dict:
@@ -85,7 +90,7 @@ def _median_us(fn, n: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=256)
@@ -129,8 +134,8 @@ def main() -> None:
             out["turn_input_us"] = round(_median_us(lambda: TurnInput.from_dict(turn), args.n, args.repeats), 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps(out))
+    return finish("records", out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
+from benchmarks._targets import finish  # noqa: E402
 from tests.reliability import harness as H  # noqa: E402
 
 
@@ -215,7 +217,10 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=200)
     ap.add_argument("--no-soak", action="store_true", help="only render the table (and --audit)")
     ap.add_argument("--audit", action="store_true", help="check the environment against PyPI's advisories")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RELIABILITY.md")
+    # under `make bench` (benchmarks/_run_all.py) the table goes to out/bench/: the committed
+    # RELIABILITY.md is rendered from every scenario's results, which one soak run does not have
+    ap.add_argument("--out", type=Path, default=Path(os.environ["TENSORVERSE_BENCH_OUT"]) / "RELIABILITY.md"
+                    if os.environ.get("TENSORVERSE_BENCH_OUT") else ROOT / "benchmarks" / "RELIABILITY.md")
     args = ap.parse_args()
     summary: dict[str, Any] = {}
     if not args.no_soak:
@@ -235,8 +240,7 @@ def main() -> int:
     if args.audit:
         summary["audit"] = run_audit()
     summary["table"] = render(H.RESULTS_DIR, args.out)
-    print(json.dumps(summary, default=str))
-    return 0
+    return finish("reliability", summary)
 
 
 if __name__ == "__main__":

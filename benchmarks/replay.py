@@ -6,7 +6,8 @@
 Same corpus, same backends, same concurrency, in the same run:
 
   direct   the requests replay sends, built with the runner's own body builders and sent with the
-           ``openai`` client (``AsyncOpenAI``): per turn the reference's free run (the basis), then
+           runner's own client (one aiohttp session, ``tensorverse.shadow.client.BackendClient``;
+           the ``openai`` client until 2026-12-02): per turn the reference's free run (the basis), then
            every backend's forced run and every other backend's free run at once; the turns of a
            case in order; ``--concurrency`` cases and requests per backend in flight
   replay   ``tensorverse.replay.runner.replay`` on the corpus (top-k capture: no capture writes),
@@ -17,7 +18,7 @@ Same corpus, same backends, same concurrency, in the same run:
 
 The backends are fake vLLM servers (``tests/shadow/shadow_fake.py``: vLLM's completions protocol
 with the capture plugin's forcing, ``/tokenize``, ``/version``), three of them (``ref``, ``same``,
-``cand`` with perturbed logits) in one separate process. ``proxy/fake.py`` is not used: it ignores
+``cand`` with perturbed logits) in one separate process. ``testing/fake_upstream.py`` is not used: it ignores
 forcing, so forced runs would take the scoring fallback and not send the same requests. The model's
 time is emulated by ``--ms-per-token`` of sleep per generated token on the completions endpoint
 only (5 ms: a small model on one GPU; 0 measures the pure overhead, with no model time at all).
@@ -41,6 +42,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
+
+from benchmarks._targets import finish  # noqa: E402
 
 SERVERS = """
 import asyncio, json, sys
@@ -107,23 +110,25 @@ def _backends(urls: dict[str, str], concurrency: int) -> list[Any]:
 
 
 async def direct(corpus: Any, urls: dict[str, str], concurrency: int) -> float:
-    """The same requests with the openai client, the same dependencies and concurrency."""
-    from openai import AsyncOpenAI
+    """The same requests with the client the replay runner uses (one shared aiohttp session,
+    ``tensorverse.shadow.client.BackendClient``, as ``tensorverse.shadow.runner`` builds it), the
+    same dependencies and concurrency. (Before 2026-12-02 this baseline used the ``openai``
+    client, whose own CPU per request, httpx plus pydantic, made the replay look faster.)"""
+    import aiohttp
 
     from tensorverse.replay.runner import case_turn_input
+    from tensorverse.shadow.client import BackendClient
     from tensorverse.shadow.completions import forced_body, free_body
     from tensorverse.shadow.turn import TurnInput
 
     backends = _backends(urls, concurrency)
-    clients = {b.name: AsyncOpenAI(base_url=b.url, api_key="unused", max_retries=0, timeout=300) for b in backends}
+    session = aiohttp.ClientSession()
+    clients = {b.name: BackendClient(b, session) for b in backends}
     sems = {b.name: asyncio.Semaphore(concurrency) for b in backends}
-    known = ("model", "prompt", "max_tokens", "temperature", "logprobs", "n", "stream", "top_p", "seed", "stop")
 
-    async def send(b: Any, body: dict[str, Any]) -> Any:
+    async def send(b: Any, body: dict[str, Any]) -> dict[str, Any]:
         async with sems[b.name]:
-            return await clients[b.name].completions.create(
-                **{k: body[k] for k in known if k in body},
-                extra_body={k: v for k, v in body.items() if k not in known})
+            return await clients[b.name].completions(body)
 
     ref, others = backends[0], backends[1:]
 
@@ -131,7 +136,7 @@ async def direct(corpus: Any, urls: dict[str, str], concurrency: int) -> float:
         for turn in case["turns"]:
             t = TurnInput.from_dict(case_turn_input(case, turn))
             got = await send(ref, free_body(t, ref, "x", capture=False))
-            t.output_token_ids = list(got.choices[0].model_extra["token_ids"])
+            t.output_token_ids = list(got["choices"][0]["token_ids"])
             await asyncio.gather(*(send(b, forced_body(t, b, "x", capture=False)) for b in backends),
                                  *(send(b, free_body(t, b, "x", capture=False)) for b in others))
 
@@ -141,11 +146,12 @@ async def direct(corpus: Any, urls: dict[str, str], concurrency: int) -> float:
         async with cases:
             await one(c)
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(gated(c) for c in corpus.cases))
-    wall = time.perf_counter() - t0
-    for c in clients.values():
-        await c.close()
+    try:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(gated(c) for c in corpus.cases))
+        wall = time.perf_counter() - t0
+    finally:
+        await session.close()
     return wall
 
 
@@ -203,11 +209,10 @@ def main() -> int:
         "direct_s": round(d, 3), "replay_s": round(r, 3), "wall_ratio": round(r / d, 3),
         "overhead_ms_per_request": round((r - d) / requests * 1000, 2),
         "direct_runs_s": [round(x, 3) for x in d_walls], "replay_runs_s": [round(x, 3) for x in r_walls],
-        "replay_errors": errors, "target_wall_ratio": 1.1, "load_avg": list(os.getloadavg()),
-        "cpus": os.cpu_count(),
+        "replay_errors": errors, "load_avg": list(os.getloadavg()),
+        "cpus": os.cpu_count(), "direct_client": "aiohttp (BackendClient), as the runner",
     }
-    print(json.dumps(out))
-    return 0 if errors == 0 else 1
+    return finish("replay", out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from proxy_overhead import PROXY, ROOT, UPSTREAM, load, spawn  # noqa: E402
 
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.ports import free_port  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def main() -> int:
     ap.add_argument("--no-uvicorn", action="store_true", help="measure the hand-written server only")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
-        print("valgrind (Debian's valgrind package) is needed", file=sys.stderr)
+        print("valgrind (Debian's valgrind package) is needed: `make bench` installs it", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="tv-callgrind-"))
     up = None
@@ -111,8 +112,7 @@ def main() -> int:
                 out[f"{key}_over_handwritten"] = round(results[name]["instructions_per_request"]
                                                        / hw["instructions_per_request"], 3)
         out["errors"] = sum(r["errors"] for r in results.values())
-        print(json.dumps(out))
-        return 0
+        return finish("server_instructions", out)
     finally:
         if up is not None:
             os.killpg(up.pid, signal.SIGTERM)

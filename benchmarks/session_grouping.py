@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
 
+from benchmarks._targets import finish  # noqa: E402
 from tests.turnstone_kit import scripted, turnstone  # noqa: E402
 
 
@@ -62,11 +63,39 @@ def old_sessions_class(base: str):
     return mod.Sessions
 
 
-def group(sessions_cls, traffic: list[tuple[dict, dict]]) -> dict:
-    from test_grouping import Driver
+class Driver:
+    """Sends requests through a `Sessions` addon as the proxy does: `request_forwarded`, then
+    (after the answer) `response_done` with the answer in the real chat accumulator (the test
+    suite's driver, tests/proxy/test_grouping.py, without a store)."""
 
-    d = Driver()
-    d.sessions = sessions_cls(None, clock=lambda: d.clock[0])
+    def __init__(self, sessions_cls) -> None:
+        self.clock = [0.0]
+        self.sessions = sessions_cls(None, clock=lambda: self.clock[0])
+
+    def turn(self, messages: list[dict], answer: dict, *, tools: list | None = None):
+        import orjson
+        from multidict import CIMultiDict, CIMultiDictProxy
+
+        from tensorverse.proxy.accumulate import ACCUMULATORS
+        from tensorverse.proxy.flow import Flow
+        from tensorverse.proxy.protocol import CHAT
+
+        body = {"model": "m", "messages": messages, **({"tools": tools} if tools else {})}
+        f = Flow("POST", "/v1/chat/completions", "", CIMultiDictProxy(CIMultiDict()), orjson.dumps(body), kind=CHAT)
+        self.clock[0] += 1
+        self.sessions.request_forwarded(f)
+        f.status = 200
+        acc = ACCUMULATORS[CHAT]()
+        msg = {"role": "assistant", "content": answer.get("content"), "tool_calls": answer.get("tool_calls") or []}
+        acc.add_body({"id": "x", "object": "chat.completion", "model": "m",
+                      "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
+        f.meta["acc"] = acc
+        asyncio.run(self.sessions.response_done(f))
+        return f
+
+
+def group(sessions_cls, traffic: list[tuple[dict, dict]]) -> dict:
+    d = Driver(sessions_cls)
     flows = []
     for body, a in traffic:
         ans = {"role": "assistant", "content": a.get("content"),
@@ -82,7 +111,7 @@ def group(sessions_cls, traffic: list[tuple[dict, dict]]) -> dict:
             "one_turn_sessions": sum(1 for v in sids.values() if v == 1)}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
@@ -98,9 +127,10 @@ def main() -> None:
     print(f"{'rule':<8} {'sessions':>8} {'turns':>6} {'side':>5} {'1-turn sessions':>16}")
     for name, r in (("before", before), ("after", after)):
         print(f"{name:<8} {r['sessions']:>8} {r['turns']:>6} {r['side_turns']:>5} {r['one_turn_sessions']:>16}")
-    print(json.dumps({"conversations": args.runs, "requests": len(traffic), "compaction_requests": compactions,
-                      "context_window": args.window, "before": before, "after": after}))
+    return finish("session_grouping", {"conversations": args.runs, "requests": len(traffic),
+                                       "compaction_requests": compactions, "context_window": args.window,
+                                       "before": before, "after": after})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._logits import SOURCE, synthetic_rows  # noqa: E402
+from benchmarks._targets import finish  # noqa: E402
 from tensorverse.store import Store  # noqa: E402
 from tensorverse.store.codec import decode_row, encode_row  # noqa: E402
 
@@ -47,7 +48,7 @@ def _write(store: Store, rows: np.ndarray, n: int, encoders: int, run: str) -> f
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=3000)
     ap.add_argument("--encoders", type=int, default=2)
@@ -100,8 +101,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"write (encode x{args.encoders} + commit): {result['rows_per_s_write']} rows/s; "
           f"commit only: {result['rows_per_s_commit']} rows/s; read+decode: {result['rows_per_s_read']} rows/s")
-    print(json.dumps(result))
+    return finish("store", result)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The multiverse viewer on a long turn: time to first render and to interactive in headless
 Chromium, and the JSON API's payload, for a turn of 2,000 tokens x 5 backends (target: < 1 s).
 
-    python benchmarks/viewer.py [--tokens 2000] [--vocab 32768] [--repeats 5] [--free-repeats 3]
+    python benchmarks/viewer.py [--tokens 2000] [--vocab 151936] [--repeats 5] [--free-repeats 3]
                                 [--quick] [--skip-no-comparisons]
 
 The turn (``benchmarks/_viewer_store.py``) is written with the real Store API into a throwaway
@@ -49,9 +49,10 @@ same check, then every backend's row at the position decoded). Over HTTP:
 ``api_turn_cold_ms`` (the cold load's fetch, from the page's __tvTiming), ``api_turn_ms`` (warm),
 ``api_panel_ms``. The browser figures and the payload do not depend on ``--vocab``; the row
 decoding in ``compare_turn_ms``, ``view_build_ms_no_comparisons`` and the panels scales with it
-(Qwen3's 151,936 is 4.6x the default, and the store takes far longer to write).
+(the default is Qwen3's 151,936, the vocabulary of the models Tensorverse runs behind; until
+2026-12-02 it was 32,768, 4.6x narrower, and the store takes far longer to write at the real width).
 
-About 70 s in all at load 7 (``--quick``: about 30 s). This machine's 2 cores are shared with other work: figures move with the load average, reported
+About 270 s in all at load 7 with the default width (70 s at 32,768 wide; ``--quick``: about 30 s less). This machine's 2 cores are shared with other work: figures move with the load average, reported
 as ``loadavg_start``/``loadavg_end`` (1, 5, 15 min). Everything started here (the viewer process,
 Chromium, Playwright's driver, the store) is stopped and removed on exit. The last line is one
 JSON object.
@@ -76,6 +77,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._targets import finish  # noqa: E402
 from benchmarks._viewer_store import build_long_turn  # noqa: E402
 from tensorverse.ports import free_port  # noqa: E402
 
@@ -333,13 +335,13 @@ def _server_side(path: Path, tid: str, flips: list[int], *, no_cmp: bool) -> dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--vocab", type=int, default=32768,
-                    help="logits row width (default 32768; 151936 is Qwen3's, much slower to build)")
+    ap.add_argument("--vocab", type=int, default=151_936,
+                    help="logits row width (default 151936, Qwen3's; smaller is faster to build)")
     ap.add_argument("--repeats", type=int, default=5, help="forced-mode loads after the cold one")
     ap.add_argument("--free-repeats", type=int, default=3, help="free-mode loads")
     ap.add_argument("--quick", action="store_true", help="3 + 1 loads, no build without comparisons")
     ap.add_argument("--skip-no-comparisons", action="store_true",
-                    help="skip timing the view build before compare_turn (~10 s of CPU)")
+                    help="skip timing the view build before compare_turn (~76 s at 151,936 wide, ~10 s at 32,768)")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.free_repeats, args.skip_no_comparisons = 3, 1, True
@@ -404,9 +406,7 @@ def main() -> int:
             "payload_bytes": len(body),
             "payload_wire_bytes": len(wire),
             "payload_encoding": headers.get("Content-Encoding", "identity"),
-            "target_ms": TARGET_MS,
-            "meets_target": bool(runs) and med(runs, "interactive_ms") < TARGET_MS
-            and med(runs, "first_render_ms") < TARGET_MS,
+            "target_ms": TARGET_MS,  # the gate: benchmarks/targets.toml
             "first_paint_ms": med(runs, "first_paint_ms"),
             "fetch_ms": med(runs, "fetch_ms"),
             "render_ms": med(runs, "render_ms"),
@@ -455,8 +455,7 @@ def main() -> int:
           f"{result['free_first_render_ms']} / {result['free_interactive_ms']} ms; payload "
           f"{result['payload_bytes']} B ({result['payload_wire_bytes']} B {result['payload_encoding']}); "
           f"load {result['loadavg_start'][0]} -> {result['loadavg_end'][0]}", flush=True)
-    print(json.dumps(result))
-    return 0
+    return finish("viewer", result)
 
 
 if __name__ == "__main__":

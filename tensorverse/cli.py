@@ -146,10 +146,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    help="table format (same as `export parquet` / `export jsonl`)")
     _table_args(p, required=False)
     kinds = p.add_subparsers(dest="kind", metavar="KIND")
+    # A kind declares the parent's options again with no default (argparse.SUPPRESS): argparse
+    # copies every attribute a kind's parser sets over the parent's, so a default here would
+    # overwrite `export --store PATH parquet`'s PATH (issue 27); `--out` is checked when run.
     h = kinds.add_parser("html", help="one session as a self-contained HTML file")
     h.add_argument("--session", required=True, metavar="ID", help="session id")
-    h.add_argument("--out", required=True, metavar="FILE", help="HTML file to write")
-    h.add_argument("--store", default=None, metavar="PATH",
+    h.add_argument("--out", default=argparse.SUPPRESS, metavar="FILE", help="HTML file to write (required)")
+    h.add_argument("--store", default=argparse.SUPPRESS, metavar="PATH",
                    help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
     h.set_defaults(func=_run_export_html)
     for fmt, what in (("parquet", "Parquet files (needs pyarrow: the `export` extra)"),
@@ -160,8 +163,6 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
     def no_kind(a: argparse.Namespace) -> int:
         if a.format:
-            if not a.out:
-                p.error("--out DIR is required")
             return _run_export_tables(a)
         p.print_help(sys.stderr)
         return 2
@@ -170,18 +171,21 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _table_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    p.add_argument("--out", required=required, metavar="DIR",
-                   help="directory for the tables (<table>.parquet or <table>.jsonl)")
-    p.add_argument("--store", default=None, metavar="PATH",
+    """The table options: on `export` with their defaults, on its kinds (``required``: `--out`
+    must be given, before or after the kind) with none, so a value given before the kind stays."""
+    none = argparse.SUPPRESS if required else None
+    p.add_argument("--out", default=none, metavar="DIR",
+                   help="directory for the tables (<table>.parquet or <table>.jsonl)" + (" (required)" if required else ""))
+    p.add_argument("--store", default=none, metavar="PATH",
                    help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
-    p.add_argument("--since", default=None, metavar="WHEN",
+    p.add_argument("--since", default=none, metavar="WHEN",
                    help="only sessions created since: 24h, 7d, 2026-11-30, 2026-11-30T12:00Z or Unix seconds")
-    p.add_argument("--until", default=None, metavar="WHEN", help="only sessions created before (same forms)")
-    p.add_argument("--tables", default=None, metavar="LIST",
+    p.add_argument("--until", default=none, metavar="WHEN", help="only sessions created before (same forms)")
+    p.add_argument("--tables", default=none, metavar="LIST",
                    help="comma-separated subset of sessions,turns,runs,comparisons,positions,logits")
-    p.add_argument("--logits", action="store_true",
+    p.add_argument("--logits", action="store_true", default=argparse.SUPPRESS if required else False,
                    help="also the logits rows, decoded to float32 (one row per position: large)")
-    p.add_argument("--include-text", action="store_true",
+    p.add_argument("--include-text", action="store_true", default=argparse.SUPPRESS if required else False,
                    help="also the turns' and runs' output text (left out by default)")
 
 
@@ -190,6 +194,9 @@ def _run_export_tables(args: argparse.Namespace) -> int:
     from tensorverse.store import Store, StoreVersionError
 
     name = f"tensorverse export {args.format}"
+    if not args.out:
+        print(f"{name}: --out DIR is required", file=sys.stderr)
+        return 2
     try:
         since = parse_since(args.since)
         until = parse_since(args.until) if args.until else None
@@ -212,6 +219,9 @@ def _run_export_html(args: argparse.Namespace) -> int:
     from tensorverse.viz.data import NotFound
     from tensorverse.viz.export import export_session
 
+    if not args.out:
+        print("tensorverse export html: --out FILE is required", file=sys.stderr)
+        return 2
     try:
         with Store.open(_store_path(args.store), readonly=True) as store:
             path = export_session(store, args.session, args.out)

@@ -1,8 +1,12 @@
 """``tensorverse sessions``: list the recorded sessions, and correct the automatic grouping by hand.
 
-    tensorverse sessions [list] [--store PATH] [--limit N] [--json]
-    tensorverse sessions merge INTO OTHER [--reason TEXT]     # OTHER's turns go after INTO's
-    tensorverse sessions split SESSION --at INDEX [--reason TEXT]
+    tensorverse sessions [--store PATH] [list] [--limit N] [--json]
+    tensorverse sessions [--store PATH] merge INTO OTHER [--reason TEXT]   # OTHER's turns go after INTO's
+    tensorverse sessions [--store PATH] split SESSION --at INDEX [--reason TEXT]
+
+``--store`` goes before or after the action, ``--limit`` and ``--json`` before or after ``list``
+(or without it): each action declares them again with ``default=argparse.SUPPRESS``, so a value
+given before the action is never overwritten by the action's default.
 
 The list shows, per session, its turns (main and side: a side request is a title, summary or
 judge request the agent made beside the conversation), how many main turns called a tool, how it
@@ -76,33 +80,46 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="List sessions (turns, side requests, tool-call turns, grouping, scrubbed first "
         "user message), or correct the grouping: `merge INTO OTHER` moves OTHER's turns after "
         "INTO's; `split SESSION --at INDEX` moves the turns from INDEX on into a new session. "
-        "Both are recorded in the sessions' `edits`. See docs/proxy.md#sessions.",
+        "Both are recorded in the sessions' `edits`. Without an action: `list`. See "
+        "docs/proxy.md#sessions.",
     )
-    p.add_argument("--store", default=None, metavar="PATH",
-                   help="store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)")
-    p.set_defaults(func=_run_list, json=False, limit=None)
+    store_help = "store directory (default: $TENSORVERSE_STORE or ./tensorverse-data)"
+    p.add_argument("--store", default=None, metavar="PATH", help=store_help)
+    _list_args(p, default=True)
+    p.set_defaults(func=_run_list)
     acts = p.add_subparsers(dest="action", metavar="ACTION")
+    # Each action accepts its parent's options again (after the action), with no default of its
+    # own: argparse copies every attribute an action's parser sets over the parent's, so a
+    # default here would overwrite `sessions --store PATH list`'s PATH (issue 27).
     ls = acts.add_parser("list", help="list sessions (the default)")
-    ls.add_argument("--limit", type=int, default=None, metavar="N", help="only the newest N")
-    ls.add_argument("--json", action="store_true", help="one JSON object per line")
-    ls.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    _list_args(ls, default=False)
+    ls.add_argument("--store", default=argparse.SUPPRESS, metavar="PATH", help=store_help)
     ls.set_defaults(func=_run_list)
     m = acts.add_parser("merge", help="move OTHER's turns after INTO's and delete OTHER")
     m.add_argument("into")
     m.add_argument("other")
     m.add_argument("--reason", default="", help="why (recorded)")
-    m.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    m.add_argument("--store", default=argparse.SUPPRESS, metavar="PATH", help=store_help)
     m.set_defaults(func=_run_merge)
     s = acts.add_parser("split", help="move the turns from INDEX on into a new session")
     s.add_argument("session")
     s.add_argument("--at", type=int, required=True, metavar="INDEX")
     s.add_argument("--reason", default="", help="why (recorded)")
-    s.add_argument("--store", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    s.add_argument("--store", default=argparse.SUPPRESS, metavar="PATH", help=store_help)
     s.set_defaults(func=_run_split)
 
 
+def _list_args(p: argparse.ArgumentParser, *, default: bool) -> None:
+    """``--limit`` and ``--json``: on ``sessions`` itself with their defaults, on ``list`` with
+    none (see `register`)."""
+    p.add_argument("--limit", type=int, default=None if default else argparse.SUPPRESS, metavar="N",
+                   help="only the newest N")
+    p.add_argument("--json", action="store_true", default=False if default else argparse.SUPPRESS,
+                   help="one JSON object per line")
+
+
 def _store_path(args: argparse.Namespace) -> str:
-    from tensorverse.cli import _store_path as default
+    from tensorverse.store import store_path as default
 
     return default(args.store)
 

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "growth rate; days left), pruning to a budget (oldest sessions first, pinned "
                        "ones never), and pins. See docs/proxy.md, [retention].")
     _add_store(p, top=True)
-    acts = p.add_subparsers(dest="store_action", metavar="ACTION")
+    acts = p.add_subparsers(dest="store_action", metavar="ACTION", required=True)
     st = acts.add_parser("stats", help="bytes by table, backend and mode; growth; days left")
     _add_store(st, top=False)
     st.add_argument("--window", default="1d", metavar="DURATION",
@@ -50,7 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     pn.add_argument("session", metavar="SESSION")
     pn.add_argument("--unpin", action="store_true")
     pn.set_defaults(func=_run_pin)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
 def _open(args: argparse.Namespace, readonly: bool) -> Any:

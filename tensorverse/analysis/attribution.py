@@ -185,15 +185,16 @@ def margin_class(a: float, b: float, dtype: str, rule: TieRule = DEFAULT_RULE) -
 
 
 def _values_dtype(values: Iterable[float]) -> str:
-    """The grid of API logprobs (floats from JSON): bfloat16, float32 or float64, the
-    coarsest one that holds every value exactly."""
+    """The grid of API logprobs (floats from JSON): float32, as vLLM returns them, or float64
+    when float32 cannot hold every value exactly. Never bfloat16: a logprob is a float32 value
+    even when it happens to be bfloat16-exact (log-softmax of bf16 logits is computed in
+    float32), so a bf16 step between two logprobs is many steps on their grid."""
     v = np.asarray(list(values), dtype=np.float64)
     if v.size == 0:
         return "float64"
-    f32 = v.astype(np.float32)
-    if not np.array_equal(f32.astype(np.float64), v):
+    if not np.array_equal(v.astype(np.float32).astype(np.float64), v):
         return "float64"
-    return "bfloat16" if not np.any(f32.view(np.uint32) & np.uint32(0xFFFF)) else "float32"
+    return "float32"
 
 
 # --------------------------------------------------------------------------- forced mode

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tensorverse.analysis.attribution import (
     FLIP_CLASSES,
+    FlipAttribution,
     FlipClass,
     TieRule,
     classify_forced,
@@ -23,8 +24,11 @@ from tensorverse.analysis.attribution import (
     excess_flip_rate,
     flips_by_class,
     grid_steps,
+    margin_class,
+    noise_flips,
     parser_check,
     row_dtype,
+    topk_pair,
 )
 from tensorverse.analysis.metrics import AnalysisInputError, position_metrics
 from tensorverse.analysis.report import analyze
@@ -139,6 +143,35 @@ def test_topk_reference_judged_on_logprobs():
     got = classify_forced_topk(entries, [3, 3, 3, 3], [7, 7, 7, 7], noise=[False, False, False, True])
     assert [g.flip_class.value for g in got] == ["tie", "near_tie", "runtime", "noise"]
     assert got[2].margin is None  # the candidate's token is not in the reference's top-k
+
+
+def test_topk_logprobs_are_judged_on_the_float32_grid_even_when_bf16_exact():
+    """Issue 27: docs/attribution.md says top-k logprobs are judged on their own grid, float32.
+    Two logprobs that happen to be bfloat16-exact are still float32 values: -0.5 and -0.50390625
+    (one bfloat16 step, 0.0039 apart) are 65,536 float32 steps apart, a runtime flip; -1.0 and
+    the float32 value just below it (1.2e-7 apart) are one step apart, a near tie."""
+    below_half = -0.5 - 2 ** -8  # bfloat16-exact: one bf16 step below -0.5
+    assert grid_steps(-0.5, below_half, "bfloat16") == 1
+    below_one = float(np.nextafter(np.float32(-1.0), np.float32(-2.0)))
+    assert below_one == pytest.approx(-1.0 - 1.19e-7, abs=1e-9)
+    entries = [{3: -0.5, 7: below_half}, {3: -1.0, 7: below_one}]
+    got = classify_forced_topk(entries, [3, 3], [7, 7])
+    assert [g.flip_class for g in got] == [FlipClass.RUNTIME, FlipClass.NEAR_TIE]
+    assert [g.ref_dtype for g in got] == ["float32", "float32"]
+    assert [g.steps for g in got] == [65536, 1]
+    # the free-run path reads the same pair from the primary's top-k
+    pair = topk_pair({3: -0.5, 7: below_half}, 3, 7)
+    assert pair == (-0.5, below_half, "float32")
+    free = classify_free(position=2, ref_token=3, cand_token=7, ref_logits=pair)
+    assert free.flip_class is FlipClass.RUNTIME and free.steps == 65536
+    pair = topk_pair({3: -1.0, 7: below_one}, 3, 7)
+    assert classify_free(position=2, ref_token=3, cand_token=7, ref_logits=pair).flip_class is FlipClass.NEAR_TIE
+    # logprobs that float32 cannot hold (float64 JSON from another server) use float64's grid
+    f64 = float(np.nextafter(-0.1, -1.0))
+    g = classify_forced_topk([{3: -0.1, 7: f64}], [3], [7])[0]
+    assert g.ref_dtype == "float64" and g.steps == 1 and g.flip_class is FlipClass.NEAR_TIE
+    # full rows keep their own dtype: a bf16-exact float32 row is still judged as bfloat16
+    assert forced_class(row_with(-0.5, below_half)) is FlipClass.NEAR_TIE
 
 
 # --------------------------------------------------------------------------- parser and free
@@ -269,3 +302,100 @@ def test_analyze_classes_every_flip(tmp_path):
     assert r.returncode == 2 and "noise" in r.stderr
     r = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert "Flips by class: tie 1, near_tie 1, noise 0, parser 0, runtime 2" in r.stdout
+
+
+# --------------------------------------------------------------------------- edges (docs/mutants.md)
+
+
+def test_rule_validation_and_records():
+    with pytest.raises(AnalysisInputError, match="TieRule.ulps must be a non-negative integer"):
+        TieRule(ulps=-1)
+    with pytest.raises(AnalysisInputError, match="TieRule.nats must be a finite number"):
+        TieRule(nats=-0.5)
+    assert TieRule(ulps=2, nats=0.25).as_dict() == {"ulps": 2, "nats": 0.25}
+    with pytest.raises(AnalysisInputError, match="logits must be a float dtype"):
+        row_dtype(np.arange(4, dtype=np.int32))
+    flip = FlipAttribution(3, FlipClass.NEAR_TIE, "forced", 3, 7, 0.0625, 1, "bfloat16")
+    assert flip.as_dict() == {"position": 3, "flip_class": "near_tie", "mode": "forced", "ref_token": 3,
+                              "cand_token": 7, "margin": 0.0625, "steps": 1, "ref_dtype": "bfloat16"}
+    from tensorverse.analysis.attribution import _values_dtype
+
+    assert _values_dtype([]) == "float64" and _values_dtype([-0.5]) == "float32"
+    assert flips_by_class(["tie", None, "runtime"]) == {"tie": 1, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 1}
+
+
+def test_forced_inputs_as_a_row_and_as_columns():
+    [one] = classify_forced(row_with(2.0, 1.0), [3], [7])  # one row, not a matrix
+    assert (one.position, one.flip_class, one.ref_token, one.cand_token) == (0, FlipClass.RUNTIME, 3, 7)
+    entries = [{3: -0.5, 7: -0.75}, {3: -0.1, 7: -3.0}]
+    got = classify_forced_topk(entries, [[3], [3]], [[7], [3]], positions=[10, 11], rule=TieRule(nats=0.3))
+    assert [g.as_dict() for g in got] == [{"position": 10, "flip_class": "near_tie", "mode": "forced", "ref_token": 3,
+                                           "cand_token": 7, "margin": 0.25, "steps": 4194304, "ref_dtype": "float32"}]
+    with pytest.raises(AnalysisInputError, match="one entry per position"):
+        classify_forced_topk(entries[:1], [3, 3], [7, 7])
+    assert noise_flips([[1], [2]], [[1], [3]]).tolist() == [False, True]
+    with pytest.raises(AnalysisInputError, match="noise run: 1 positions for 2"):
+        noise_flips([1, 2], [1])
+
+
+def test_free_flip_records_and_unusable_logits():
+    assert classify_free(position=None) is None  # identical tokens, no tool-call difference
+    parser = classify_free(position=None, tool_calls_differ=True)
+    assert parser.mode == "free" and parser.flip_class is FlipClass.PARSER
+    plain = classify_free(position=4, ref_token=1, cand_token=2)
+    assert plain.as_dict() == {"position": 4, "flip_class": "runtime", "mode": "free", "ref_token": 1, "cand_token": 2,
+                               "margin": None, "steps": None, "ref_dtype": None}
+    for bad in ((float("nan"), -1.0, "float32"), (-1.0, float("inf"), "float32"), (-1.0, None, "float32")):
+        f = classify_free(position=4, ref_token=1, cand_token=2, ref_logits=bad)
+        assert f.flip_class is FlipClass.RUNTIME and f.margin is None and f.steps is None, bad
+    near = classify_free(position=4, ref_token=1, cand_token=2, ref_logits=(-0.5, -0.75, "float32"),
+                         rule=TieRule(nats=0.3))
+    assert near.as_dict() == {"position": 4, "flip_class": "near_tie", "mode": "free", "ref_token": 1, "cand_token": 2,
+                              "margin": 0.25, "steps": 4194304, "ref_dtype": "float32"}
+    assert topk_pair({3: -0.5, 7: -0.75}, None, 7) is None and topk_pair(None, 3, 7) is None
+    assert topk_pair({3: -0.5}, 3, 7) is None
+
+
+def test_parser_check_keeps_32_differences():
+    args = {f"a{i}": i for i in range(40)}
+    text = '<tool_call>{"name": "f", "arguments": ' + json.dumps(args) + "}</tool_call>"
+    emitted = [{"type": "function", "function": {"name": "f", "arguments": json.dumps({k: v + 1 for k, v in args.items()})}}]
+    pc = parser_check(text, "", emitted)
+    assert pc.mismatch and len(pc.differences) == 32
+
+
+def test_excess_rate_inputs_and_record():
+    for bad, what in (((1, 10.5, 0, 10), "runtime:"), ((0, 10, 1, 10.5), "noise:"), ((0, 0, 0, 10), "runtime:"),
+                      ((11, 10, 0, 10), "runtime:"), ((0, 10, -1, 10), "noise:")):
+        with pytest.raises(AnalysisInputError, match=what):
+            excess_flip_rate(*bad)
+    for c in (0.0, 1.0, 1.5):
+        with pytest.raises(AnalysisInputError, match=r"confidence must lie in \(0, 1\)"):
+            excess_flip_rate(1, 10, 0, 10, confidence=c)
+    assert excess_flip_rate(0, 1, 0, 1).excess == 0.0  # one position, all flips: valid inputs
+    assert excess_flip_rate(5, 5, 0, 5).rate == 1.0
+    r = excess_flip_rate(56, 70, 48, 80).as_dict()
+    assert {k: r[k] for k in ("runtime_flips", "n", "noise_flips", "noise_n", "confidence", "method")} == {
+        "runtime_flips": 56, "n": 70, "noise_flips": 48, "noise_n": 80, "confidence": 0.95, "method": "newcombe_wilson"}
+    assert r["rate"] == 0.8 and r["noise_rate"] == 0.6 and r["excess"] == pytest.approx(0.2)
+    half = excess_flip_rate(56, 70, 48, 80, confidence=0.5)
+    assert r["low"] < half.low < half.excess < half.high < r["high"]  # a narrower interval at 50 %
+
+
+def test_forced_records_messages_and_grids():
+    [f] = classify_forced(np.stack([row_with(2.0, 1.0)]), [[3]], [[7]])  # top-1 arrays as columns
+    assert f.as_dict() == {"position": 0, "flip_class": "runtime", "mode": "forced", "ref_token": 3, "cand_token": 7,
+                           "margin": 1.0, "steps": 128, "ref_dtype": "bfloat16"}
+    two = np.stack([row_with(2.0, 1.0)] * 2)
+    with pytest.raises(AnalysisInputError, match=r"top-1 arrays must have one entry per row \(2\)"):
+        classify_forced(two, [3, 3], [7])
+    with pytest.raises(AnalysisInputError, match="positions: 1 for 2 rows"):
+        classify_forced(two, [3, 3], [7, 7], positions=[5])
+    with pytest.raises(AnalysisInputError, match=r"noise: expected 2 flags \(one per position\)"):
+        classify_forced(two, [3, 3], [7, 7], noise=[True])
+    with pytest.raises(AnalysisInputError, match=r"unknown dtype 'bf8' \(bfloat16, float16, float32, float64\)"):
+        grid_steps(1.0, 2.0, "bf8")
+    assert margin_class(1.0, 1.0, "float32") == (FlipClass.TIE, 0, 0.0)
+    pc = parser_check(TOOL, "", [{"type": "function", "function": {"name": "show_vlan", "arguments": '{"vlan": 201}'}}])
+    assert pc.as_dict() == {"mismatch": False, "verdict": "match", "parsed_calls": 1, "emitted_calls": 1,
+                            "differences": []}

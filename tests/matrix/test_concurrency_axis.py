@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorverse.capture.fake_engine import FakeEngine
+from tensorverse.testing.fake_engine import FakeEngine
 from tensorverse.matrix.launcher import build_command, build_env
 from tensorverse.matrix.run import RunRequest, capture
 from tensorverse.matrix.spec import SpecError, parse_spec, server_settings, settings_key

@@ -12,7 +12,7 @@ import pytest
 from tests.typed_records import assert_records_typed
 
 from tensorverse.config import parse_config
-from tensorverse.proxy.fake import FakeUpstream
+from tensorverse.testing.fake_upstream import FakeUpstream
 from tensorverse.proxy.loop import LoopThread, new_event_loop
 from tensorverse.proxy.server import Proxy
 

@@ -319,7 +319,7 @@ def test_malformed_events_cost_the_turn_nothing_else(cuts):
     invalid UTF-8, a line without a colon, an event whose "choices" is 7, a comment): the turn
     records every other event, however the stream is cut into reads; before, the "choices": 7
     event stopped the fold and the turn was recorded truncated, or not at all."""
-    from tensorverse.proxy.fake import MALFORMED_EVENTS
+    from tensorverse.testing.fake_upstream import MALFORMED_EVENTS
 
     good = [b"data: " + orjson.dumps(_chat_event(i, first=i == 0)) + b"\n\n" for i in range(6)] + [b"data: [DONE]\n\n"]
     events = good[:3] + MALFORMED_EVENTS + good[3:]

@@ -288,3 +288,218 @@ def test_identical_new_conversations_in_flight_together_are_not_side_requests():
     flows = [d.start(copy.deepcopy(msgs)) for _ in range(4)]
     assert [f.meta["turn_kind"] for f in flows] == [G.MAIN] * 4
     assert len({f.session_id for f in flows}) == 4
+
+
+# -- conversations that share messages, then differ (issue 27) -----------------------------------
+# Every other test gives each conversation its own tag, so no two of them share a user or tool
+# message; real agents do: the same opening request, the same first tool call, a generic answer.
+
+OPENER = {"role": "user", "content": "show the status of the uplinks"}
+FIRST_CALL = call("show", {"what": "interfaces"}, "c0")
+
+
+def _result(text: str) -> dict:
+    return {"role": "tool", "tool_call_id": "c0", "content": text}
+
+
+def test_shared_opener_then_different_tool_results_do_not_continue():
+    # two agents ask the same thing and get the same first call, on two routers: the tool
+    # results differ, so the second conversation's next request does not continue the first's
+    x_req = [SYSTEM, OPENER, FIRST_CALL, _result("edge-1: Gi0/0/1 up, Gi0/0/2 down")]
+    x_ans = {"role": "assistant", "content": "Gi0/0/2 is down on edge-1."}
+    prev = G.history(x_req, TOOLS, x_ans)
+    y_next = [SYSTEM, OPENER, FIRST_CALL, _result("core-7: Te1/1 up, Te1/2 up"),
+              {"role": "assistant", "content": "All uplinks of core-7 are up."},
+              {"role": "user", "content": "thanks, now the VLANs"}]
+    assert G.continuation(prev, G.history(y_next, TOOLS)) is None
+    # the first conversation's own next request does continue it (the case above is not refused
+    # for another reason)
+    x_next = [*x_req, x_ans, {"role": "user", "content": "thanks, now the VLANs"}]
+    assert G.continuation(prev, G.history(x_next, TOOLS)) == G.Match(4, G.EXTENDS)
+
+
+def test_shared_opener_then_different_user_messages_do_not_continue():
+    greeting = {"role": "assistant", "content": "Hello! Which device should I look at?"}
+    x_req = [SYSTEM, OPENER, greeting, {"role": "user", "content": "edge-1, please"}]
+    x_ans = call("show", {"what": "edge-1"})
+    prev = G.history(x_req, TOOLS, x_ans)
+    y_next = [SYSTEM, OPENER, greeting, {"role": "user", "content": "core-7 instead"},
+              call("show", {"what": "core-7"}), _result("core-7: Te1/1 up")]
+    assert G.continuation(prev, G.history(y_next, TOOLS)) is None
+    # with the other anchor rule too (a system prompt that carries the hour): still not
+    hourly = [{"role": "system", "content": "It is 10:00."}, *y_next[1:]]
+    assert G.continuation(prev, G.history(hourly, TOOLS)) is None
+
+
+def test_one_shared_assistant_message_is_not_a_tail():
+    # the tail rule needs the last two messages of the session: a generic answer that both
+    # conversations end with is not enough
+    done = {"role": "assistant", "content": "Done."}
+    x_req = [SYSTEM, {"role": "user", "content": "save the config of edge-1"}]
+    prev = G.history(x_req, TOOLS, done)
+    y_next = [SYSTEM, {"role": "user", "content": "reload core-7 at midnight"}, done,
+              {"role": "user", "content": "and notify the NOC"}]
+    assert G.continuation(prev, G.history(y_next, TOOLS)) is None
+    # two adjacent messages (the tool result and the answer after it) are: score 2
+    x_req2 = [SYSTEM, OPENER, FIRST_CALL, _result("edge-1: Gi0/0/1 up, Gi0/0/2 down")]
+    prev2 = G.history(x_req2, TOOLS, done)
+    dropped = [SYSTEM, _result("edge-1: Gi0/0/1 up, Gi0/0/2 down"), done,
+               {"role": "user", "content": "and notify the NOC"}]
+    assert G.continuation(prev2, G.history(dropped, TOOLS)) == G.Match(2, G.TAIL)
+
+
+# -- the rule's edges (found by `make mutants`, docs/mutants.md) ---------------------------------
+
+U1 = {"role": "user", "content": "check the uplinks of edge-1"}
+U_OTHER = {"role": "user", "content": "what changed on core-7 last night?"}
+A1 = call("show", {"what": "uplinks"}, "c1")
+T1 = {"role": "tool", "tool_call_id": "c1", "content": "Gi0/0/1 up\nGi0/0/2 down"}
+A2 = {"role": "assistant", "content": "Gi0/0/2 is down."}
+NEXT = {"role": "user", "content": "bring it up"}
+LONG_TOOL = {"role": "tool", "tool_call_id": "c1",
+             "content": "Interface  Status  Protocol  Description\nGi0/0/1  up  up  uplink-a\nGi0/0/2  down  down  uplink-b"}
+LONG_USER = {"role": "user", "content": "Please check every uplink of the edge router edge-1 and tell me which are down."}
+
+
+def _hist(messages, answer=None):
+    return G.history(messages, TOOLS, answer)
+
+
+def test_keys_are_eight_bytes():
+    k = G.message_key(U1)
+    assert len(k.loose) == len(k.head) == 8 and k.role == "user"
+    assert len(G.tools_key(TOOLS)) == 8
+
+
+def test_a_note_appended_to_a_tool_result_or_user_message_still_extends():
+    assert len(G.message_text(LONG_TOOL)) > G.HEAD_CHARS and len(G.message_text(LONG_USER)) > G.HEAD_CHARS
+    prev = _hist([SYSTEM, LONG_USER, A1, LONG_TOOL], A2)
+    noted_tool = dict(LONG_TOOL, content=LONG_TOOL["content"] + "\n[output truncated by the agent]")
+    noted_user = dict(LONG_USER, content=LONG_USER["content"] + "\n(sent from my phone)")
+    assert G.continuation(prev, _hist([SYSTEM, LONG_USER, A1, noted_tool, A2, NEXT])) == G.Match(4, G.EXTENDS)
+    assert G.continuation(prev, _hist([SYSTEM, noted_user, A1, LONG_TOOL, A2, NEXT])) == G.Match(4, G.EXTENDS)
+    # an assistant message with the same head but another text is edited, not equal
+    long_answer = {"role": "assistant", "content": "Gi0/0/2 is down on edge-1; the other uplinks are up and carry traffic."}
+    prev2 = _hist([SYSTEM, LONG_USER, A1, LONG_TOOL], long_answer)
+    rewritten = dict(long_answer, content=long_answer["content"] + " I opened a ticket.")
+    assert G.continuation(prev2, _hist([SYSTEM, LONG_USER, A1, LONG_TOOL, rewritten, NEXT])) == G.Match(4, G.EDITED)
+
+
+def test_a_request_as_long_as_the_latest_history_extends_it():
+    # the agent sends the history and the answer back, with no new message (a "continue" turn)
+    prev = _hist([SYSTEM, U1, A1, T1], A2)
+    assert G.continuation(prev, _hist([SYSTEM, U1, A1, T1, A2])) == G.Match(4, G.EXTENDS)
+
+
+def test_a_request_that_does_not_extend_can_still_be_a_tail():
+    prev = _hist([SYSTEM, U1, A1, T1], A2)
+    other_call = call("show", {"what": "bgp"}, "c9")
+    # unequal first user message, then the session's newest two messages
+    assert G.continuation(prev, _hist([SYSTEM, U_OTHER, other_call, T1, A2, NEXT])) == G.Match(2, G.TAIL)
+    # another role first, then the same two
+    assert G.continuation(prev, _hist([SYSTEM, other_call, U_OTHER, T1, A2, NEXT])) == G.Match(2, G.TAIL)
+
+
+def test_no_equal_user_message_no_extends():
+    hello = {"role": "assistant", "content": "Hello, I am ready."}
+    prev = _hist([SYSTEM], hello)
+    assert G.continuation(prev, _hist([SYSTEM, hello, U1])) is None
+
+
+def test_another_anchor_needs_two_equal_user_or_tool_messages_and_an_equal_assistant_one():
+    at10, at11 = ({"role": "system", "content": f"It is {h}:00. You are a network automation agent."} for h in (10, 11))
+    a2_edited = {"role": "assistant", "content": "Gi0/0/2 is down (since 09:12)."}
+    a1_edited = call("show", {"what": "uplinks", "detail": True}, "c1")
+    prev = G.history([at10, U1, A1, T1], TOOLS, A2)
+    # U1 and T1 equal, A1 equal, A2 edited: the same conversation
+    assert G.continuation(prev, G.history([at11, U1, A1, T1, a2_edited, NEXT], TOOLS)) == G.Match(4, G.EDITED)
+    # both assistant messages edited: not enough
+    assert G.continuation(prev, G.history([at11, U1, a1_edited, T1, a2_edited, NEXT], TOOLS)) is None
+    # one equal user message and one equal assistant message: not enough
+    short = G.history([at10, U1], TOOLS, A1)
+    assert G.continuation(short, G.history([at11, U1, A1, T1], TOOLS)) is None
+    assert G.continuation(short, G.history([at10, U1, A1, T1], TOOLS)) == G.Match(2, G.EXTENDS)
+
+
+def test_compaction_needs_a_summary_in_the_request_and_scores_the_history():
+    prev = _hist([SYSTEM, U1, A1, T1], A2)
+    summary = "Checked the uplinks of edge-1: Gi0/0/2 is down."
+    compacted = [SYSTEM, {"role": "user", "content": "[summary]"}, {"role": "assistant", "content": summary}, NEXT]
+    assert G.continuation(prev, _hist(compacted), ["A summary of another session entirely."]) is None
+    assert G.continuation(prev, _hist(compacted), [summary]) == G.Match(4, G.COMPACTION)
+
+
+def test_tail_edges():
+    prev = _hist([SYSTEM, U1, A1, T1], A2)
+    # a history of two messages is a tail of two
+    two = _hist([SYSTEM, U1], A1)
+    assert G.continuation(two, _hist([SYSTEM, U_OTHER, U1, A1, NEXT])) == G.Match(2, G.TAIL)
+    # the whole history after another first message: a tail of all of it
+    assert G.continuation(prev, _hist([SYSTEM, U_OTHER, U1, A1, T1, A2, NEXT])) == G.Match(4, G.TAIL)
+    # the request's start is not its end: no wrap-around
+    assert G.continuation(prev, _hist([SYSTEM, T1, A2, NEXT, A1])) == G.Match(2, G.TAIL)
+    # the newest message again later, alone: the longest place counts
+    done = {"role": "assistant", "content": "Done."}
+    prev_done = _hist([SYSTEM, U1, A1, T1], done)
+    again = [SYSTEM, U_OTHER, T1, done, NEXT, done, {"role": "user", "content": "and the VLANs?"}]
+    assert G.continuation(prev_done, _hist(again)) == G.Match(2, G.TAIL)
+    # two assistant messages at the end (a continued answer) are a tail
+    part1 = {"role": "assistant", "content": "Gi0/0/2 is down"}
+    part2 = {"role": "assistant", "content": "and has been since 09:12."}
+    prev_parts = _hist([SYSTEM, U1, part1], part2)
+    assert G.continuation(prev_parts, _hist([SYSTEM, U_OTHER, part1, part2, NEXT])) == G.Match(2, G.TAIL)
+
+
+def test_message_text_of_every_shape():
+    assert G.message_text("  a plain \n string ") == "a plain string"
+    blocks = {"role": "user", "content": [
+        "plain  part", {"type": "text", "text": "text part"},
+        {"type": "tool_use", "name": "show", "input": {"b": 1, "a": [2]}},
+        {"type": "tool_use", "input": {}},  # no name
+        {"type": "tool_use", "name": "odd", "input": {1: "a"}},  # not JSON: repr
+        {"type": "tool_result", "content": "result  text"},
+        {"type": "tool_result", "content": [{"type": "text", "text": "nested result"}]},
+        {"type": "image", "source": "..."}]}
+    assert G.message_text(blocks) == ('plain part text part show({"a":[2],"b":1}) ({}) '
+                                      "odd({1: 'a'}) result text nested result")
+    calls = {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "show", "arguments": '{"b": 1, "a": 2}'}},
+        {"function": {"arguments": "not  json"}}, "junk", {"function": "junk"}]}
+    assert G.message_text(calls) == 'show({"a":2,"b":1}) (not json)'
+
+
+def test_roles_anchors_and_notes_in_history():
+    assert G.message_key("a string").role == "?" and G.message_key({"content": "x"}).role == "?"
+    # a lone surrogate (kept by a lenient JSON parser) does not break the keys
+    k = G.message_key({"role": "user", "content": "bad \ud800 text " * 10})
+    assert len(k.loose) == len(k.head) == 8 and k.loose != k.head
+    assert G.history([]).body == () and G.history([]).system == b""
+    plain = G.history([U1, A2])
+    assert plain.system == b"" and [m.role for m in plain.body] == ["user", "assistant"]
+    dev = {"role": "developer", "content": "You are a network automation agent."}
+    h = G.history([dev, U1, {"role": "developer", "content": "context 80% full"}, A2], TOOLS)
+    assert h.system == G.message_key(dev).loose and [m.role for m in h.body] == ["user", "assistant"]
+    assert h.tools == G.tools_key(TOOLS) != b""
+
+
+def test_tools_key():
+    anthropic = [{"name": "show", "input_schema": {"type": "object"}}]
+    assert G.tools_key(anthropic) == G.tools_key(TOOLS)  # the names count, not the format
+    other = [{"type": "function", "function": {"name": "configure"}}]
+    assert G.tools_key(other) != G.tools_key(TOOLS)
+    assert G.tools_key(TOOLS + other) == G.tools_key(other + TOOLS)
+    assert G.tools_key([{"function": {}}]) == G.tools_key([{"function": {"name": ""}}])
+    assert G.tools_key(None) == G.tools_key([]) == b""
+
+
+def test_choose_and_the_text_helpers():
+    new, old = G.Match(3, G.EXTENDS), G.Match(3, G.TAIL)
+    assert G.choose([("s1", None)]) is None
+    assert G.choose([("recent", new), ("older", old)]) == ("recent", new)  # a tie: the more recent
+    assert G.choose([("recent", G.Match(2, G.TAIL)), ("older", None), ("oldest", old)]) == ("oldest", old)
+    assert G.request_text([U1, A2]) == "check the uplinks of edge-1 Gi0/0/2 is down."
+    q = "x" * G.MIN_QUOTE_CHARS
+    assert G.quotes(f"a {q} b", [q]) and not G.quotes("a xxxx b", ["xxxx"])
+    assert G.first_user_text([SYSTEM, A2]) == "" and G.last_user_text([SYSTEM, A2]) == ""
+    assert G.last_user_text([U1, A1, NEXT, A2]) == "bring it up" and G.first_user_text([A2, U1, NEXT]) == U1["content"]
+    assert G.client_session_id(None, {"conversation": "c-1"}, ["session_id"]) == "conversation:c-1"

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from tensorverse.proxy.fake import FakeUpstream
+from tensorverse.testing.fake_upstream import FakeUpstream
 
 
 def _direct_vs_proxy(fake, proxy, path, body, headers=None):

@@ -1,6 +1,6 @@
 """Harness of the reliability suite: fake backends, the proxy as its own process, and figures.
 
-- `Fakes`: the fake primary (`tensorverse.proxy.fake.FakeUpstream`, answering with small token ids
+- `Fakes`: the fake primary (`tensorverse.testing.fake_upstream.FakeUpstream`, answering with small token ids
   and a `/tokenize` so the shadow runner can fingerprint it) and fake shadows (the shadow tests'
   `FakeVLLM`, plus the faults of `FaultyVLLM`), in a thread of this process (`Fakes.inproc`) or in
   their own process (`Fakes.spawn`, for the soak).
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
 
-from tensorverse.proxy.fake import FakeUpstream, _reset  # noqa: E402
+from tensorverse.testing.fake_upstream import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
 from tensorverse.ports import free_port  # noqa: E402
 

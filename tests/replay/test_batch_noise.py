@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tensorverse.capture.fake_engine import FakeEngine
+from tensorverse.testing.fake_engine import FakeEngine
 from tensorverse.replay.batch_noise import NoiseOptions, ProbeTurn, parse_levels, probe_noise
 from tensorverse.shadow.backend import Backend
 from tensorverse.store import Store

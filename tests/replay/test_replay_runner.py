@@ -45,13 +45,27 @@ def make_case(fake: FakeVLLM, cid: str, prompts: list[list[int]], *, fingerprint
             "provenance": {"source": "test", "reference_backend": "prim", "scrubbed": True}}
 
 
+PROMPTS = {"c1": [[5, 6, 7, 8]], "c2": [[9, 10, 11], [9, 10, 11, 12, 13]], "c3": [[20, 21, 22, 23, 24]]}
+
+
 @pytest.fixture
 def corpus_dir(tmp_path):
     fake = FakeVLLM()
-    cases = [make_case(fake, "c1", [[5, 6, 7, 8]]),
-             make_case(fake, "c2", [[9, 10, 11], [9, 10, 11, 12, 13]]),
-             make_case(fake, "c3", [[20, 21, 22, 23, 24]])]
+    cases = [make_case(fake, cid, prompts) for cid, prompts in PROMPTS.items()]
     return write_corpus(tmp_path / "corpus", cases, tokenizer={"fingerprint": None}, name="fake")
+
+
+def expected_forced_flips(ref: FakeVLLM, cand: FakeVLLM) -> dict[str, list[list[int]]]:
+    """Per case and turn, the positions where ``cand``, teacher-forced with ``ref``'s greedy
+    output, prefers another token than ``ref`` does: computed from the two fakes' logits
+    directly, not by the replay runner."""
+    out: dict[str, list[list[int]]] = {}
+    for cid, prompts in PROMPTS.items():
+        out[cid] = []
+        for p in prompts:
+            ids = greedy(ref, p)
+            out[cid].append([i for i in range(N) if int(np.argmax(cand.logits(p + ids[:i], i))) != ids[i]])
+    return out
 
 
 async def _servers(*fakes: FakeVLLM):
@@ -96,7 +110,13 @@ def test_flips_are_found_and_the_reference_has_none(corpus_dir):
     assert s["ref"]["branches"] == {"completed": 3}
     cand = s["cand"]
     assert cand["positions"] == 4 * N  # every forced position compared with the reference
-    assert cand["flips"] > 0 and 0 < cand["flip_rate"] <= 1
+    expected = expected_forced_flips(FakeVLLM(), FakeVLLM(perturb=2.0))
+    n_expected = sum(len(t) for turns in expected.values() for t in turns)
+    assert 0 < n_expected < 4 * N  # the perturbation flips some positions, not all
+    assert cand["flips"] == n_expected and cand["flip_rate"] == pytest.approx(n_expected / (4 * N))
+    got = {c["id"]: [((t["backends"].get("cand") or {}).get("forced") or {}).get("flips") for t in c["turns"]]
+           for c in res["cases"]}
+    assert got == expected
     lo, hi = cand["flip_rate_ci"]
     assert lo <= cand["flip_rate"] <= hi
     assert cand["same_top_p"]["p"] == pytest.approx(1 - cand["flip_rate"])

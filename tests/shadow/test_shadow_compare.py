@@ -236,3 +236,41 @@ def test_flip_classes_in_stored_comparisons(store):
     free = out[("cand-r", primary_run_id("T"))]
     assert free["diverged"] is False and free["verdict"] != "match"
     assert free["flip_class"] == "parser" and free["flips_by_class"]["parser"] == 1
+
+
+def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(store):
+    """Issue 27: a free run that diverges where the secondary's free run diverges is `noise`
+    (docs/attribution.md), even where no forced run flips: the secondary's forced rows equal the
+    primary's, its free run goes another way at position 4 (batching), and so does the
+    candidate's; the candidate's other free run diverges at 2, where the secondary did not."""
+    R = ref_logits()
+    T = tokens_of(R)
+    complete = {"expected": N, "present": N, "complete": True}
+    off = lambda t, d: (t + d) % V  # noqa: E731
+    runs = [
+        run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk",
+                   top=topk(R), text=REF_TEXT, pieces=PIECES),
+        run_record("sec-f", "sec", "secondary", "forced", T, top=topk(R), rows=complete),
+        run_record("sec-r", "sec", "secondary", "free", T[:4] + [off(T[4], 1), 1], text=REF_TEXT),
+        run_record("cand-f", "cand", "shadow", "forced", T, top=topk(R), rows=complete),
+        run_record("cand-r", "cand", "shadow", "free", T[:4] + [off(T[4], 2), 2], text=REF_TEXT),
+        run_record("early-f", "early", "shadow", "forced", T, top=topk(R), rows=complete),
+        run_record("early-r", "early", "shadow", "free", T[:2] + [off(T[2], 3), 3, 3, 3], text=REF_TEXT),
+    ]
+    for r in runs:
+        store.put_run(r).result()
+    for rid in ("sec-f", "cand-f", "early-f"):
+        put_rows(store, rid, R)
+    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T")}
+    prim = primary_run_id("T")
+    # no forced run flips anywhere: the noise can only come from the secondary's free run
+    assert all(out[(f, prim)]["flips"] == [] for f in ("sec-f", "cand-f", "early-f"))
+    sec = out[("sec-r", prim)]
+    assert sec["divergence"]["position"] == 4 and sec["flip_class"] == "noise"
+    cand = out[("cand-r", prim)]
+    assert cand["divergence"]["position"] == 4 and cand["diverged"] is True
+    assert cand["flip_class"] == "noise" and cand["flips_by_class"]["noise"] == 1
+    assert cand["flips_by_class"]["runtime"] == 0
+    early = out[("early-r", prim)]
+    assert early["divergence"]["position"] == 2
+    assert early["flip_class"] == "runtime" and early["flips_by_class"]["runtime"] == 1

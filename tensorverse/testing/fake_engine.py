@@ -19,7 +19,8 @@ What it shares with vLLM and the real plugin, so the probe is tested end to end:
   (``dir:STORE`` or the recorder's ``http://.../ingest``), as binary frames.
 * a client that disconnects has its request aborted (vLLM does the same).
 
-Tensorverse measures itself against it (tests, ``benchmarks/attribution.py``); it is no model.
+Tensorverse's tests measure it against it (``tests/replay/test_batch_noise.py``,
+``tests/matrix/test_concurrency_axis.py``); it is no model.
 """
 
 from __future__ import annotations
