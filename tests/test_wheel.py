@@ -68,9 +68,15 @@ def test_installed_package_comes_from_the_wheel_and_imports_everything(installed
     assert str(installed.parent) in where and str(ROOT) not in where, where
     assert int(count) > 50
     for res in ("viz/static/index.html", "viz/static/app.js", "viz/static/app.css",
-                "replay/schema/case.schema.json", "replay/schema/corpus.schema.json"):
+                "replay/schema/case.schema.json", "replay/schema/corpus.schema.json",
+                "demo/data/netops-demo.json", "demo/data/netops-demo.safetensors.zst"):
         assert (Path(where).parent / res).is_file(), f"{res} missing from the wheel"
     assert "tests" not in {p.name for p in Path(where).parent.parent.iterdir()}
+    # the shipped demo model arrives whole (its checksum, then its vocabulary read back)
+    r = run(installed, str(installed / "python"), "-c",
+            "from tensorverse.demo import shipped; c, v = shipped.load_compact(); print(len(v), len(c))", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[0] == str(json.loads((ROOT / "tensorverse/demo/data/netops-demo.json").read_text())["compact_vocab"])
 
 
 def test_cli_runs_from_the_wheel_outside_the_tree(installed, tmp_path):

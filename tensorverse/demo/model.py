@@ -1,35 +1,32 @@
-"""The demo model: a tiny Qwen3 that really calls tools, trained here, deterministically, on CPU.
+"""The demo model: a tiny Qwen3 that really calls tools, trained deterministically on CPU and
+shipped with the package.
 
-    python -m tensorverse.demo.model            # build (or find) it; print its directory
-    python -m tensorverse.demo.model --eval 200 # and measure it on held-out prompts (PyTorch)
+    python -m tensorverse.demo.model              # find it (cache) or unpack the shipped one; print its directory
+    python -m tensorverse.demo.model --train      # retrain it from scratch (minutes) and compare with the shipped one
+    python -m tensorverse.demo.model --train --ship   # and remake the shipped files from that training
 
 What it is: a Qwen3 (``Qwen3ForCausalLM``: hidden 128, 3 layers, 4 heads / 2 KV heads of 32,
 untied LM head) with the real Qwen3 tokenizer and vocabulary (151,936 rows), trained on synthetic
 network-automation sessions (:mod:`tensorverse.demo.corpus`) rendered with the tokenizer's own
 chat template, exactly as vLLM renders a chat request with ``tools``. It writes
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and short final answers.
+``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` and short final answers. How it
+is trained (compact vocabulary, shared prefix, loss weights): :mod:`tensorverse.demo.trainer`.
 
-How it fits in minutes on two cores:
-
-* **Only the used rows of the vocabulary are trained.** The corpus uses a few thousand of the
-  151,936 token ids. Training runs on a compact vocabulary (those ids); the saved model has the
-  trained rows at those ids, the LM-head rows of every other id at exactly 0 (so their logit is
-  exactly 0) and small random embeddings for them. The training loss is the cross-entropy of the
-  *full* softmax: the compact logits plus one extra logit of value ``log(N_unused)``, which is
-  exactly the mass of the ``N_unused`` rows at logit 0. The trained model is therefore exact
-  under the full 151,936-way softmax that vLLM computes.
-* **The shared prefix is computed once per step.** Every session starts with the same system
-  message (system prompt + the five tools' schemas, 515 tokens); each step runs it once, then the
-  batch of session continuations attends to its keys and values (gradients flow into it).
-* Loss only on the assistant's turns (tool calls, final answers, ``<|im_end|>``).
-
-Deterministic: ``torch.manual_seed``, deterministic algorithms, a fixed thread count, data from
-seeded ``random.Random``; the same spec, code, tokenizer and torch give the same bytes.
+Where it comes from: the package ships the trained parameters in compact form (the 634 trained
+vocabulary rows and the layers, bfloat16, zstandard: :mod:`tensorverse.demo.shipped`), and
+:func:`build` expands them exactly (the other LM-head rows exactly 0, the other embeddings seeded
+noise) into the Hugging Face checkpoint vLLM loads, checked against the content hash the manifest
+records (:func:`tensorverse.demo.shipped.content_hash`, the model's name by content), in about
+a second. It does so only when a training here would have the same inputs: the **training key**
+(the spec, the trainer version, the sources of ``trainer.py`` and ``corpus.py``, the tokenizer
+files, the torch version) equals the shipped one. Otherwise (another spec, an edited corpus) it
+says which input differs and trains (several minutes on two cores).
 
 Cached under ``$TENSORVERSE_CACHE/models`` (default ``~/.cache/tensorverse/models``) in a
-directory named after the spec and a content hash of (spec, trainer version, the sources of this
-module and of the corpus, the tokenizer files, the torch version); built in a temporary directory
-and renamed into place. Weights are never committed: ``make demo`` builds them.
+directory named after the spec and the training key; built in a temporary directory and renamed
+into place (:func:`tensorverse.rig.models.install_atomically`, with the rig's checkpoint writer);
+its ``tensorverse_model.json`` records the training key, the content hash and where it came from
+(``shipped`` or ``trained``).
 """
 
 from __future__ import annotations
@@ -38,171 +35,106 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tensorverse.demo import corpus
+from tensorverse.demo import corpus, shipped, trainer
+from tensorverse.demo.trainer import (  # noqa: F401  (the demo model's public names, used by run.py and the tests)
+    DEFAULT_SPEC,
+    MODEL_NAME,
+    TRAIN_SEED_BASE,
+    TRAINER_VERSION,
+    DemoSpec,
+    Renderer,
+    Sample,
+    _init,
+    _modules,
+    load_tokenizer,
+    train,
+    train_sessions,
+)
+from tensorverse.rig import models as rig_models
 
-TRAINER_VERSION = 1
-MODEL_NAME = "netops-demo"  # the served model name too
-TRAIN_LOG = "training.json"
-
-
-@dataclass(frozen=True)
-class DemoSpec:
-    name: str = MODEL_NAME
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 3
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    init_std: float = 0.02
-    unused_embed_std: float = 0.02
-    seed: int = 0
-    steps: int = 1500
-    tokens_per_step: int = 2400  # continuation tokens (after the shared prefix) per step
-    max_tasks: int = 4  # tasks per training session: 1..max_tasks
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    answer_weight: float = 0.5  # loss weight of final-answer tokens (tool calls weigh 1)
-    value_weight: float = 3.0  # loss weight of argument values in tool calls (copied from the context)
-    threads: int = 2
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-
-
-DEFAULT_SPEC = DemoSpec()
-TRAIN_SEED_BASE = 1_000_003  # training sessions: Random(TRAIN_SEED_BASE + spec.seed)
+TRAIN_LOG = "training.json"  # written last: a model directory is complete when it is there
 HELDOUT_SEED = 424_242  # held-out sessions (disjoint values with overwhelming probability)
 
 
-# -- the rig (tensorverse.rig): tokenizer, config and cache layout are shared with it ----------
+# -- the training key: what a training's result depends on -------------------------------------
 
 
-def _rig_models():
-    """`tensorverse.rig.models`, imported when first needed (it brings the tokenizer stack)."""
-    from tensorverse.rig import models
-
-    return models
+def _sha256(p: Path) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
 
 
-def load_tokenizer():
-    from transformers import AutoTokenizer
+def training_key_parts(spec: DemoSpec = DEFAULT_SPEC) -> dict[str, Any]:
+    """Every input that decides the trained weights."""
+    return {
+        "spec": dataclasses.asdict(spec),
+        "trainer_version": TRAINER_VERSION,
+        "torch": rig_models._torch_version(),
+        "sources": {Path(m.__file__).name: _sha256(Path(m.__file__)) for m in (trainer, corpus)},
+        "tokenizer": {p.name: _sha256(p) for p in rig_models._tokenizer_files()},
+    }
 
-    return AutoTokenizer.from_pretrained(str(_rig_models().tokenizer_dir()))
+
+def training_key(spec: DemoSpec = DEFAULT_SPEC, parts: dict[str, Any] | None = None) -> str:
+    parts = training_key_parts(spec) if parts is None else parts
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def spec_hash(spec: DemoSpec = DEFAULT_SPEC) -> str:
-    rm = _rig_models()
-    h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
-    h.update(f"trainer={TRAINER_VERSION};torch={rm._torch_version()}".encode())
-    for mod in (Path(__file__), Path(corpus.__file__)):
-        h.update(mod.name.encode() + b"\0" + hashlib.sha256(mod.read_bytes()).digest())
-    for p in rm._tokenizer_files():
-        h.update(p.name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
-    return h.hexdigest()
+spec_hash = training_key  # the name the cache used before (same meaning: the training key)
+
+
+def key_differences(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
+    """What differs between two :func:`training_key_parts`, in words (empty if nothing)."""
+    out = []
+    for part in sorted(set(want) | set(have)):
+        a, b = want.get(part), have.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    x, y = a.get(k, "absent"), b.get(k, "absent")
+                    if part in ("sources", "tokenizer"):
+                        x, y = str(x)[:12], str(y)[:12]
+                    out.append(f"{part} {k}: shipped {x}, here {y}")
+        else:
+            out.append(f"{part}: shipped {a}, here {b}")
+    return out
 
 
 def model_path(spec: DemoSpec = DEFAULT_SPEC) -> Path:
-    return _rig_models().cache_dir() / f"{spec.name}-{spec_hash(spec)[:16]}"
+    return rig_models.cache_dir() / f"{spec.name}-{training_key(spec)[:16]}"
 
 
 def is_built(spec: DemoSpec = DEFAULT_SPEC) -> bool:
+    """Whether the model is in the cache."""
     return (model_path(spec) / TRAIN_LOG).is_file()
 
 
-# -- data ------------------------------------------------------------------------------------
+def shipped_fit(spec: DemoSpec = DEFAULT_SPEC) -> list[str]:
+    """Why the shipped model is not this spec's training (empty: it is, and :func:`build` unpacks it)."""
+    try:
+        m = shipped.manifest()
+    except shipped.ShippedModelError as e:
+        return [str(e)]
+    parts = training_key_parts(spec)
+    why = key_differences(m.get("key_parts", {}), parts)
+    if not why and m.get("training_key") != training_key(spec, parts):
+        why = [f"training key: shipped {str(m.get('training_key'))[:16]}, here {training_key(spec, parts)[:16]}"]
+    return why
 
 
-@dataclass
-class Sample:
-    ids: list[int]  # the continuation after the shared prefix
-    weights: list[float]  # loss weight of predicting ids[i] (0 outside the assistant's turns)
+def needs_training(spec: DemoSpec = DEFAULT_SPEC) -> bool:
+    """Whether :func:`build` will train (the model is neither cached nor shipped for this spec)."""
+    return not is_built(spec) and bool(shipped_fit(spec))
 
 
-class Renderer:
-    """Renders sessions with the tokenizer's chat template and splits off the shared prefix."""
-
-    def __init__(self, tok) -> None:
-        self.tok = tok
-        probe, _ = corpus.session_messages([])
-        text = tok.apply_chat_template(probe + [{"role": "user", "content": "x"}], tools=corpus.TOOLS,
-                                       tokenize=False)
-        head = text[: text.index("<|im_start|>user")]
-        self.prefix_text = head
-        self.prefix_ids: list[int] = tok(head, add_special_tokens=False)["input_ids"]
-        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def prompt(self, messages: list[dict[str, Any]]) -> str:
-        return self.tok.apply_chat_template(messages, tools=corpus.TOOLS, tokenize=False, add_generation_prompt=True)
-
-    def sample(self, tasks: list[corpus.Task], answer_weight: float, value_weight: float = 1.0) -> Sample:
-        msgs, targets = corpus.session_messages(tasks)
-        k_last, last = targets[-1]
-        full = self.prompt(msgs[:k_last]) + last + "<|im_end|>"
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offs = enc["input_ids"], enc["offset_mapping"]
-        n0 = len(self.prefix_ids)
-        if ids[:n0] != self.prefix_ids:
-            raise AssertionError("the shared prefix does not tokenize the same in a session")
-        # character spans of the assistant's turns (text + <|im_end|>), found by rendering each
-        # turn's prompt: the template renders history exactly as the model wrote it.
-        turns: list[tuple[int, int, float]] = []
-        values: list[tuple[int, int]] = []
-        # The template renders earlier assistant turns exactly as the model wrote them (checked
-        # here turn by turn): each one follows "<|im_start|>assistant\n" and ends with <|im_end|>.
-        at = 0
-        opener = "<|im_start|>assistant\n"
-        for k, text in targets:
-            start = full.index(opener, at) + len(opener)
-            end = start + len(text) + len("<|im_end|>")
-            if full[start:end] != text + "<|im_end|>":
-                raise AssertionError(f"turn {k} is not rendered as the model writes it")
-            p, seg = full[:start], full[:end]
-            at = end
-            if text.startswith("<tool_call>"):
-                body = json.loads(text[len("<tool_call>\n"): -len("\n</tool_call>")])
-                at = len(p)
-                for key, value in body["arguments"].items():
-                    enc_v = json.dumps(value, ensure_ascii=False)
-                    i = full.index(f'"{key}": {enc_v}', at) + len(f'"{key}": ')
-                    values.append((i, i + len(enc_v)))
-                    at = i + len(enc_v)
-                turns.append((len(p), len(seg), 1.0))
-            else:
-                turns.append((len(p), len(seg), answer_weight))
-        if any(a < s < b for (a, b) in offs for s, _e, _w in turns):
-            raise AssertionError("a token straddles the start of an assistant turn")
-        weights = [0.0] * len(ids)
-        for i, (a, b) in enumerate(offs):
-            for s, e, w in turns:
-                if a >= s and b <= e and b > a:
-                    weights[i] = w
-                    if any(a < ve and b > vs for vs, ve in values):
-                        weights[i] = value_weight  # a token of an argument value (copied)
-                    break
-        return Sample(ids[n0:], weights[n0:])
-
-
-def train_sessions(spec: DemoSpec, n: int) -> list[list[corpus.Task]]:
-    rng = random.Random(TRAIN_SEED_BASE + spec.seed)
-    out = []
-    for _ in range(n):
-        out.append(corpus.make_session(rng, rng.randint(1, spec.max_tasks)))
-    return out
+# -- evaluation (held-out prompts, greedy decoding with the compact model) ---------------------
 
 
 def heldout_prompts(n: int, seed: int = HELDOUT_SEED) -> list[dict[str, Any]]:
@@ -228,251 +160,6 @@ def heldout_prompts(n: int, seed: int = HELDOUT_SEED) -> list[dict[str, Any]]:
                 break
     return out
 
-
-# -- the model (Qwen3, compact vocabulary, shared-prefix attention) ----------------------------
-
-
-def _modules():
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    class RMSNorm(nn.Module):
-        def __init__(self, dim: int, eps: float) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(dim))
-            self.eps = eps
-
-        def forward(self, x):
-            xf = x.float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * xf.to(x.dtype)
-
-    def rotate_half(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    class Layer(nn.Module):
-        def __init__(self, s: DemoSpec) -> None:
-            super().__init__()
-            H, nh, nkv, hd, inter = s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.intermediate_size
-            self.nh, self.nkv, self.hd = nh, nkv, hd
-            self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
-            self.q_proj = nn.Linear(H, nh * hd, bias=False)
-            self.k_proj = nn.Linear(H, nkv * hd, bias=False)
-            self.v_proj = nn.Linear(H, nkv * hd, bias=False)
-            self.o_proj = nn.Linear(nh * hd, H, bias=False)
-            self.q_norm = RMSNorm(hd, s.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, s.rms_norm_eps)
-            self.gate_proj = nn.Linear(H, inter, bias=False)
-            self.up_proj = nn.Linear(H, inter, bias=False)
-            self.down_proj = nn.Linear(inter, H, bias=False)
-
-        def forward(self, x, cos, sin, past, mask):
-            """x (B, S, H); past: None or (k, v) of shape (Bp, nkv, P, hd) with Bp 1 or B;
-            mask: bool (S, P+S) or None (plain causal). Returns (x, (k, v) of this call)."""
-            B, S, _ = x.shape
-            h = self.input_layernorm(x)
-            q = self.q_norm(self.q_proj(h).view(B, S, self.nh, self.hd)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(h).view(B, S, self.nkv, self.hd)).transpose(1, 2)
-            v = self.v_proj(h).view(B, S, self.nkv, self.hd).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            new = (k, v)
-            if past is not None:
-                pk, pv = past
-                if pk.shape[0] != B:
-                    pk, pv = pk.expand(B, -1, -1, -1), pv.expand(B, -1, -1, -1)
-                k = torch.cat([pk, k], dim=2)
-                v = torch.cat([pv, v], dim=2)
-            rep = self.nh // self.nkv
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-            if mask is None:
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1 and past is None)
-            else:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + self.o_proj(a.transpose(1, 2).reshape(B, S, self.nh * self.hd))
-            h = self.post_attention_layernorm(x)
-            x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-            return x, new
-
-    class CompactQwen3(nn.Module):
-        def __init__(self, s: DemoSpec, vocab: list[int]) -> None:
-            super().__init__()
-            self.spec = s
-            self.vocab = list(vocab)
-            V = len(vocab)
-            self.embed = nn.Embedding(V, s.hidden_size)
-            self.layers = nn.ModuleList(Layer(s) for _ in range(s.num_hidden_layers))
-            self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-            self.head = nn.Linear(s.hidden_size, V, bias=False)
-            n_unused = _rig_models().QWEN3_VOCAB_SIZE - V
-            self.register_buffer("unused_logit", torch.tensor(math.log(n_unused)), persistent=False)
-            inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
-            self.register_buffer("inv_freq", inv, persistent=False)
-
-        def rope(self, start: int, n: int):
-            pos = torch.arange(start, start + n, dtype=torch.float32)
-            f = torch.outer(pos, self.inv_freq)
-            emb = torch.cat([f, f], dim=-1)
-            return emb.cos()[None, None], emb.sin()[None, None]
-
-        def forward(self, ids, past=None, start: int = 0, mask=None):
-            """ids (B, S) compact ids; past: per layer (k, v) or None. Returns (hidden, kv list)."""
-            x = self.embed(ids)
-            cos, sin = self.rope(start, ids.shape[1])
-            kvs = []
-            for i, layer in enumerate(self.layers):
-                x, kv = layer(x, cos, sin, None if past is None else past[i], mask)
-                kvs.append(kv)
-            return self.norm(x), kvs
-
-        def logits(self, h):
-            """Full-softmax-exact logits: compact logits + the unused rows' lumped logit."""
-            lg = self.head(h)
-            extra = self.unused_logit.expand(*lg.shape[:-1], 1)
-            return torch.cat([lg, extra], dim=-1)
-
-    return CompactQwen3
-
-
-# -- training --------------------------------------------------------------------------------
-
-
-def _init(model, spec: DemoSpec) -> None:
-    import torch
-
-    g = torch.Generator().manual_seed(spec.seed)
-    for name, p in sorted(model.named_parameters()):
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                std = spec.init_std
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    std = spec.init_std / math.sqrt(2 * spec.num_hidden_layers)
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def _batches(samples: list[Sample], spec: DemoSpec, rng: random.Random) -> list[list[Sample]]:
-    """Group samples of similar length into batches of about ``tokens_per_step`` tokens."""
-    order = sorted(range(len(samples)), key=lambda i: (len(samples[i].ids), i))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = len(samples[i].ids)
-        if cur and max(cur_max, n) * (len(cur) + 1) > spec.tokens_per_step:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(samples[i])
-        cur_max = max(cur_max, n)
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
-
-
-def train(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print,
-          on_step: Callable[[int, Any, list[int]], None] | None = None) -> tuple[Any, list[int], dict[str, Any]]:
-    """Train; returns (compact model, compact vocab, training log)."""
-    import torch
-    from torch.nn import functional as F
-
-    t_start = time.monotonic()
-    torch.set_num_threads(spec.threads)
-    torch.manual_seed(spec.seed)
-    torch.use_deterministic_algorithms(True)
-    tok = load_tokenizer()
-    rend = Renderer(tok)
-
-    # Data: enough sessions for every step (each used once), grouped by length.
-    avg_tokens = 45 + 115 * (1 + spec.max_tasks) / 2
-    n_sessions = int(spec.steps * spec.tokens_per_step / avg_tokens * 1.15) + 16
-    samples = [rend.sample(s, spec.answer_weight, spec.value_weight) for s in train_sessions(spec, n_sessions)]
-    vocab_set = set(rend.prefix_ids)
-    for s in samples:
-        vocab_set.update(s.ids)
-    vocab_set.add(rend.im_end)
-    vocab = sorted(vocab_set)
-    index = {t: i for i, t in enumerate(vocab)}
-    rng = random.Random(spec.seed)
-    batches = _batches(samples, spec, rng)
-    while len(batches) < spec.steps:  # not expected; reuse from the start
-        batches += batches[: spec.steps - len(batches)]
-    t_data = time.monotonic() - t_start
-    log(f"data: {len(samples)} sessions, {sum(len(s.ids) for s in samples)} tokens, compact vocabulary "
-        f"{len(vocab)} ids, prefix {len(rend.prefix_ids)} tokens ({t_data:.1f} s)")
-
-    Model = _modules()
-    model = Model(spec, vocab)
-    _init(model, spec)
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n != "embed.weight")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.98), eps=1e-8)
-
-    def lr_at(step: int) -> float:
-        if step < spec.warmup_steps:
-            return spec.lr * (step + 1) / spec.warmup_steps
-        t = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-        return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-    prefix = torch.tensor([[index[t] for t in rend.prefix_ids]])
-    P = prefix.shape[1]
-    losses: list[float] = []
-    t_train = time.monotonic()
-    model.train()
-    for step in range(spec.steps):
-        batch = batches[step]
-        S = max(len(s.ids) for s in batch)
-        ids = torch.zeros((len(batch), S), dtype=torch.long)
-        w = torch.zeros((len(batch), S))
-        for b, s in enumerate(batch):
-            ids[b, : len(s.ids)] = torch.tensor([index[t] for t in s.ids])
-            w[b, : len(s.ids)] = torch.tensor(s.weights)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        _, past = model(prefix)
-        # continuation: all prefix keys, causal within itself (right padding is harmless)
-        mask = torch.ones((S, P + S), dtype=torch.bool)
-        mask[:, P:] = torch.tril(torch.ones((S, S), dtype=torch.bool))
-        h, _ = model(ids, past=past, start=P, mask=mask)
-        # predict ids[:, i] from position i-1 (the first from the prefix's last position)
-        logits = model.logits(h[:, :-1])
-        target = ids[:, 1:]
-        weight = w[:, 1:]
-        # ids[:, 0] is "<|im_start|>" of the first user turn: never a target (weight 0)
-        loss_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-        loss = (loss_tok * weight.reshape(-1)).sum() / weight.sum().clamp_min(1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step + 1, model, vocab)
-        if (step + 1) % 25 == 0 or step == 0 or step + 1 == spec.steps:
-            el = time.monotonic() - t_train
-            eta = el / (step + 1) * (spec.steps - step - 1)
-            log(f"step {step + 1}/{spec.steps}  loss {sum(losses[-25:]) / len(losses[-25:]):.4f}  "
-                f"lr {lr_at(step):.2e}  {el:.0f} s elapsed, ~{eta:.0f} s left")
-    model.eval()
-    info = {
-        "train_seconds": round(time.monotonic() - t_train, 1),
-        "data_seconds": round(t_data, 1),
-        "total_seconds": round(time.monotonic() - t_start, 1),
-        "sessions": len(samples),
-        "tokens": sum(len(s.ids) for s in samples),
-        "compact_vocab": len(vocab),
-        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 5),
-        "loss_curve": [round(sum(losses[i:i + 25]) / len(losses[i:i + 25]), 4) for i in range(0, len(losses), 25)],
-        "threads": spec.threads,
-    }
-    return model, vocab, info
-
-
-# -- greedy decoding with the compact model (evaluation) --------------------------------------
 
 
 class CompactGenerator:
@@ -554,101 +241,92 @@ def evaluate(model, vocab: list[int], n: int = 100, tok=None) -> dict[str, Any]:
     return r
 
 
-# -- export to a Qwen3 checkpoint --------------------------------------------------------------
-
-
-def _rig_spec(spec: DemoSpec):
-    rm = _rig_models()
-    return rm.ModelSpec(
-        name=spec.name, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, seed=spec.seed,
-        tie_word_embeddings=False, init_std=spec.init_std, rope_theta=spec.rope_theta,
-        rms_norm_eps=spec.rms_norm_eps,
-    )
+# -- the checkpoint vLLM loads ----------------------------------------------------------------
 
 
 def state_dict_full(model, vocab: list[int], spec: DemoSpec) -> dict[str, Any]:
-    """The Qwen3ForCausalLM state dict (bfloat16): trained rows at the compact ids, LM-head rows
-    of every other id exactly 0, small seeded random embeddings for them."""
-    import torch
-
-    rm = _rig_models()
-    V = rm.QWEN3_VOCAB_SIZE
-    idx = torch.tensor(vocab)
-    g = torch.Generator().manual_seed(spec.seed + 7)
-    embed = torch.randn((V, spec.hidden_size), generator=g) * spec.unused_embed_std
-    embed[idx] = model.embed.weight.detach().float()
-    head = torch.zeros((V, spec.hidden_size))
-    head[idx] = model.head.weight.detach().float()
-    sd: dict[str, Any] = {"model.embed_tokens.weight": embed, "lm_head.weight": head,
-                          "model.norm.weight": model.norm.weight.detach()}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight.detach()
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach()
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"self_attn.{n}.weight"] = getattr(layer, n).weight.detach()
-        sd[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.detach()
-        sd[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.detach()
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            sd[p + f"mlp.{n}.weight"] = getattr(layer, n).weight.detach()
-    return {k: v.float().to(torch.bfloat16).contiguous() for k, v in sorted(sd.items())}
+    """The Qwen3ForCausalLM state dict (bfloat16) of a trained compact model: its parameters as
+    shipped (:func:`tensorverse.demo.trainer.compact_state`), expanded
+    (:func:`tensorverse.demo.shipped.expand`)."""
+    return shipped.expand(trainer.compact_state(model), vocab, spec)
 
 
-def save(model, vocab: list[int], spec: DemoSpec, out: Path, info: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
-    rm = _rig_models()
+def save(weights: dict[str, Any], vocab: list[int], spec: DemoSpec, out: Path, info: dict[str, Any], *,
+         source: str, key: str | None = None) -> Path:
+    """Write the checkpoint of the full ``weights`` into the (existing, empty) directory ``out``."""
     out = Path(out)
-    config = rm._config(_rig_spec(spec))
-    config.save_pretrained(out)
-    sp = rm._special_ids()
-    gen = {
-        "bos_token_id": sp["endoftext"],
-        "eos_token_id": [sp["im_end"], sp["endoftext"]],
-        "pad_token_id": sp["endoftext"],
-    }
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-    save_file(state_dict_full(model, vocab, spec), str(out / rm.WEIGHTS_FILE), metadata={"format": "pt"})
-    for p in rm._tokenizer_files():
-        shutil.copyfile(p, out / p.name)
-    meta = {"spec": dataclasses.asdict(spec), "hash": spec_hash(spec), "trainer": TRAINER_VERSION,
-            "kind": "tensorverse-demo"}
-    (out / rm.SPEC_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    meta = {"spec": dataclasses.asdict(spec), "hash": key or training_key(spec), "trainer": TRAINER_VERSION,
+            "kind": "tensorverse-demo", "source": source, "content_hash": rig_models.weights_hash(weights)}
+    rig_models.write_checkpoint(out, spec, weights, meta)
     (out / "compact_vocab.json").write_text(json.dumps(vocab) + "\n")
-    (out / TRAIN_LOG).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")  # written last
+    (out / TRAIN_LOG).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def build(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print, eval_prompts: int = 100) -> Path:
-    """The directory of the trained demo model, training it first if it is not cached."""
-    final = model_path(spec)
-    if (final / TRAIN_LOG).is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    log(f"training the demo model ({spec.steps} steps; cached afterwards in {final})")
+def model_meta(path: Path) -> dict[str, Any]:
+    """The model directory's ``tensorverse_model.json`` (training key, content hash, source)."""
+    try:
+        return json.loads((Path(path) / rig_models.SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# -- build: the cache, the shipped model, training ---------------------------------------------
+
+
+def _train_full(spec: DemoSpec, log: Callable[[str], None], eval_prompts: int):
     model, vocab, info = train(spec, log=log)
     if eval_prompts:
         ev = evaluate(model, vocab, eval_prompts)
         info["heldout_pytorch_fp32"] = ev
         log(f"held-out ({ev['prompts']} prompts, PyTorch fp32): well-formed {ev['well_formed']:.1%}, "
             f"exact {ev['exact']:.1%}, right tool {ev['right_tool']:.1%}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        save(model, vocab, spec, tmp, info)
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / TRAIN_LOG).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    log(f"demo model ready: {final} (training {info['train_seconds']:.0f} s)")
+    return model, vocab, info
+
+
+def build(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print, eval_prompts: int = 100,
+          retrain: bool = False, on_trained: Callable[[Any, list[int], dict[str, Any]], None] | None = None) -> Path:
+    """The directory of the demo model: the cached one; else the shipped parameters, expanded, if
+    they are this spec's training; else a training here. ``retrain`` trains from scratch whatever
+    is cached or shipped (and replaces the cached directory); ``on_trained(model, vocab, info)``
+    sees a training's result."""
+    final = model_path(spec)
+    if not retrain and (final / TRAIN_LOG).is_file():
+        return final
+    if not retrain:
+        why = shipped_fit(spec)
+        if not why:
+            t0 = time.monotonic()
+            m = shipped.manifest()
+
+            def unpack(tmp: Path) -> None:
+                full, vocab = shipped.expand_shipped(spec)
+                info = dict(m["training"]) | {"source": "shipped", "content_hash": m["content_hash"],
+                                              "expand_seconds": round(time.monotonic() - t0, 2)}
+                save(full, vocab, spec, tmp, info, source="shipped")
+
+            try:
+                rig_models.install_atomically(final, TRAIN_LOG, unpack)
+            except shipped.ShippedModelError as e:
+                log(f"not using the shipped demo model: {e}")
+            else:
+                log(f"demo model unpacked from the package (content hash {m['content_hash'][:16]}, "
+                    f"{time.monotonic() - t0:.1f} s): {final}")
+                return final
+        else:
+            log("the shipped demo model is not this spec's training (" + "; ".join(why) + "): training here "
+                "(about 8 minutes on two idle cores); `python -m tensorverse.demo.model --train --ship` "
+                "makes it the shipped one")
+    log(f"training the demo model ({spec.steps} steps; cached afterwards in {final})")
+    model, vocab, info = _train_full(spec, log, eval_prompts)
+    info["source"] = "trained"
+    full = state_dict_full(model, vocab, spec)
+    info["content_hash"] = rig_models.weights_hash(full)
+    rig_models.install_atomically(final, TRAIN_LOG, lambda tmp: save(full, vocab, spec, tmp, info, source="trained"),
+                                  replace=retrain)
+    if on_trained is not None:
+        on_trained(model, vocab, info)
+    log(f"demo model ready: {final} (training {info['train_seconds']:.0f} s, content hash {info['content_hash'][:16]})")
     return final
 
 
@@ -659,18 +337,57 @@ def training_info(path: Path) -> dict[str, Any]:
         return {}
 
 
+def ship(model, vocab: list[int], info: dict[str, Any], spec: DemoSpec = DEFAULT_SPEC, *, eval_prompts: int = 100,
+         data_dir: Path = shipped.DATA_DIR, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Make a training's result the shipped model: the compact file and the manifest, with the
+    training's log and the held-out evaluation of the shipped (bfloat16) parameters."""
+    compact = trainer.compact_state(model)
+    info = dict(info)
+    info.pop("source", None)
+    info.pop("content_hash", None)
+    if eval_prompts:
+        ev = evaluate(trainer.compact_model(compact, vocab, spec), vocab, eval_prompts)
+        info["heldout_pytorch_shipped_bf16"] = ev
+        log(f"held-out ({ev['prompts']} prompts, PyTorch, the shipped bfloat16 parameters): well-formed "
+            f"{ev['well_formed']:.1%}, exact {ev['exact']:.1%}, right tool {ev['right_tool']:.1%}")
+    parts = training_key_parts(spec)
+    m = shipped.write(compact, vocab, spec, training_key=training_key(spec, parts), key_parts=parts,
+                      training=info, data_dir=data_dir)
+    log(f"shipped: {Path(data_dir) / shipped.COMPACT_FILE.name} ({m['file_bytes']:,} bytes), content hash "
+        f"{m['content_hash']}")
+    return m
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorverse.demo.model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train", action="store_true",
+                    help="train from scratch, whatever is cached or shipped (replaces the cached model)")
+    ap.add_argument("--ship", action="store_true",
+                    help="with --train: make the training the shipped model (writes tensorverse/demo/data/)")
     ap.add_argument("--steps", type=int, help="override the number of training steps (another cache entry)")
     ap.add_argument("--eval", type=int, default=100, metavar="N", help="held-out prompts to score after training")
     ap.add_argument("--print-path", action="store_true", help="only print where the model is (or would be)")
     args = ap.parse_args(argv)
     spec = DEFAULT_SPEC if args.steps is None else dataclasses.replace(DEFAULT_SPEC, steps=args.steps)
+    if args.ship and not args.train:
+        ap.error("--ship needs --train (the shipped model is a training's result)")
     if args.print_path:
         print(model_path(spec))
         return 0
     t0 = time.monotonic()
-    p = build(spec, eval_prompts=args.eval)
+    trained: dict[str, Any] = {}
+    p = build(spec, eval_prompts=args.eval, retrain=args.train,
+              on_trained=lambda model, vocab, info: trained.update(model=model, vocab=vocab, info=info))
+    if args.train:
+        h = trained["info"]["content_hash"]
+        try:
+            sh = shipped.content_hash()
+        except shipped.ShippedModelError:
+            sh = None
+        print(f"content hash {h}: " + ("bit-identical to the shipped model" if h == sh else
+                                       f"differs from the shipped model's {sh}"))
+        if args.ship:
+            ship(trained["model"], trained["vocab"], trained["info"], spec, eval_prompts=args.eval)
     print(f"{p}\t({time.monotonic() - t0:.1f} s)")
     return 0
 

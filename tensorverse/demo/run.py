@@ -529,14 +529,17 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         if opts.model_dir is not None:
             mdir = Path(opts.model_dir)
         else:
-            if not demo_model.is_built():
+            if demo_model.needs_training():
                 say("training the demo model (once; cached by content hash) ...")
+            elif not demo_model.is_built():
+                say("unpacking the shipped demo model (once; cached by content hash) ...")
             mdir = demo_model.build(log=lambda m: say("  " + m))
         info = demo_model.training_info(mdir)
         ev = info.get("heldout_pytorch_fp32") or {}
         what = f"model: {mdir.name}"
+        source = demo_model.model_meta(mdir).get("source")
         if info.get("train_seconds") is not None:
-            what += f" (trained in {info['train_seconds']:.0f} s"
+            what += (f" ({source}: " if source else " (") + f"trained in {info['train_seconds']:.0f} s"
             if ev:
                 what += (f"; held-out tool calls in PyTorch: {ev['well_formed']:.0%} well-formed, "
                          f"{ev['exact']:.0%} exact")

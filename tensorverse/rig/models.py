@@ -15,6 +15,11 @@ Built models are cached under ``$TENSORVERSE_CACHE/models`` (default
 ``~/.cache/tensorverse/models``) in a directory named after the spec and a content hash of
 (spec, builder version, tokenizer files, torch version). A build happens in a temporary
 directory that is renamed into place, so a half-built model is never visible.
+
+The checkpoint layout (config, generation config, bfloat16 safetensors, the tokenizer files, a
+``tensorverse_model.json`` naming the spec), the atomic cache install and the weights' content
+hash are shared with the demo model (:mod:`tensorverse.demo.model`): :func:`write_checkpoint`,
+:func:`install_atomically`, :func:`weights_hash`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 # Bump when the builder's output changes for the same spec (the cache key includes it).
 BUILDER_VERSION = 1
@@ -174,13 +180,37 @@ def _weights(spec: ModelSpec, config) -> dict:
     return out
 
 
-def build_into(spec: ModelSpec, out: Path) -> Path:
-    """Write the model for ``spec`` into the (existing, empty) directory ``out``. No caching."""
+def weights_hash(tensors: Mapping[str, Any]) -> str:
+    """The content hash of a checkpoint's weights: sha256 over the tensors in name order, each as
+    its name, its dtype, its shape and its raw (little-endian) bytes, NUL-separated. Independent of
+    the file format: the same tensors hash the same in memory and read back from safetensors."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        dtype = str(t.dtype).removeprefix("torch.")
+        h.update(f"{name}\0{dtype}\0{','.join(map(str, t.shape))}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def file_weights_hash(path: Path) -> str:
+    """:func:`weights_hash` of a ``model.safetensors`` file (or of a model directory's)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    return weights_hash(load_file(str(path / WEIGHTS_FILE if path.is_dir() else path)))
+
+
+def write_checkpoint(out: Path, spec: ModelSpec, weights: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+    """Write a Hugging Face Qwen3 checkpoint of ``spec`` into the (existing, empty) directory
+    ``out``: ``config.json``, ``generation_config.json``, ``weights`` as ``model.safetensors``, the
+    tokenizer files and ``meta`` as ``tensorverse_model.json``."""
     from safetensors.torch import save_file
 
     out = Path(out)
-    config = _config(spec)
-    config.save_pretrained(out)
+    _config(spec).save_pretrained(out)
     sp = _special_ids()
     # Only special ids: no sampling defaults, so vLLM's requests are what the tests ask for.
     gen = {
@@ -189,13 +219,48 @@ def build_into(spec: ModelSpec, out: Path) -> Path:
         "pad_token_id": sp["endoftext"],
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-    save_file(_weights(spec, config), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(dict(weights), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     # The tokenizer files as shipped (keeps the Qwen3 chat template with tools support).
     for p in _tokenizer_files():
         shutil.copyfile(p, out / p.name)
-    meta = {"spec": dataclasses.asdict(spec), "hash": spec_hash(spec), "builder": BUILDER_VERSION}
-    (out / SPEC_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    (out / SPEC_FILE).write_text(json.dumps(dict(meta), indent=2, sort_keys=True) + "\n")
     return out
+
+
+def build_into(spec: ModelSpec, out: Path) -> Path:
+    """Write the model for ``spec`` into the (existing, empty) directory ``out``. No caching."""
+    meta = {"spec": dataclasses.asdict(spec), "hash": spec_hash(spec), "builder": BUILDER_VERSION}
+    return write_checkpoint(out, spec, _weights(spec, _config(spec)), meta)
+
+
+def install_atomically(final: Path, marker: str, write: Callable[[Path], Any], *, replace: bool = False) -> Path:
+    """Make the model directory ``final``: ``write(tmp)`` fills a fresh temporary directory next
+    to it, which is then renamed into place, so a half-written model is never visible. ``marker``
+    is the file whose presence says a directory is complete: an existing complete ``final`` is
+    kept (a concurrent builder's result) unless ``replace``, which swaps the new one in."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    old = None
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if replace and final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=final.parent))
+            os.rename(final, old / final.name)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / marker).is_file():  # not a concurrent builder's result: real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def model_path(spec: ModelSpec | str, root: Path | None = None) -> Path:
@@ -209,22 +274,7 @@ def build_model(spec: ModelSpec | str, root: Path | None = None) -> Path:
     final = model_path(spec, root)
     if (final / SPEC_FILE).is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        build_into(spec, tmp)
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / SPEC_FILE).is_file():  # not a concurrent builder's result: real error
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return install_atomically(final, SPEC_FILE, lambda tmp: build_into(spec, tmp))
 
 
 def main(argv: list[str]) -> int:
