@@ -96,10 +96,11 @@ def test_verdict_endpoint_and_gauges(fake, make_proxy):
     with httpx.Client(timeout=30) as c:
         first = c.get(proxy.admin_url + "/verdict").json()
         fill_store(proxy.store, turns=40)
-        deadline = time.monotonic() + 20
-        while True:
+        deadline = time.monotonic() + 60
+        while True:  # until a refresh has seen every turn (one may have run while they were written)
             v = c.get(proxy.admin_url + "/verdict").json()
-            if len(v["shadows"]) == 3 or time.monotonic() > deadline:
+            if (len(v["shadows"]) == 3 and all(s["tool_call_turns"] == 40 for s in v["shadows"])) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         m = c.get(proxy.admin_url + "/metrics").text
