@@ -78,9 +78,10 @@ def make_proxy(loop, tmp_path):
 
 def _settle(loop: Any, proxy: Any, timeout: float = 10.0) -> None:
     """Wait for the proxy's background hooks, the shadow queue and the store writer."""
-    loop.run(proxy.core.drain(timeout))
-    loop.run(proxy.tee.drain(timeout))
-    loop.run(proxy.core.drain(timeout))
+    wait = timeout + 10  # the loop's own wait outlasts the drain's (its default of 120 s cut
+    loop.run(proxy.core.drain(timeout), wait)  # a 900 s settle of turnstone's shadow work short)
+    loop.run(proxy.tee.drain(timeout), wait)
+    loop.run(proxy.core.drain(timeout), wait)
     if proxy.store is not None:
         proxy.store.submit(lambda txn: None).result(timeout)
 
