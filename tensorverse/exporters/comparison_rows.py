@@ -77,13 +77,9 @@ def row_of(c: records.Comparison, turn_id: str | None, session_id: str | None,
     return _row(comparison_row(c, turn_id, session_id, turn_created_ns), f"turn {turn_id}")
 
 
-def from_store(store: Any) -> Iterator[ComparisonRow]:
+def from_store(store: Any) -> list[ComparisonRow]:
     """Every comparison of the store, as the export would write it (sessions in creation order)."""
-    for s in map(records.session, store.iter_sessions()):
-        for t in map(records.turn, store.iter_turns(s.id)):
-            for r in map(records.run, store.iter_runs(t.id)):
-                for c in map(records.comparison, store.iter_comparisons(r.id)):
-                    yield row_of(c, t.id, s.id, t.created_ns)
+    return StoreRows(store).rows()
 
 
 class StoreRows:

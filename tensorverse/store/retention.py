@@ -16,6 +16,7 @@ half-pruned).
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import threading
@@ -27,6 +28,8 @@ from tensorverse.store.records import session as decode_session
 
 __all__ = ["SessionUsage", "StoreUsage", "RetentionPolicy", "PrunePlan", "PruneResult", "usage", "plan", "prune",
            "parse_duration", "parse_bytes", "RetentionKeeper"]
+
+log = logging.getLogger("tensorverse.store.retention")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -263,9 +266,7 @@ class RetentionKeeper:
             r = prune(self.store, self.policy, now_ns=now_ns)
         except Exception as e:  # noqa: BLE001 - retention must never take the proxy down
             self.errors += 1
-            import logging
-
-            logging.getLogger("tensorverse.store.retention").warning("retention: prune failed: %s", e)
+            log.warning("retention: prune failed: %s", e)
             return None
         self.sessions_pruned += len(r.deleted)
         self.bytes_pruned += r.bytes_freed
