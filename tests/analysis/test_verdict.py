@@ -203,3 +203,36 @@ def test_verdict_json_is_plain(tmp_path):
         assert k in s
     for k in ("tool_call_break_excess", "flip_excess"):
         assert set(s[k]) >= {"estimate", "low", "high"}
+
+
+def test_per_turn_values_subtract_the_floor_exactly():
+    e = TurnEvidence(turn_id="t", session_id="s", created_ns=0, positions=40, flips=6, floor_positions=20,
+                     floor_flips=1, tool_positions=10, tool_flips=3, floor_tool_positions=5, floor_tool_flips=2,
+                     tool_call_turn=True, broke=False, floor_broke=True)
+    assert e.flip_excess() == pytest.approx(6 / 40 - 1 / 20)
+    assert e.tool_flip_excess() == pytest.approx(3 / 10 - 2 / 5)
+    assert e.break_excess() == -1.0
+    bare = TurnEvidence(turn_id="t", session_id=None, created_ns=0, positions=8, flips=2, tool_positions=4,
+                        tool_flips=1, tool_call_turn=True, broke=True)
+    assert bare.flip_excess() == 0.25 and bare.tool_flip_excess() == 0.25 and bare.break_excess() == 1.0
+    none = TurnEvidence(turn_id="t", session_id=None, created_ns=0, tool_call_turn=False, broke=True)
+    assert none.flip_excess() is None and none.tool_flip_excess() is None and none.break_excess() is None
+
+
+def test_tool_region_counts_by_class():
+    from tensorverse.analysis.verdict import _tool_counts
+
+    by = {"tool_name": {"runtime": 1, "tie": 2}, "tool_args": {"runtime": 3}, "content": {"runtime": 9}}
+    pos = {"tool_name": 4, "tool_args": 6, "content": 30}
+    assert _tool_counts(by, pos, "runtime") == (10, 4)
+    assert _tool_counts(by, pos, None) == (10, 6)  # every class (the secondary's flips)
+    assert _tool_counts(None, pos, "runtime") == (10, None)
+    assert _tool_counts(by, None, "runtime") == (None, None)
+
+
+@pytest.mark.parametrize("kw", [{"confidence": 0.49}, {"confidence": 1.0}, {"tool_call_break_margin": 1.0},
+                                {"flip_margin": 0.0}, {"flip_margin": 1.0}])
+def test_policy_edges_are_refused(kw):
+    with pytest.raises(ValueError):
+        VerdictPolicy(**kw)
+    VerdictPolicy(confidence=0.5, tool_call_break_margin=0.999, flip_margin=1e-6)  # the edges that are allowed
