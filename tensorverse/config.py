@@ -258,7 +258,18 @@ class RetentionSection(_Section):
 
     max_age: str | None = None  # a duration: "30d", "12h"
     max_bytes: str | int | None = None  # a size: "80G", "512MiB", or bytes
-    interval_s: float = Field(300.0, gt=0.0)  # the proxy prunes this often (off the relay's path)
+    interval_s: float = Field(300.0, gt=0.0)  # the proxy compacts and prunes this often (off the relay's path)
+    # Compaction (tensorverse.store.compaction): once a turn's comparisons are stored, rows that
+    # are not evidence keep only their compact form (top `topk` logits, the log-sum-exp).
+    compact: bool = True
+    compact_after_s: float = Field(120.0, ge=0.0)  # a turn is compacted this long after it was recorded
+    topk: int = Field(20, ge=1, le=4096)  # logits a compacted row keeps
+    close_nats: float = Field(0.1, ge=0.0)  # rows whose top-2 logits are closer than this stay full...
+    close_share: float = Field(0.02, ge=0.0, le=1.0)  # ...the closest first, at most this share of a run's positions
+    top_kl: int = Field(1, ge=0)  # highest-KL positions of each forced comparison that stay full
+    sample: float = Field(0.005, ge=0.0, le=1.0)  # share of positions kept full for re-analysis
+    seed: int = 0  # of that sample
+    delta: bool = True  # kept rows stored as deltas against their reference's row where smaller
 
     @field_validator("max_age")
     @classmethod
@@ -281,7 +292,17 @@ class RetentionSection(_Section):
 
     @property
     def enabled(self) -> bool:
+        """A budget is set (pruning); compaction runs whenever ``compact`` is on."""
         return self.max_age is not None or self.max_bytes is not None
+
+    def evidence_policy(self):  # -> tensorverse.store.compaction.EvidencePolicy | None
+        if not self.compact:
+            return None
+        from tensorverse.store.compaction import EvidencePolicy
+
+        return EvidencePolicy(topk=self.topk, close_nats=self.close_nats, close_share=self.close_share,
+                              top_kl=self.top_kl, sample=self.sample,
+                              seed=self.seed, delta=self.delta, after_s=self.compact_after_s)
 
     def max_age_seconds(self) -> float | None:
         from tensorverse.store.retention import parse_duration

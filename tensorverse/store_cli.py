@@ -1,12 +1,15 @@
-"""``tensorverse store stats | prune | pin``: what the store holds and a budget it keeps.
+"""``tensorverse store stats | compact | prune | pin``: what the store holds and a budget it keeps.
 
     tensorverse store --store DIR stats [--json]
+    tensorverse store --store DIR compact [--after 2m] [--config FILE] [--dry-run] [--json]
     tensorverse store --store DIR prune [--max-age 30d] [--max-bytes 80G] [--config FILE] [--dry-run]
     tensorverse store --store DIR pin SESSION [--unpin]
 
-``--store`` may stand before or after the action. ``prune`` deletes whole sessions, oldest
-first, pinned ones never (`tensorverse.store.retention`); ``--config`` reads ``[retention]``.
-Exit 0, or 2 with the reason (no store, a bad size or duration, an unknown session).
+``--store`` may stand before or after the action. ``compact`` replaces the rows that are not
+evidence by their compact form, turn by turn (`tensorverse.store.compaction`); ``prune``
+deletes whole sessions, oldest first, pinned ones never (`tensorverse.store.retention`);
+``--config`` reads ``[retention]``. Exit 0, or 2 with the reason (no store, a bad size or
+duration, an unknown session).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ def _add_store(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("store", help="the store: its size and growth, retention (prune), pins",
+    p = sub.add_parser("store", help="the store: its size and growth, compaction, retention (prune), pins",
                        description="What the store holds (bytes by table, backend and mode; the "
-                       "growth rate; days left), pruning to a budget (oldest sessions first, pinned "
+                       "growth rate; days left), compaction of the rows that are not evidence, "
+                       "pruning to a budget (oldest sessions first, pinned "
                        "ones never), and pins. See docs/proxy.md, [retention].")
     _add_store(p, top=True)
     acts = p.add_subparsers(dest="store_action", metavar="ACTION", required=True)
@@ -37,6 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="growth measured over the sessions of this last stretch (default 1d)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.set_defaults(func=_run_stats)
+    cp = acts.add_parser("compact", help="keep the evidence rows in full, the others in compact form")
+    _add_store(cp, top=False)
+    cp.add_argument("--after", metavar="DURATION", default=None,
+                    help="only turns recorded at least this long ago (default: [retention] compact_after_s, 2m)")
+    cp.add_argument("--config", metavar="FILE", help="read the evidence policy from [retention] of this file")
+    cp.add_argument("--limit", type=int, metavar="N", help="compact at most N turns")
+    cp.add_argument("--dry-run", action="store_true", help="say what would be kept and freed, write nothing")
+    cp.add_argument("--json", action="store_true", help="print one JSON object")
+    cp.set_defaults(func=_run_compact)
     pr = acts.add_parser("prune", help="delete sessions past the budget (oldest first, pinned never)")
     _add_store(pr, top=False)
     pr.add_argument("--max-age", metavar="DURATION", help="delete sessions older than this (30d, 12h)")
@@ -53,9 +66,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _open(args: argparse.Namespace, readonly: bool) -> Any:
+    """The store, which must exist (a writable open would create an empty one)."""
+    from pathlib import Path
+
     from tensorverse.store import Store, store_path
 
-    return Store.open(store_path(args.store), readonly=readonly)
+    path = store_path(args.store)
+    if not (Path(path) / "data.mdb").exists():
+        raise FileNotFoundError(f"no Tensorverse store at {path}")
+    return Store.open(path, readonly=readonly)
 
 
 def _size(n: float | None) -> str:
@@ -144,6 +163,60 @@ def _run_prune(args: argparse.Namespace) -> int:
               f"max-age, {out['by_reason']['bytes']} for max-bytes); live after: {_size(out['live_bytes_after'])}")
         if out["over_budget"]:
             print("still over max-bytes: the rest is pinned (tensorverse store pin SESSION --unpin)")
+    return 0
+
+
+def _run_compact(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tensorverse.config import ConfigError, RetentionSection, load_config
+    from tensorverse.store import StoreVersionError
+    from tensorverse.store.retention import parse_duration
+
+    try:
+        section = load_config(args.config).retention if args.config else RetentionSection()
+        policy = section.evidence_policy() or RetentionSection().evidence_policy()
+        if args.after is not None:
+            policy = replace(policy, after_s=parse_duration(args.after))
+        if args.limit is not None and args.limit < 1:
+            raise ValueError("--limit must be at least 1")
+        from tensorverse.store.compaction import compact_store
+
+        done = {"compacted": 0}
+
+        def progress(r: Any) -> None:
+            if r.status == "compacted":
+                done["compacted"] += 1
+                print(f"\rcompacted {done['compacted']} turn(s)", end="", file=sys.stderr)
+
+        with _open(args, False) as store:
+            results = compact_store(store, policy, dry_run=args.dry_run, limit=args.limit, progress=progress)
+        if done["compacted"]:
+            print(file=sys.stderr)
+    except (FileNotFoundError, StoreVersionError, ValueError, ConfigError) as e:
+        return _fail(str(e))
+    ok = [r for r in results if r.status == "compacted"]
+    skipped: dict[str, int] = {}
+    for r in results:
+        if r.status != "compacted":
+            skipped[r.why or r.status] = skipped.get(r.why or r.status, 0) + 1
+    out = {"dry_run": args.dry_run, "turns": len(ok), "rows_full": sum(r.rows_full for r in ok),
+           "rows_delta": sum(r.rows_delta for r in ok), "rows_compact": sum(r.rows_compact for r in ok),
+           "bytes_before": sum(r.bytes_before for r in ok), "bytes_after": sum(r.bytes_after for r in ok),
+           "skipped": skipped}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    verb = "would compact" if args.dry_run else "compacted"
+    ratio = f" ({out['bytes_before'] / out['bytes_after']:.0f}x smaller)" if out["bytes_after"] else ""
+    print(f"{verb} {out['turns']} turn(s): {out['rows_full']} rows kept full, {out['rows_delta']} as deltas, "
+          f"{out['rows_compact']} compact; row bytes {_size(out['bytes_before'])} -> {_size(out['bytes_after'])}"
+          f"{ratio}")
+    if skipped:
+        print("skipped: " + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    if not ok:
+        print(f"(a turn is due once its comparisons are stored and it was recorded at least "
+              f"{policy.after_s:g} s ago; pinned sessions never are)")
     return 0
 
 

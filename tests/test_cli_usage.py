@@ -772,7 +772,7 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
     store = store_of(form, tmp)
     build_store(store)  # one session, "sess1", created in 2023
     inst = instantiate(form, {"store": store, "session": "sess1", "window": "7d", "max_age": "1d",
-                              "max_bytes": "1G", "config": _config(tmp)})
+                              "max_bytes": "1G", "config": _config(tmp), "after": "1m", "limit": 3})
     code, out, err = run_cli(inst.argv, capsys)
     g = inst.given
     action = g.get("store_action")
@@ -793,6 +793,10 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
                 assert alive == []  # past max-age (from the option or the config)
         elif action == "pin":
             assert st.get_session("sess1").get("pinned", False) is (not g.get("unpin"))
+        elif action == "compact":  # its turns hold no rows: nothing to compact, every turn says why
+            skipped = orjson.loads(out)["skipped"] if g.get("json") else out
+            assert "no rows" in skipped and alive == ["sess1"], out
+            assert all(st.compaction(t) is None for t in st.turn_ids("sess1"))
         else:
             raise AssertionError(f"no check for `store {action}`: add one")
 

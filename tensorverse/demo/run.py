@@ -137,6 +137,9 @@ def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str | Runt
         "sessions": {"tags": {"agent": "netops-demo", "environment": "demo"}},
         "capture": {"only_with_tools": True, "modes": ["forced", "free"], "logits": "full"},
         "shadow": {"queue_size": 64, "workers": 2},
+        # The demo keeps every row in full (its model's rows are small): the viewer then shows
+        # exact metrics everywhere. `tensorverse store compact` compacts its store afterwards.
+        "retention": {"compact": False},
         "shadows": [
             {"name": n, "url": u, "role": role, "capture": "full", "concurrency": 1,
              "timeout_s": shadow_timeout_s, "settings": _settings(rt)}

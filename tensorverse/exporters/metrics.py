@@ -228,6 +228,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_store_pruned_sessions", "counter", "sessions deleted by [retention] (age or bytes)"),
     MetricSpec("tensorverse_store_pruned_bytes", "counter", "live bytes freed by [retention]"),
     MetricSpec("tensorverse_store_prune_errors", "counter", "[retention] runs that failed"),
+    MetricSpec("tensorverse_store_compacted_turns", "counter",
+               "turns whose non-evidence rows [retention] compaction replaced by their compact form"),
+    MetricSpec("tensorverse_store_compacted_rows", "counter", "full rows replaced by their compact form"),
+    MetricSpec("tensorverse_store_compacted_bytes", "counter", "row bytes freed by compaction"),
     MetricSpec("tensorverse_store_over_budget", "gauge",
                "1 when [retention] cannot bring the store under max_bytes (the rest is pinned)"),
     MetricSpec("tensorverse_store_days_left", "gauge",
@@ -745,6 +749,9 @@ class MetricsCollector:
         yield counter("tensorverse_store_pruned_sessions", ret.get("sessions_pruned", 0))
         yield counter("tensorverse_store_pruned_bytes", ret.get("bytes_pruned", 0))
         yield counter("tensorverse_store_prune_errors", ret.get("errors", 0))
+        yield counter("tensorverse_store_compacted_turns", ret.get("turns_compacted", 0))
+        yield counter("tensorverse_store_compacted_rows", ret.get("rows_compacted", 0))
+        yield counter("tensorverse_store_compacted_bytes", ret.get("bytes_compacted", 0))
         yield gauge("tensorverse_store_over_budget", 1.0 if ret.get("over_budget") else 0.0)
         days = ret.get("days_left")
         yield gauge("tensorverse_store_days_left", float("nan") if days is None else float(days))

@@ -113,12 +113,12 @@ class Proxy:
         self._admin_runner: web.AppRunner | None = None
         self.retention = None
         self._retention_task: asyncio.Task | None = None
-        if self.store is not None and c.retention.enabled:
+        if self.store is not None and (c.retention.enabled or c.retention.compact):
             from tensorverse.store.retention import RetentionKeeper, RetentionPolicy
 
             self.retention = RetentionKeeper(self.store, RetentionPolicy(
                 max_age_s=c.retention.max_age_seconds(), max_bytes=c.retention.max_bytes_value()),
-                c.retention.interval_s)
+                c.retention.interval_s, evidence=c.retention.evidence_policy())
         self.port: int | None = None
         self.admin_port: int | None = None
 
@@ -131,7 +131,7 @@ class Proxy:
         return s
 
     async def _keep_retention(self) -> None:
-        """[retention]: prune in a worker thread when due (never on the relay's loop)."""
+        """[retention]: compact and prune in a worker thread when due (never on the relay's loop)."""
         loop = asyncio.get_running_loop()
         while True:
             if self.retention.due():

@@ -67,11 +67,11 @@ from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
 from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store import records
-from tensorverse.store.codec import decode_row
 from tensorverse.store.records import Run
+from tensorverse.store.stored_rows import StoredRows
 
 __all__ = ["compare_turn", "compare_runs", "select_reference", "load_rows", "latest_runs",
-           "CHUNK"]
+           "CHUNK", "TurnCompacted"]
 
 log = logging.getLogger("tensorverse.shadow")
 
@@ -112,9 +112,23 @@ def select_reference(forced: Sequence[RunLike], roles: Mapping[str, str] | None 
     return None
 
 
+class TurnCompacted(AnalysisInputError):
+    """The turn's rows were compacted (`tensorverse.store.compaction`): its stored comparisons
+    were computed from the full rows; recomputing them from what is left would guess."""
+
+
+def _refuse_compacted(store: Any, turn_id: str | None) -> None:
+    rec = store.compaction(turn_id) if turn_id and hasattr(store, "compaction") else None
+    if rec is not None:
+        raise TurnCompacted(f"turn {turn_id}: its rows were compacted; its stored comparisons are the exact "
+                            "ones (computed from the full rows) and are not recomputed")
+
+
 def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
-    """Decode the rows of ``positions`` of a run into one float32 matrix."""
-    rows = [widen_bf16(decode_row(store.read_row(run_id, p), record=f"{run_id}@{p}")) for p in positions]
+    """Decode the rows of ``positions`` of a run into one float32 matrix (deltas through
+    their reference run; a compacted position raises `RowCompacted`)."""
+    src = StoredRows(store)
+    rows = [widen_bf16(src.row(run_id, p)) for p in positions]
     if not rows:
         return np.zeros((0, 0), np.float32)
     widths = {r.shape[-1] for r in rows}
@@ -157,6 +171,7 @@ def _full_metrics(store: Any, ref: Run, cand: Run,
                   rule: TieRule = DEFAULT_RULE,
                   ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution]]:
     n = len(tokens)
+    _refuse_compacted(store, cand.turn_id)
     both = sorted(set(_row_positions(store, ref, n)) & set(_row_positions(store, cand, n)))
     if not both:
         raise AnalysisInputError("no position has a captured row on both sides")
@@ -389,6 +404,7 @@ def compare_runs(store: Any, runs: Iterable[RunLike], *,
     primary = next((r for (b, m), r in latest.items() if m == "recorded"), None)
     if primary is None:
         raise AnalysisInputError("the turn has no recorded primary run")
+    _refuse_compacted(store, primary.turn_id)
     tokens = [int(t) for t in primary.token_ids]
     n = len(tokens)
     if pieces is None:

@@ -19,7 +19,8 @@ from tensorverse.store import blobs
 # 2: turns compressed, and may hold ``upstream_logprobs`` (`tensorverse.store.turns`)
 # 3: rows may have an engine state (``row_engine``, `tensorverse.store.engine_state`)
 # 4: one name per field (`tensorverse.store.records`): a turn's answering backend is ``backend``
-FORMAT_VERSION = 4
+# 5: a turn's rows may be compacted (``rows_compact``, ``compacted``: `tensorverse.store.compaction`)
+FORMAT_VERSION = 5
 
 # Record databases (values: orjson metadata, or codec blobs for rows).
 BACKENDS = b"backends"  # name -> backend info
@@ -29,6 +30,8 @@ RUNS = b"runs"  # run id (= capture id) -> run (one per turn x backend x mode)
 ROWS = b"rows"  # run id NUL position(u32) -> logits row blob
 ROW_ENGINE = b"row_engine"  # run id NUL position(u32) -> packed EngineState (format 3)
 COMPARISONS = b"comparisons"  # run id NUL reference run id -> metrics summary
+ROWS_COMPACT = b"rows_compact"  # run id NUL position(u32) -> compact row (format 5, store.compact)
+COMPACTED = b"compacted"  # turn id -> what compaction kept and why (format 5)
 META = b"meta"  # format_version, migration history
 # Indexes, written in the same transaction as the record they point to.
 SESSIONS_BY_TIME = b"idx_sessions_by_time"  # created_ns(u64) session id -> b""
@@ -43,6 +46,8 @@ ALL_DBS = (
     ROWS,
     ROW_ENGINE,
     COMPARISONS,
+    ROWS_COMPACT,
+    COMPACTED,
     META,
     SESSIONS_BY_TIME,
     TURNS_BY_SESSION,
@@ -149,4 +154,12 @@ def _v3_to_v4(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None
             txn.put(key, blob, db=dbs[db])
 
 
-MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+def _v4_to_v5(txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None:
+    """Nothing to rewrite: format 5 adds ``rows_compact`` (the compact form of rows that are no
+    longer evidence) and ``compacted`` (per turn: what was kept in full and why), both created
+    empty. A format-4 reader would take a compacted turn's missing rows for rows never captured
+    (and recompute comparisons from what is left, or leave compact rows behind when it deletes a
+    session); the new number makes it refuse the store instead."""
+
+
+MIGRATIONS: dict[int, Migration] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}

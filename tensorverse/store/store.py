@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -41,6 +42,23 @@ class StoreVersionError(RuntimeError):
 
 class RecordNotFound(KeyError):
     """No record with that id."""
+
+
+class CompactionConflict(RuntimeError):
+    """A turn's rows changed (or were compacted) while its compaction was computed."""
+
+
+@dataclass(frozen=True)
+class RowChange:
+    """One row of `Store.apply_compaction`: the blob it was computed from (length and trailing
+    checksum) and what replaces it: a compact row, or a re-encoded full row."""
+
+    run_id: str
+    position: int
+    expect_len: int
+    expect_tail: bytes
+    compact: bytes | None = None
+    full: bytes | None = None
 
 
 _dumps, _compress, _loads = blobs.dumps, blobs.compress, blobs.loads
@@ -422,6 +440,42 @@ class Store:
 
         return self.submit(op)
 
+    def apply_compaction(self, turn_id: str, record: dict, changes: Sequence[RowChange]) -> Future:
+        """Compact one turn's rows in one transaction (`tensorverse.store.compaction`): each
+        change replaces a full row by its compact form (``compact``) or by a re-encoding of the
+        same row (``full``: a delta against its reference), provided the stored blob is still
+        the one the change was computed from (its length and trailing checksum): otherwise
+        nothing is written and `CompactionConflict` is raised. ``record`` (what was kept and why)
+        goes to ``compacted`` under the turn id; a turn is compacted once. Resolves to the bytes
+        of row blobs removed minus those written."""
+        tkey = schema.check_id(turn_id, "turn")
+        keyed = [(schema.row_key(c.run_id, c.position), c) for c in changes]
+        blob = _dumps(record)
+
+        def op(txn: lmdb.Transaction) -> int:
+            rows, compact = self._dbs[schema.ROWS], self._dbs[schema.ROWS_COMPACT]
+            if txn.get(tkey, db=self._dbs[schema.COMPACTED]) is not None:
+                raise CompactionConflict(f"turn {turn_id} is compacted already")
+            if txn.get(tkey, db=self._dbs[schema.TURNS]) is None:
+                raise RecordNotFound(f"no turn {turn_id!r} in {self.path}")
+            saved = 0
+            for key, c in keyed:
+                cur = txn.get(key, db=rows)
+                if cur is None or len(cur) != c.expect_len or cur[-4:] != c.expect_tail:
+                    raise CompactionConflict(f"row {c.position} of run {c.run_id} changed while the turn was compacted")
+                if c.compact is not None:
+                    txn.delete(key, db=rows)
+                    txn.delete(key, db=self._dbs[schema.ROW_ENGINE])
+                    txn.put(key, c.compact, db=compact)
+                    saved += len(cur) - len(c.compact)
+                elif c.full is not None:
+                    txn.put(key, c.full, db=rows)
+                    saved += len(cur) - len(c.full)
+            txn.put(tkey, blob, db=self._dbs[schema.COMPACTED])
+            return saved
+
+        return self.submit(op)
+
     def put_comparison(self, run_id: str, ref_run_id: str, result: dict) -> Future:
         return self._put_json(
             schema.COMPARISONS,
@@ -446,9 +500,11 @@ class Store:
                     rid = rkey[len(tkey) + 1 :]
                     self._delete_prefix(txn, schema.ROWS, rid + schema.SEP)
                     self._delete_prefix(txn, schema.ROW_ENGINE, rid + schema.SEP)
+                    self._delete_prefix(txn, schema.ROWS_COMPACT, rid + schema.SEP)
                     self._delete_prefix(txn, schema.COMPARISONS, rid + schema.SEP)
                     txn.delete(rid, db=self._dbs[schema.RUNS])
                 self._delete_prefix(txn, schema.RUNS_BY_TURN, tkey + schema.SEP)
+                txn.delete(tkey, db=self._dbs[schema.COMPACTED])
                 txn.delete(tkey, db=self._dbs[schema.TURNS])
             self._delete_prefix(txn, schema.TURNS_BY_SESSION, skey + schema.SEP)
             txn.delete(schema.session_time_key(session["created_ns"], session_id), db=self._dbs[schema.SESSIONS_BY_TIME])
@@ -505,10 +561,15 @@ class Store:
             total = len(skey) + len(raw)
             for _, tkey in list(self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))):
                 total += len(tkey) + len(txn.get(tkey, db=dbs[schema.TURNS]) or b"")
+                if schema.COMPACTED in dbs:
+                    total += len(txn.get(tkey, db=dbs[schema.COMPACTED]) or b"")
                 for rkey, _ in list(self._scan(txn, schema.RUNS_BY_TURN, schema.child_prefix(tkey.decode(), "turn"))):
                     rid = rkey[len(tkey) + 1:]
                     run_raw = txn.get(rid, db=dbs[schema.RUNS]) or b""
                     n_rows, row_bytes = kv(txn, schema.ROWS, rid + schema.SEP)
+                    n_compact, compact_bytes = kv(txn, schema.ROWS_COMPACT, rid + schema.SEP)
+                    n_rows += n_compact
+                    row_bytes += compact_bytes
                     total += len(rid) + len(run_raw) + row_bytes + kv(txn, schema.ROW_ENGINE, rid + schema.SEP)[1] \
                         + kv(txn, schema.COMPARISONS, rid + schema.SEP)[1]
                     if n_rows and run_raw:
@@ -705,6 +766,42 @@ class Store:
             raw = txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROW_ENGINE])
         return None if raw is None else EngineState.unpack(raw)
 
+    def count_rows(self, run_id: str) -> int:
+        """How many full rows a run has in the store (keys only)."""
+        n = 0
+        with self._read() as txn:
+            cur = txn.cursor(db=self._dbs[schema.ROWS])
+            prefix = schema.row_prefix(run_id)
+            if cur.set_range(prefix):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(prefix):
+                        break
+                    n += 1
+        return n
+
+    def read_compact_rows(self, run_id: str) -> list[tuple[int, bytes]]:
+        """The compact rows of a run (`tensorverse.store.compact`) as `(position, blob)`: the
+        positions whose full row compaction replaced."""
+        if schema.ROWS_COMPACT not in self._dbs:
+            return []
+        return [(schema.row_position(k), v) for k, v in self._paged(schema.ROWS_COMPACT, schema.row_prefix(run_id))]
+
+    def read_compact_row(self, run_id: str, position: int) -> bytes | None:
+        """The compact row of one position, or None when the position has none."""
+        if schema.ROWS_COMPACT not in self._dbs:
+            return None
+        with self._read() as txn:
+            return txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROWS_COMPACT])
+
+    def compaction(self, turn_id: str) -> dict | None:
+        """What compaction kept of a turn and why (`tensorverse.store.compaction`), or None when
+        the turn's rows are as captured."""
+        if schema.COMPACTED not in self._dbs:
+            return None
+        with self._read() as txn:
+            raw = txn.get(schema.check_id(turn_id, "turn"), db=self._dbs[schema.COMPACTED])
+        return None if raw is None else _loads(raw)
+
     def read_row(self, run_id: str, position: int) -> bytes:
         with self._read() as txn:
             raw = txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROWS])
@@ -732,6 +829,8 @@ class Store:
             if raw is None:
                 return None
             feed(b"T", tkey, raw)
+            if schema.COMPACTED in self._dbs:
+                feed(b"K", tkey, txn.get(tkey, db=self._dbs[schema.COMPACTED]))
             prefix = tkey + schema.SEP
             for key, _ in list(self._scan(txn, schema.RUNS_BY_TURN, prefix)):
                 rid = key[len(prefix) :]
@@ -766,4 +865,4 @@ class Store:
         }
 
 
-__all__ = ["Store", "StoreFullError", "StoreVersionError", "RecordNotFound"]
+__all__ = ["Store", "StoreFullError", "StoreVersionError", "RecordNotFound", "CompactionConflict", "RowChange"]

@@ -27,7 +27,12 @@ from tensorverse.store.codec import decode_row  # noqa: E402
 MODEL = "tiny-a"
 IM_START, IM_END, NL = 151644, 151645, 198
 PROMPT = [IM_START, 872, NL, 9707, 11, 1246, 525, 498, 30, IM_END, NL, IM_START, 77091, NL]
-TOL = 1e-5
+# The API's logprobs are vLLM's float32 log-softmax of the row, so against the exact (float64)
+# log-softmax they carry float32's rounding of a 151,936-term log-sum-exp: 1.2e-5 nats measured on
+# an AVX2 CPU (8-lane sums), under 1e-5 on AVX-512 ones. TOL bounds that rounding; the exactness
+# of the rows is what TOL32 asserts: the same float32 op on the captured row gives the API's value.
+TOL = 5e-5
+TOL32 = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def log_softmax_f32(row):
 
 def check_matches_api(row_map, tokens, logprobs):
     """Same argmax as the emitted token, and the API's top-k and sampled logprobs equal the
-    log-softmax of the captured row (float64: within 1e-5; float32 as vLLM does it: tighter)."""
+    log-softmax of the captured row (float64: within TOL; float32 as vLLM does it: within TOL32)."""
     assert sorted(row_map) == list(range(len(tokens)))
     worst64 = worst32 = 0.0
     for i, tok in enumerate(tokens):
@@ -106,7 +111,7 @@ def check_matches_api(row_map, tokens, logprobs):
         top_api = sorted(pairs.values(), reverse=True)[:5]
         assert np.allclose(top_api, np.sort(lp64)[::-1][:5], atol=TOL, rtol=0)
     assert worst64 <= TOL, worst64
-    assert worst32 <= 1e-6, worst32
+    assert worst32 <= TOL32, worst32
     print(f"[capture] {len(tokens)} rows: max |logprob - API| {worst64:.1e} (float64), "
           f"{worst32:.1e} (float32)")
     return worst64
@@ -144,6 +149,7 @@ def test_forced_mode_emits_the_forced_ids_and_rows_follow_the_tokens(server):
     # The API still reports the raw logprob of each forced token (before the mask).
     for i, t in enumerate(forced):
         assert abs(log_softmax(frows[i])[t] - lps["token_logprobs"][i]) <= TOL
+        assert abs(float(log_softmax_f32(frows[i])[t]) - lps["token_logprobs"][i]) <= TOL32
 
 
 def _forced(server, forced, cid):

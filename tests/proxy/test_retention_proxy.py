@@ -37,9 +37,42 @@ def test_the_proxy_prunes_old_sessions_and_says_so(fake, make_proxy, settle):
     assert stats["retention"]["sessions_pruned"] == 1
 
 
-def test_retention_is_off_by_default(fake, make_proxy):
+def test_pruning_is_off_by_default_and_compaction_on(fake, make_proxy):
     proxy = make_proxy(fake.url)
-    assert proxy.retention is None
+    assert proxy.retention.policy.max_age_s is None and proxy.retention.policy.max_bytes is None
+    assert proxy.retention.evidence.after_s == 120.0  # [retention] compact = true by default
     m = _samples(httpx.get(proxy.admin_url + "/metrics", timeout=30).text)
     assert m["tensorverse_store_pruned_sessions_total"] == 0
     assert m["tensorverse_store_days_left"] != m["tensorverse_store_days_left"]  # NaN: unknown
+    assert make_proxy(fake.url, retention={"compact": False}).retention is None
+
+
+def test_the_proxy_compacts_compared_turns_and_says_so(fake, make_proxy, settle):
+    import numpy as np
+
+    from tensorverse.store.stored_rows import RowCompacted, StoredRows
+    from tensorverse.testing.shadow_workload import write_turn
+
+    proxy = make_proxy(fake.url, retention={"interval_s": 0.2, "compact_after_s": 60})
+    rng = np.random.default_rng(0)
+    ref = (rng.standard_normal((24, 512)) * 4).astype(np.float32)
+    t = write_turn(proxy.store, "old-turn", "old-session", 0, ref, ref.copy(), ref[::-1].copy(),
+                   flip_share=0.0, seed=0, created_ns=time.time_ns() - 3600 * 10**9)
+    with httpx.Client(timeout=30) as c:
+        r = c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})
+        assert r.status_code == 200  # the relay unaffected
+        settle(proxy)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and proxy.store.compaction("old-turn") is None:
+            time.sleep(0.1)
+        m = _samples(c.get(proxy.admin_url + "/metrics").text)
+    rid = t.run_ids[("candidate", "forced")]
+    kept = set(proxy.store.compaction("old-turn")["runs"][rid]["full"])
+    lost = next(p for p in range(24) if p not in kept)
+    try:
+        StoredRows(proxy.store).row(rid, lost)
+        raise AssertionError("a compacted row read as full")
+    except RowCompacted as e:
+        assert e.compact.top(1) == [int(np.argmax(ref[lost]))]
+    assert m["tensorverse_store_compacted_turns_total"] == 1
+    assert m["tensorverse_store_compacted_rows_total"] > 100 and m["tensorverse_store_compacted_bytes_total"] > 0

@@ -430,7 +430,7 @@ def test_format_3_store_migrates_to_4_with_one_name_per_field(tmp_path: Path) ->
         Store.open(tmp_path / "ro", readonly=True)
     shutil.copytree(src, tmp_path / "s")
     with Store.open(tmp_path / "s") as store:
-        assert store.format_version == 4
+        assert store.format_version == S.FORMAT_VERSION  # through 4 to the current format
         proxy, replay = list(store.iter_turns("s3"))
         assert "primary" not in replay and replay["backend"] == "reference-b" == replay["reference"]
         assert proxy["backend"] == "vllm-main" and proxy["text"] == "abc"

@@ -1,0 +1,107 @@
+"""A shadowed turn written straight into a store, as the proxy and the capture plugin write it.
+
+For the compaction benchmark (``benchmarks/store_growth.py``) and its tests: no vLLM, the store's
+real write path (records, codec blobs), the real comparisons (`tensorverse.shadow.compare`).
+The line-up is three shadows, each run forced and free:
+
+* ``secondary`` (role ``secondary``: the primary's exact config, the reference of the forced
+  comparisons and the noise floor): its rows are the reference rows;
+* ``twin`` (a shadow bit-identical to the secondary, as another replica of the same config is):
+  the same rows bit for bit;
+* ``candidate``: the near-identical shadow rows (``shadow``), with the top two logits swapped
+  at ``flip_share`` of the positions (a flip); its free run follows the primary's tokens to its
+  first flip, then goes its own way on rows of other contexts.
+
+The primary's recorded run holds the tokens (the reference rows' argmax) and their top-5
+logprobs, as the proxy records them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorverse.shadow.compare import compare_turn
+from tensorverse.shadow.runs import primary_run_id
+from tensorverse.store.codec import encode_row
+
+__all__ = ["ShadowedTurn", "write_turn", "LINEUP"]
+
+LINEUP = (("secondary", "secondary"), ("twin", "shadow"), ("candidate", "shadow"))
+
+
+@dataclass(frozen=True)
+class ShadowedTurn:
+    turn_id: str
+    session_id: str
+    tokens: list[int]
+    flips: list[int]  # the candidate's forced flip positions
+    run_ids: dict[tuple[str, str], str]  # (backend, mode) -> run id
+    comparisons: list[dict[str, Any]]
+
+
+def _top5(x: np.ndarray) -> list[list[list[float]]]:
+    out = []
+    for row in x.astype(np.float64):
+        lp = row - row.max()
+        lp -= np.log(np.exp(lp).sum())
+        order = np.argsort(-lp, kind="stable")[:5]
+        out.append([[int(i), float(lp[i])] for i in order])
+    return out
+
+
+def write_turn(store: Any, turn_id: str, session_id: str, index: int, ref: np.ndarray, shadow: np.ndarray,
+               other: np.ndarray, *, flip_share: float, seed: int, created_ns: int) -> ShadowedTurn:
+    """Write one shadowed turn (see the module docstring) and its comparisons. ``ref``,
+    ``shadow`` and ``other`` are (n, vocab) float32 rows: the reference's, a near-identical
+    runtime's, and rows of other contexts (the candidate's free run after it diverged)."""
+    rng = np.random.default_rng(seed)
+    n = ref.shape[0]
+    tokens = [int(t) for t in np.argmax(ref, axis=1)]
+    cand = shadow.copy()
+    k = int(round(flip_share * n))
+    flips = sorted(int(p) for p in rng.choice(n, size=k, replace=False)) if k else []
+    for p in flips:
+        order = np.argsort(-cand[p], kind="stable")
+        a, b = int(order[0]), int(order[1])
+        if a != tokens[p]:  # already flipped by the perturbation
+            continue
+        cand[p, a], cand[p, b] = cand[p, b], cand[p, a]
+    cand_top = np.argmax(cand, axis=1)
+    real_flips = [p for p in range(n) if int(cand_top[p]) != tokens[p]]
+    first = real_flips[0] if real_flips else None
+    free_rows = cand.copy()
+    free_tokens = list(tokens)
+    if first is not None:
+        free_tokens[first] = int(cand_top[first])
+        free_rows[first + 1:] = other[first + 1:]
+        free_tokens[first + 1:] = [int(t) for t in np.argmax(other[first + 1:], axis=1)]
+
+    store.put_session({"id": session_id, "created_ns": created_ns, "tags": {"agent": "workload"}}).result()
+    store.put_turn({"id": turn_id, "session_id": session_id, "index": index, "created_ns": created_ns,
+                    "endpoint": "completions", "backend": "primary", "state": "ok",
+                    "output_token_ids": tokens}).result()
+    runs: dict[tuple[str, str], str] = {}
+    primary = {"id": primary_run_id(turn_id), "turn_id": turn_id, "session_id": session_id, "backend": "primary",
+               "role": "primary", "mode": "recorded", "capture": "topk", "approximate": True,
+               "token_ids": tokens, "top_logprobs": _top5(ref), "k": 5, "text": "", "created_ns": created_ns}
+    store.put_run(primary).result()
+    complete = {"expected": n, "present": n, "complete": True}
+    rows_of = {("secondary", "forced"): (ref, tokens), ("secondary", "free"): (ref, tokens),
+               ("twin", "forced"): (ref, tokens), ("twin", "free"): (ref, tokens),
+               ("candidate", "forced"): (cand, tokens), ("candidate", "free"): (free_rows, free_tokens)}
+    for backend, role in LINEUP:
+        for mode in ("forced", "free"):
+            x, toks = rows_of[(backend, mode)]
+            rid = f"{turn_id}.{backend}.{mode}"
+            runs[(backend, mode)] = rid
+            top = _top5(x) if mode == "forced" else None
+            store.put_run({"id": rid, "turn_id": turn_id, "session_id": session_id, "backend": backend,
+                           "role": role, "mode": mode, "status": "ok", "capture": "full", "token_ids": toks,
+                           "top_logprobs": top, "k": 5, "rows": complete, "text": "",
+                           "created_ns": created_ns}).result()
+            store.write_rows(rid, [(p, encode_row(x[p])) for p in range(n)]).result()
+    comparisons = compare_turn(store, turn_id, roles={b: r for b, r in LINEUP})
+    return ShadowedTurn(turn_id, session_id, tokens, real_flips, runs, comparisons)

@@ -1,0 +1,284 @@
+"""Compaction (issue 26): the compact row form, what is kept as evidence, deltas through their
+reference, readers on a compacted store, refusals, conflicts, pins, migration and kill -9."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import orjson
+import pytest
+
+from tensorverse.cli import main
+from tensorverse.shadow.compare import TurnCompacted, compare_turn
+from tensorverse.store import Store, StoreVersionError
+from tensorverse.store import schema as S
+from tensorverse.store.codec import CodecError, blob_info, decode_row, encode_row
+from tensorverse.store.compact import compact_row, decode_compact, encode_compact
+from tensorverse.store.compaction import (EvidencePolicy, RowFacts, compact_store, compact_turn, plan_evidence,
+                                          sampled)
+from tensorverse.store.records import comparison, run
+from tensorverse.store.stored_rows import RowCompacted, StoredRows
+from tensorverse.testing.shadow_workload import write_turn
+
+V = 4096
+N = 48
+HOUR = 3600 * 10**9
+POLICY = EvidencePolicy(after_s=0.0)
+
+
+def rows(n: int, seed: int, *, rel: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+    """bf16-exact rows of a peaked random LM head and a near-identical shadow's."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((V, 32)).astype(np.float32) * np.float32(0.6)
+    h = rng.standard_normal((n, 32)).astype(np.float32)
+    hs = h + np.float32(rel) * np.abs(h) * rng.standard_normal((n, 32)).astype(np.float32)
+
+    def bf16(x: np.ndarray) -> np.ndarray:
+        u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+    return bf16(h @ w.T), bf16(hs @ w.T)
+
+
+def workload(store: Store, turns: int = 2, flip_share: float = 0.1):
+    out, originals = [], {}
+    for i in range(turns):
+        ref, shadow = rows(N, 10 + i)
+        other, _ = rows(N, 50 + i)
+        t = write_turn(store, f"t{i}", f"s{i}", 0, ref, shadow, other, flip_share=flip_share, seed=i,
+                       created_ns=time.time_ns() - HOUR)
+        out.append(t)
+        for rid in t.run_ids.values():
+            originals[rid] = {p: decode_row(b) for p, b in store.read_rows(rid)}
+    return out, originals
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store.open(tmp_path / "s", durable=False) as st:
+        yield st
+
+
+def test_compact_row_is_exact_and_checked():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(V) * 3).astype(np.float32)
+    x[7] = x[9] = x.max() + 1  # a tie at the top: the lower id first
+    c = compact_row(x, k=20, extra=[5, 7, 4095])
+    assert c.top(3)[:2] == [7, 9] and c.k == 20 and c.vocab == V
+    assert list(c.ids[20:]) == sorted({5, 4095} - set(c.top(20)))
+    ref = x.astype(np.float64)
+    lse = ref.max() + np.log(np.exp(ref - ref.max()).sum())
+    assert abs(c.lse - lse) < 1e-12
+    order = np.argsort(-x, kind="stable")[:20]
+    assert c.top(20) == order.tolist()
+    for t, lp in c.logprobs().items():
+        assert lp == float(x[t]) - c.lse  # the logit itself, bit for bit
+    assert c.rank([int(order[4]), 5 if 5 not in order else 4095]) == [4, None]
+    assert abs(c.tail_mass - (1 - np.exp(ref[order] - lse).sum())) < 1e-12
+    blob = encode_compact(c)
+    assert len(blob) < 300 and decode_compact(blob) == c
+    for i in (0, 5, len(blob) // 2, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        with pytest.raises(CodecError):
+            decode_compact(bytes(bad))
+    with pytest.raises(CodecError, match="truncated"):
+        decode_compact(blob[:10])
+    with pytest.raises(ValueError):
+        compact_row(x, k=0)
+
+
+def test_plan_keeps_flips_divergences_close_calls_kl_and_a_seeded_sample():
+    runs = [run({"id": "f", "turn_id": "T", "backend": "c", "mode": "forced", "token_ids": list(range(100))}),
+            run({"id": "r", "turn_id": "T", "backend": "c", "mode": "free", "token_ids": list(range(60))})]
+    kl = [0.0] * 100
+    kl[33], kl[70] = 0.5, 0.9
+    comps = [comparison({"run_id": "f", "ref_run_id": "x", "mode": "forced", "flips": [3, 40],
+                         "metrics": {"kl": kl}}),
+             comparison({"run_id": "r", "ref_run_id": "p", "mode": "free", "first_flip": 12})]
+    facts = [RowFacts("f", p, 0.01 * p) for p in range(100)] + [RowFacts("r", 5, float("nan"))]
+    pol = EvidencePolicy(close_nats=0.1, close_share=0.03, top_kl=1, sample=0.05, seed=3)
+    plan = plan_evidence("T", runs, comps, facts, pol, 100)
+    sample = {p for p in range(100) if sampled(3, "T", p, 0.05)}
+    assert 0 < len(sample) < 20
+    close = {0, 1, 2}  # the 3 closest under 0.1 nats (3 % of 100)
+    assert set(plan.forced) == {3, 40, 70, 12} | close | sample
+    assert plan.forced[3] >= {"flip", "close"} - ({"close"} if 3 not in close else set())
+    assert "kl" in plan.forced[70] and "divergence" in plan.forced[12]
+    assert {"divergence"} <= plan.free["r"][12] and "close" in plan.free["r"][5]  # a NaN row: kept
+    again = plan_evidence("T", runs, comps, facts, pol, 100)
+    assert again.forced == plan.forced  # the sample is seeded
+
+
+def test_compaction_keeps_evidence_exact_and_compacts_the_rest(store):
+    turns, originals = workload(store)
+    before = {rid: orjson.dumps(list(store.iter_comparisons(rid))) for t in turns for rid in t.run_ids.values()}
+    row_bytes = sum(len(b) for rid in originals for _, b in store.read_rows(rid))
+    results = compact_store(store, POLICY)
+    assert [r.status for r in results] == ["compacted", "compacted"]
+    assert sum(r.bytes_before for r in results) == row_bytes
+    assert sum(r.bytes_after for r in results) < row_bytes / 5
+    src = StoredRows(store)
+    for t in turns:
+        rec = store.compaction(t.turn_id)
+        ref_id = t.run_ids[("secondary", "forced")]
+        assert rec["reference_run"] == ref_id
+        for p in t.flips:  # every flip full on both sides, bit for bit
+            assert "flip" in rec["reasons"][str(p)]
+            for backend in ("secondary", "twin", "candidate"):
+                rid = t.run_ids[(backend, "forced")]
+                assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
+        twin = rec["runs"][t.run_ids[("twin", "forced")]]
+        assert twin["delta"] == twin["full"] and twin["delta_ref"] == ref_id  # bit-identical: all deltas
+        for (backend, mode), rid in t.run_ids.items():
+            info = rec["runs"][rid]
+            kept = set(info["full"])
+            assert info["compact"] == N - len(kept) if mode == "forced" else True
+            for p, x in originals[rid].items():
+                if p in kept:
+                    assert src.form(rid, p) == "full"
+                    assert src.row(rid, p).tobytes() == x.tobytes()
+                    assert (p in info["delta"]) == blob_info(store.read_row(rid, p))["needs_ref"]
+                else:
+                    with pytest.raises(RowCompacted) as e:
+                        src.row(rid, p)
+                    c = e.value.compact
+                    assert c.top(20) == np.argsort(-x, kind="stable")[:20].tolist()
+                    assert c.fingerprint == blob_info(encode_row(x))["crc32"]
+                    assert src.form(rid, p) == "compact"
+        for rid in t.run_ids.values():  # comparisons untouched
+            assert orjson.dumps(list(store.iter_comparisons(rid))) == before[rid]
+        with pytest.raises(TurnCompacted, match="compacted"):
+            compare_turn(store, t.turn_id)
+    assert all(r.status == "skipped" for r in compact_store(store, POLICY))  # once
+
+
+def test_compaction_skips_pinned_recent_and_uncompared_turns(store):
+    turns, _ = workload(store, turns=2)
+    store.pin_session("s0").result()
+    assert compact_turn(store, "t0", POLICY).why == "pinned"
+    assert compact_turn(store, "t1", replace(POLICY, after_s=7200)).why == "recent"
+    store.put_run({"id": "late", "turn_id": "t1", "backend": "late", "mode": "forced", "capture": "full",
+                   "token_ids": turns[1].tokens}).result()
+    store.write_rows("late", [(0, encode_row(np.zeros(V, np.float32)))]).result()
+    assert compact_turn(store, "t1", POLICY).why == "not compared yet"
+    assert [r.turn_id for r in compact_store(store, POLICY) if r.status == "compacted"] == []
+    assert store.compaction("t0") is None and store.compaction("t1") is None
+
+
+def test_a_row_changed_meanwhile_is_a_conflict_and_nothing_is_written(store, monkeypatch):
+    turns, originals = workload(store, turns=1)
+    rid = turns[0].run_ids[("candidate", "forced")]
+    real = store.apply_compaction
+
+    def racing(turn_id, record, changes):
+        store.write_rows(rid, [(1, encode_row(originals[rid][1] + 1))]).result()
+        return real(turn_id, record, changes)
+
+    monkeypatch.setattr(store, "apply_compaction", racing)
+    r = compact_turn(store, "t0", POLICY)
+    assert r.status == "conflict" and "changed" in r.why
+    assert store.compaction("t0") is None
+    assert store.read_compact_rows(rid) == [] and len(store.read_rows(rid)) == N
+
+
+def test_delete_session_takes_compact_rows_and_record(store):
+    turns, _ = workload(store, turns=1)
+    compact_store(store, POLICY)
+    rid = turns[0].run_ids[("candidate", "forced")]
+    assert store.read_compact_rows(rid)
+    assert store.delete_session("s0").result()
+    assert store.read_compact_rows(rid) == [] and store.compaction("t0") is None
+    assert all(v == 0 for k, v in store.stats()["entries"].items() if k not in ("meta", "backends"))
+
+
+def test_stats_and_cli_compact(tmp_path, capsys):
+    path = tmp_path / "s"
+    with Store.open(path, durable=False) as st:
+        workload(st, turns=2)
+    assert main(["store", "--store", str(path), "compact", "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["turns"] == 2 and dry["bytes_after"] < dry["bytes_before"]
+    with Store.open(path, readonly=True) as st:
+        assert st.compaction("t0") is None
+    assert main(["store", "compact", "--store", str(path), "--after", "2h"]) == 0
+    out = capsys.readouterr().out  # an hour old: not due
+    assert "compacted 0 turn(s)" in out and "at least 7200 s ago" in out
+    assert main(["store", "compact", "--store", str(path), "--after", "1m", "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "compacted 1 turn(s)" in out and "compact; row bytes" in out
+    assert main(["store", "--store", str(path), "compact", "--after", "1m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"] == 1
+    assert main(["store", "--store", str(path), "stats", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["tables"]["rows_compact"] > 0
+    assert main(["store", "--store", str(path), "compact", "--after", "soon"]) == 2
+    assert "duration" in capsys.readouterr().err
+    assert main(["store", "--store", str(tmp_path / "none"), "compact"]) == 2
+    assert "no Tensorverse store" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # not created by the attempt
+
+
+def test_format_4_store_migrates_to_5(tmp_path):
+    path = tmp_path / "s"
+    with Store.open(path, durable=False) as st:
+        workload(st, turns=1)
+    env = lmdb.open(str(path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"4", db=env.open_db(S.META, txn=txn))
+    env.close()
+    with pytest.raises(StoreVersionError, match="has format 4"):
+        Store.open(path, readonly=True)
+    with Store.open(path) as st:
+        assert st.format_version == S.FORMAT_VERSION == 5
+        assert compact_turn(st, "t0", POLICY).status == "compacted"
+
+
+_KILLED = r"""
+import sys
+from tensorverse.store import Store
+from tensorverse.store.compaction import EvidencePolicy, compact_store
+with Store.open(sys.argv[1]) as st:
+    print("start", flush=True)
+    compact_store(st, EvidencePolicy(after_s=0.0), progress=lambda r: print(r.status, flush=True))
+"""
+
+
+def test_kill_9_while_compacting_leaves_whole_turns(tmp_path):
+    """A turn is compacted in one transaction: after a SIGKILL mid-run, each turn is either
+    compacted (record, compact rows, kept rows) or as captured (every full row), never half."""
+    path = tmp_path / "s"
+    with Store.open(path) as st:
+        turns, originals = workload(st, turns=8)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(path)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.readline().strip() == "start"
+    for _ in range(2):
+        assert proc.stdout.readline().strip() == "compacted", "the compaction ended before it was killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    done = 0
+    with Store.open(path, readonly=True) as st:
+        src = StoredRows(st)
+        for t in turns:
+            rec = st.compaction(t.turn_id)
+            done += rec is not None
+            for rid in t.run_ids.values():
+                full = {p for p, _ in st.read_rows(rid)}
+                compact = {p for p, _ in st.read_compact_rows(rid)}
+                assert full | compact == set(originals[rid]) and not full & compact
+                if rec is None:
+                    assert not compact
+                else:
+                    assert full == set(rec["runs"][rid]["full"])
+                for p in full:
+                    assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
+    assert 2 <= done < 8
