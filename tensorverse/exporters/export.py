@@ -100,9 +100,13 @@ SCHEMA: dict[str, dict[str, str]] = {
         "position": "int64", "runner": "string", "step": "int64", "batch_size": "int64",
         "row": "int64", "joined": "int64", "context_tokens": "int64", "prefill_reqs": "int64",
     },
-    "logits": {
+    "logits": {  # one row per stored position: the full row, or what compaction kept of it
         "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",
-        "position": "int64", "vocab": "int64", "logits": "list<float32>",
+        "position": "int64", "vocab": "int64",
+        "form": "string",  # full, or compact (its full row was compacted: logits null)
+        "logits": "list<float32>",
+        "kept_ids": "list<int64>", "kept_logits": "list<float32>",  # compact: top-k, then extras
+        "lse": "float64",  # compact: the full row's log-sum-exp (logprob = logit - lse)
     },
 }
 TABLES = tuple(SCHEMA)
@@ -367,15 +371,27 @@ class _Table:
 
 
 def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
+    """A run's rows in position order: full ones decoded (deltas through their reference),
+    compacted ones as what compaction kept (never as missing or zero logits)."""
     import numpy as np
 
     from tensorverse.analysis.metrics import widen_bf16
-    from tensorverse.store.codec import decode_row
+    from tensorverse.store.compact import decode_compact
+    from tensorverse.store.stored_rows import StoredRows
 
-    for pos, blob in store.read_rows(run.id):
-        a = np.asarray(widen_bf16(decode_row(blob, record=f"{run.id}@{pos}")), dtype=np.float32).reshape(-1)
-        yield {"run_id": run.id, "turn_id": run.turn_id, "backend": run.backend,
-               "mode": run.mode, "position": int(pos), "vocab": int(a.size), "logits": a.tolist()}
+    src = StoredRows(store)
+    base = {"run_id": run.id, "turn_id": run.turn_id, "backend": run.backend, "mode": run.mode}
+    full = [("full", p, None) for p, _ in store.read_rows(run.id)]
+    compact = [("compact", p, b) for p, b in getattr(store, "read_compact_rows", lambda _: [])(run.id)]
+    for form, pos, blob in sorted(full + compact, key=lambda x: x[1]):
+        if form == "full":
+            a = np.asarray(widen_bf16(src.row(run.id, pos)), dtype=np.float32).reshape(-1)
+            yield {**base, "position": int(pos), "vocab": int(a.size), "form": "full", "logits": a.tolist(),
+                   "kept_ids": None, "kept_logits": None, "lse": None}
+        else:
+            c = decode_compact(blob, record=f"{run.id}@{pos}")
+            yield {**base, "position": int(pos), "vocab": c.vocab, "form": "compact", "logits": None,
+                   "kept_ids": c.ids.tolist(), "kept_logits": c.logits.tolist(), "lse": c.lse}
 
 
 def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet", since_ns: int = 0,

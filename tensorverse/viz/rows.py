@@ -16,10 +16,12 @@ import numpy as np
 
 from tensorverse.analysis.metrics import widen_bf16
 from tensorverse.store import RecordNotFound
-from tensorverse.store.codec import CodecError, blob_info, decode_row
+from tensorverse.store.codec import CodecError
+from tensorverse.store.compact import CompactRow
+from tensorverse.store.stored_rows import RowCompacted, StoredRows
 from tensorverse.viz.lane import Lane
 
-__all__ = ["Row", "TopK", "RowReader", "margin"]
+__all__ = ["Row", "TopK", "Compacted", "RowReader", "margin"]
 
 
 class Row:
@@ -99,6 +101,26 @@ class TopK:
         return self.d
 
 
+class Compacted(TopK):
+    """A position whose full row compaction replaced (`tensorverse.store.compact`): its kept
+    top-k logits as exact logprobs (the full row's log-sum-exp is kept), so the top-k panel,
+    margins and ranks within the top-k are exact; metrics over the whole vocabulary are not
+    (the stored comparison holds those, computed from the full row)."""
+
+    __slots__ = ("row",)
+    compacted = True
+
+    def __init__(self, row: CompactRow) -> None:
+        super().__init__(row.logprobs())
+        self.row = row
+
+    def top(self, k: int) -> list[int]:
+        return self.row.top(k)
+
+    def rank(self, ids: Sequence[int]) -> list[int | None]:
+        return self.row.rank(ids)
+
+
 def margin(d: Any) -> float | None:
     """The probability of a distribution's top token minus its second's (None: unknown)."""
     top = d.top(2)
@@ -119,6 +141,7 @@ class RowReader:
         self._cache: OrderedDict[tuple[str, int], Row | None] = OrderedDict()
         self._has: dict[str, bool] = {}
         self._lock = threading.Lock()
+        self._src = StoredRows(store)
 
     def has_rows(self, lane: Lane | None) -> bool:
         """Whether the run stored rows (its record says so, checked at its first positions)."""
@@ -130,8 +153,16 @@ class RowReader:
                 self._has[rid] = False
             else:
                 probe = list(lane.positions or [])[:2] + list(range(min(4, max(1, len(lane.token_ids)))))
-                self._has[rid] = any(self._blob(rid, p) is not None for p in probe)
+                self._has[rid] = any(self._blob(rid, p) is not None or self._compact(rid, p) is not None
+                                     for p in probe)
         return self._has[rid]
+
+    def _compact(self, rid: str, pos: int) -> CompactRow | None:
+        try:
+            return self._src.compact(rid, pos)
+        except CodecError as exc:
+            self.warn(f"run {rid}: {exc}")
+            return None
 
     def _blob(self, rid: str, pos: int) -> bytes | None:
         try:
@@ -139,7 +170,10 @@ class RowReader:
         except (RecordNotFound, KeyError, ValueError):
             return None
 
-    def get(self, lane: Lane, pos: int, ref: Lane | None = None) -> Row | None:
+    def get(self, lane: Lane, pos: int, ref: Lane | None = None) -> Row | Compacted | None:
+        """The lane's row at ``pos``: a :class:`Row`, a :class:`Compacted` position (its full row
+        was compacted: said once per lane in ``warnings``), or None. Deltas are decoded through
+        the reference run their turn's compaction record names (``ref`` is not needed)."""
         if not self.has_rows(lane):
             return None
         rid = lane.run_id
@@ -148,25 +182,20 @@ class RowReader:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        row = None
-        blob = self._blob(rid, pos)
-        if blob is not None:
-            record = f"run {rid} position {pos}"
-            try:
-                try:
-                    x = decode_row(blob, record=record)
-                except CodecError:
-                    # a delta blob needs the row it was encoded against: the reference's
-                    if not blob_info(blob, record=record)["needs_ref"] or ref is None or ref is lane:
-                        raise
-                    r = self.get(ref, pos)
-                    x = decode_row(blob, ref=None if r is None else r.x, record=record)
-                row = Row(x)
-                if not row.ok:
-                    self.warn(f"{lane.backend} ({lane.mode}): row {pos} holds NaN/inf; skipped")
-                    row = None
-            except CodecError as exc:
+        row: Row | Compacted | None = None
+        try:
+            row = Row(self._src.row(rid, pos))
+            if not row.ok:
+                self.warn(f"{lane.backend} ({lane.mode}): row {pos} holds NaN/inf; skipped")
+                row = None
+        except RowCompacted as exc:
+            row = Compacted(exc.compact)
+            self.warn(f"{lane.backend} ({lane.mode}): compacted positions show their kept top-{exc.compact.k} "
+                      "logprobs (exact); whole-vocabulary metrics there are the stored comparison's")
+        except (RecordNotFound, KeyError, ValueError) as exc:
+            if isinstance(exc, CodecError):
                 self.warn(f"{lane.backend} ({lane.mode}): {exc}")
+            row = None
         with self._lock:
             self._cache[key] = row
             while len(self._cache) > self.size:

@@ -282,3 +282,48 @@ def test_kill_9_while_compacting_leaves_whole_turns(tmp_path):
                 for p in full:
                     assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
     assert 2 <= done < 8
+
+
+def test_viewer_and_export_read_a_compacted_store(store, tmp_path):
+    """The viewer renders a compacted turn (flips where they were, every position with its
+    numbers, compacted positions said so) and the logits export gives each position its form."""
+    import pyarrow.parquet as pq
+
+    from tensorverse.exporters.export import export_store
+    from tensorverse.viz.data import ViewData
+
+    turns, originals = workload(store, turns=1)
+    before = ViewData(store).turn_view("t0")
+    compact_store(store, POLICY)
+    after = ViewData(store).turn_view("t0")
+    t = turns[0]
+    fb, fa = before["forced"], after["forced"]
+    assert fa["available"] and fa["reference"] == "secondary"
+    assert fa["lanes"]["candidate"]["flips"] == fb["lanes"]["candidate"]["flips"] == t.flips
+    kept = set(store.compaction("t0")["runs"][t.run_ids[("candidate", "forced")]]["full"])
+    for p in range(N):  # numbers everywhere: exact where kept, from the kept top-k elsewhere
+        assert fa["lanes"]["candidate"]["kl"][p] is not None
+        if p in kept:
+            assert fa["lanes"]["candidate"]["kl"][p] == fb["lanes"]["candidate"]["kl"][p]
+    assert any("compacted positions" in w for w in after["warnings"])
+    p = next(q for q in range(N) if q not in kept)
+    panel_b, panel_a = fb["panels"][p], fa["panels"][p]
+    assert panel_a["ids"][:5] == panel_b["ids"][:5]
+    names = [b["name"] for b in after["backends"]]
+    col = [names[i] for i in panel_a["m"]].index("candidate")
+    col_b = [names[i] for i in panel_b["m"]].index("candidate")
+    for j, tid in enumerate(panel_a["ids"][:5]):  # the kept top-k: the same probabilities
+        assert panel_a["p"][col][j] == pytest.approx(panel_b["p"][col_b][panel_b["ids"].index(tid)], abs=1e-6)
+
+    res = export_store(store, tmp_path / "x", fmt="parquet", tables=["logits"])
+    rows = pq.read_table(res["logits"]["path"]).to_pylist()
+    assert len(rows) == 6 * N  # every position of every run, compacted or not
+    rid = t.run_ids[("candidate", "forced")]
+    mine = {r["position"]: r for r in rows if r["run_id"] == rid}
+    for q, r in mine.items():
+        if q in kept:
+            assert r["form"] == "full" and np.array_equal(np.float32(r["logits"]), originals[rid][q])
+        else:
+            assert r["form"] == "compact" and r["logits"] is None
+            assert r["kept_ids"][:20] == np.argsort(-originals[rid][q], kind="stable")[:20].tolist()
+            assert r["lse"] == pytest.approx(float(np.log(np.exp(originals[rid][q].astype(np.float64)).sum())))
