@@ -146,7 +146,8 @@ def _run_prune(args: argparse.Namespace) -> int:
                 p = plan(usage(store), policy)
                 out = {"dry_run": True, "sessions": len(p.delete), "bytes": p.bytes,
                        "live_bytes_after": p.live_bytes_after, "over_budget": p.over_budget,
-                       "by_reason": {r: sum(1 for _, why, _ in p.delete if why == r) for r in ("age", "bytes")}}
+                       "by_reason": {r: sum(1 for _, why, _ in p.delete if why == r) for r in ("age", "rows", "bytes")}}
+                out["sessions"] -= out["by_reason"]["rows"]
             else:
                 r = prune(store, policy, progress=lambda i: print(f"\rdeleted {i}", end="", file=sys.stderr))
                 if r.deleted:
@@ -159,8 +160,11 @@ def _run_prune(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         verb = "would delete" if args.dry_run else "deleted"
+        rows = out["by_reason"]["rows"]
+        dropped = f"; the rows of {rows} more (their records and comparisons kept)" if rows else ""
         print(f"{verb} {out['sessions']} session(s), {_size(out['bytes'])} ({out['by_reason']['age']} past "
-              f"max-age, {out['by_reason']['bytes']} for max-bytes); live after: {_size(out['live_bytes_after'])}")
+              f"max-age, {out['by_reason']['bytes']} for max-bytes){dropped}; live after: "
+              f"{_size(out['live_bytes_after'])}")
         if out["over_budget"]:
             print("still over max-bytes: the rest is pinned (tensorverse store pin SESSION --unpin)")
     return 0

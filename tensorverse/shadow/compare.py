@@ -120,7 +120,8 @@ class TurnCompacted(AnalysisInputError):
 def _refuse_compacted(store: Any, turn_id: str | None) -> None:
     rec = store.compaction(turn_id) if turn_id and hasattr(store, "compaction") else None
     if rec is not None:
-        raise TurnCompacted(f"turn {turn_id}: its rows were compacted; its stored comparisons are the exact "
+        why = "pruned by [retention]" if rec.get("rows_pruned") else "compacted"
+        raise TurnCompacted(f"turn {turn_id}: its rows were {why}; its stored comparisons are the exact "
                             "ones (computed from the full rows) and are not recomputed")
 
 

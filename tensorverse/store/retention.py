@@ -6,9 +6,10 @@ by backend and mode, and the growth rate over the sessions of the last ``window_
 and records, by creation time), hence the days left before the cap (or the filesystem) is full.
 
 A :class:`RetentionPolicy` (``[retention]`` in the configuration, or ``store prune``'s options)
-frees space in this order: sessions older than ``max_age_s``, then the oldest sessions until the
-live bytes are under ``max_bytes``; **pinned** sessions (``tensorverse store pin``) are never
-pruned. :func:`plan` estimates it from a :class:`StoreUsage` (pure: ``prune --dry-run``);
+frees space in this order (after compaction, `tensorverse.store.compaction`): sessions older than
+``max_age_s``; then, until the live bytes are under ``max_bytes``, the rows of the oldest sessions
+(their records and comparisons stay), then the oldest sessions; **pinned** sessions
+(``tensorverse store pin``) are never pruned. :func:`plan` estimates it from a :class:`StoreUsage` (pure: ``prune --dry-run``);
 :func:`prune` does it, measuring the live bytes again after each deletion, one session per
 transaction (`Store.delete_session`: a kill -9 leaves every session either whole or gone, never
 half-pruned).
@@ -61,6 +62,7 @@ class SessionUsage:
     created_ns: int
     pinned: bool
     bytes: int  # its records and rows (keys and values)
+    row_bytes: int = 0  # of which its rows (full and compact)
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,12 @@ def usage(store: Any, *, window_s: float = 86400.0, now_ns: int | None = None) -
     sessions: list[SessionUsage] = []
     for s in map(decode_session, store.iter_sessions()):
         total, by = store.session_bytes(s.id)
+        rows_b = sum(b for _, b in by.values())
         for (backend, mode), (n, b) in by.items():
             cell = rows.setdefault(backend, {}).setdefault(mode, {"rows": 0, "bytes": 0})
             cell["rows"] += n
             cell["bytes"] += b
-        sessions.append(SessionUsage(s.id, s.created_ns, bool(s.pinned), total))
+        sessions.append(SessionUsage(s.id, s.created_ns, bool(s.pinned), total, rows_b))
     sessions.sort(key=lambda x: (x.created_ns, x.id))
     cap = st.get("max_size")
     try:
@@ -128,9 +131,12 @@ class RetentionPolicy:
             raise ValueError("max_bytes must be positive")
 
 
+REASONS = ("age", "rows", "bytes")  # past max_age; rows dropped for max_bytes; deleted for max_bytes
+
+
 @dataclass(frozen=True)
 class PrunePlan:
-    delete: list[tuple[str, str, int]]  # (session id, reason: age / bytes, its bytes)
+    delete: list[tuple[str, str, int]]  # (session id, reason (REASONS), bytes freed)
     live_bytes_after: int
     over_budget: bool  # max_bytes still exceeded after every unpinned session is gone
 
@@ -140,8 +146,8 @@ class PrunePlan:
 
 
 def plan(u: StoreUsage, policy: RetentionPolicy, *, now_ns: int | None = None) -> PrunePlan:
-    """What to delete, in order: expired unpinned sessions, then the oldest unpinned until the
-    live bytes fit ``max_bytes``."""
+    """What to delete, in order: expired unpinned sessions, then while the live bytes exceed
+    ``max_bytes`` the rows of the oldest unpinned sessions, then those sessions themselves."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     out: list[tuple[str, str, int]] = []
     live = u.live_bytes
@@ -154,14 +160,23 @@ def plan(u: StoreUsage, policy: RetentionPolicy, *, now_ns: int | None = None) -
                 gone.add(s.id)
                 live -= s.bytes
     if policy.max_bytes is not None:
-        for s in u.sessions:
+        rowless: dict[str, int] = {}
+        for s in u.sessions:  # first the rows of the oldest sessions (records and comparisons stay)
+            if live <= policy.max_bytes:
+                break
+            if s.id in gone or s.pinned or not s.row_bytes:
+                continue
+            out.append((s.id, "rows", s.row_bytes))
+            rowless[s.id] = s.row_bytes
+            live -= s.row_bytes
+        for s in u.sessions:  # then the oldest sessions themselves
             if live <= policy.max_bytes:
                 break
             if s.id in gone or s.pinned:
                 continue
-            out.append((s.id, "bytes", s.bytes))
+            out.append((s.id, "bytes", s.bytes - rowless.get(s.id, 0)))
             gone.add(s.id)
-            live -= s.bytes
+            live -= s.bytes - rowless.get(s.id, 0)
     over = policy.max_bytes is not None and live > policy.max_bytes
     return PrunePlan(delete=out, live_bytes_after=max(0, live), over_budget=over)
 
@@ -172,9 +187,11 @@ class PruneResult:
     bytes_freed: int  # live bytes before minus after
     live_bytes: int  # after
     over_budget: bool  # max_bytes still exceeded: the rest is pinned
+    rows_dropped: list[str] = field(default_factory=list)  # sessions whose rows went (max_bytes), in order
 
     def by_reason(self) -> dict[str, int]:
-        return {r: sum(1 for _, why in self.deleted if why == r) for r in ("age", "bytes")}
+        out = {r: sum(1 for _, why in self.deleted if why == r) for r in ("age", "bytes")}
+        return {"age": out["age"], "rows": len(self.rows_dropped), "bytes": out["bytes"]}
 
 
 def _live(store: Any) -> int:
@@ -183,9 +200,11 @@ def _live(store: Any) -> int:
 
 def prune(store: Any, policy: RetentionPolicy, *, now_ns: int | None = None,
           progress: Callable[[int], None] | None = None) -> PruneResult:
-    """Keep the budget: delete expired unpinned sessions, then the oldest unpinned ones while the
-    live bytes exceed ``max_bytes`` (measured again after every deletion, so what is freed is
-    exact). One transaction per session: an interruption leaves whole sessions only."""
+    """Keep the budget: delete expired unpinned sessions; then, while the live bytes exceed
+    ``max_bytes`` (measured again after every step, so what is freed is exact), drop the rows
+    of the oldest unpinned sessions (`Store.drop_session_rows`: turns, runs and comparisons stay),
+    then delete the oldest unpinned sessions. One transaction per session and step: an
+    interruption leaves whole sessions only."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     before = _live(store)
     deleted: list[tuple[str, str]] = []
@@ -203,19 +222,28 @@ def prune(store: Any, policy: RetentionPolicy, *, now_ns: int | None = None,
                 drop(s.id, "age")
     live = _live(store)
     over = False
+    rows_dropped: list[str] = []
     if policy.max_bytes is not None and live > policy.max_bytes:
         over = True
-        for s in [decode_session(x) for x in store.iter_sessions()]:
-            if s.pinned:
-                continue
-            drop(s.id, "bytes")
-            live = _live(store)
-            if live <= policy.max_bytes:
-                over = False
-                break
-    if deleted:
+        unpinned = [s for s in map(decode_session, store.iter_sessions()) if not s.pinned]
+        for s in unpinned:  # the rows of the oldest sessions first: records and comparisons stay
+            if store.drop_session_rows(s.id).result():
+                rows_dropped.append(s.id)
+                live = _live(store)
+                if live <= policy.max_bytes:
+                    over = False
+                    break
+        if over:
+            for s in unpinned:
+                drop(s.id, "bytes")
+                live = _live(store)
+                if live <= policy.max_bytes:
+                    over = False
+                    break
+    if deleted or rows_dropped:
         store.note_space_freed()
-    return PruneResult(deleted=deleted, bytes_freed=max(0, before - live), live_bytes=live, over_budget=over)
+    return PruneResult(deleted=deleted, bytes_freed=max(0, before - live), live_bytes=live, over_budget=over,
+                       rows_dropped=[sid for sid in rows_dropped if sid not in {d for d, _ in deleted}])
 
 
 class RetentionKeeper:
@@ -237,6 +265,7 @@ class RetentionKeeper:
         self.runs = 0
         self.errors = 0
         self.sessions_pruned = 0
+        self.sessions_rows_dropped = 0
         self.bytes_pruned = 0
         self.over_budget = False
         self.days_left: float | None = None
@@ -282,6 +311,7 @@ class RetentionKeeper:
             log.warning("retention: compaction or prune failed: %s", e)
             return None
         self.sessions_pruned += len(r.deleted)
+        self.sessions_rows_dropped += len(r.rows_dropped)
         self.bytes_pruned += r.bytes_freed
         self.over_budget = r.over_budget
         if self._last is not None and t > self._last[0]:
@@ -299,6 +329,7 @@ class RetentionKeeper:
 
     def stats(self) -> dict[str, Any]:
         return {"runs": self.runs, "errors": self.errors, "sessions_pruned": self.sessions_pruned,
+                "sessions_rows_dropped": self.sessions_rows_dropped,
                 "turns_compacted": self.turns_compacted, "rows_compacted": self.rows_compacted,
                 "bytes_compacted": self.bytes_compacted,
                 "bytes_pruned": self.bytes_pruned, "over_budget": self.over_budget, "days_left": self.days_left}

@@ -513,6 +513,32 @@ class Store:
 
         return self.submit(op)
 
+    def drop_session_rows(self, session_id: str) -> Future:
+        """Retention's middle step: delete every row of a session's runs (full, compact, engine
+        states) in one transaction, keeping its turns, runs and comparisons (the verdict and the
+        viewer's stored numbers live on). Each turn's ``compacted`` record says ``rows_pruned``
+        (readers say so; comparisons are never recomputed). Resolves to the row bytes deleted."""
+        skey = schema.check_id(session_id, "session")
+
+        def op(txn: lmdb.Transaction) -> int:
+            if txn.get(skey, db=self._dbs[schema.SESSIONS]) is None:
+                raise RecordNotFound(f"session {session_id} does not exist")
+            now = time.time_ns()
+            freed = 0
+            for _, tkey in list(self._scan(txn, schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session"))):
+                for rkey, _ in list(self._scan(txn, schema.RUNS_BY_TURN, tkey + schema.SEP)):
+                    rid = rkey[len(tkey) + 1:]
+                    for db in (schema.ROWS, schema.ROWS_COMPACT, schema.ROW_ENGINE):
+                        freed += sum(len(v) for _, v in self._scan(txn, db, rid + schema.SEP))
+                        self._delete_prefix(txn, db, rid + schema.SEP)
+                raw = txn.get(tkey, db=self._dbs[schema.COMPACTED])
+                rec = _loads(raw) if raw is not None else {"turn_id": tkey.decode(), "runs": {}}
+                rec["rows_pruned"] = now
+                txn.put(tkey, _dumps(rec), db=self._dbs[schema.COMPACTED])
+            return freed
+
+        return self.submit(op)
+
     def pin_session(self, session_id: str, pinned: bool = True) -> Future:
         """Pin (or unpin) a session: retention never prunes a pinned session
         (`tensorverse.store.retention`). Kept when the proxy rewrites the session's record."""

@@ -4,8 +4,9 @@
 reference when compaction re-encoded it as a delta: the ``compacted`` record of its turn names
 the reference run), or the compact row (`tensorverse.store.compact`) when compaction replaced it,
 or neither (never captured). Asking for the full row of a compacted position raises
-:class:`RowCompacted`, which is not a ``KeyError``: a compacted row is not missing data, and code
-that skips missing rows must not skip it silently.
+:class:`RowCompacted` (:class:`RowPruned` where retention deleted the session's rows), which is
+not a ``KeyError``: such a row is not missing data, and code that skips missing rows must not skip
+it silently.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tensorverse.store import RecordNotFound, records
 from tensorverse.store.codec import blob_info, decode_row
 from tensorverse.store.compact import CompactRow, decode_compact
 
-__all__ = ["StoredRows", "RowCompacted"]
+__all__ = ["StoredRows", "RowCompacted", "RowPruned"]
 
 
 class RowCompacted(LookupError):
@@ -30,6 +31,17 @@ class RowCompacted(LookupError):
         self.run_id = run_id
         self.position = position
         self.compact = compact
+
+
+class RowPruned(RowCompacted):
+    """Retention deleted this session's rows (its records and comparisons are kept)."""
+
+    def __init__(self, run_id: str, position: int) -> None:
+        LookupError.__init__(self, f"row {position} of run {run_id} was pruned by [retention] (the session's "
+                             "records and stored comparisons are kept)")
+        self.run_id = run_id
+        self.position = position
+        self.compact = None
 
 
 class StoredRows:
@@ -52,6 +64,10 @@ class StoredRows:
                     rec = None
             self._compaction[run_id] = rec
         return self._compaction[run_id]
+
+    def pruned(self, run_id: str) -> bool:
+        """Whether retention deleted the rows of the run's session."""
+        return bool((self.compaction_of(run_id) or {}).get("rows_pruned"))
 
     def delta_ref(self, run_id: str) -> str | None:
         rec = self.compaction_of(run_id)
@@ -79,6 +95,8 @@ class StoredRows:
             c = self.compact(run_id, position)
             if c is not None:
                 raise RowCompacted(run_id, position, c) from None
+            if self.pruned(run_id):
+                raise RowPruned(run_id, position) from None
             raise
         record = f"{run_id}@{position}"
         if not blob_info(blob, record=record)["needs_ref"]:

@@ -155,6 +155,9 @@ class RowReader:
                 probe = list(lane.positions or [])[:2] + list(range(min(4, max(1, len(lane.token_ids)))))
                 self._has[rid] = any(self._blob(rid, p) is not None or self._compact(rid, p) is not None
                                      for p in probe)
+            if not self._has[rid] and self._src.pruned(rid):
+                self.warn(f"{lane.backend} ({lane.mode}): rows pruned by [retention]: its recorded top-k shown; "
+                          "the stored comparisons hold the exact metrics")
         return self._has[rid]
 
     def _compact(self, rid: str, pos: int) -> CompactRow | None:

