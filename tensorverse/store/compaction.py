@@ -229,7 +229,12 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
     compared = {c.run_id for c in comparisons}
     primary = next((r for r in runs if r.mode == "recorded"), None)
     refs = {c.ref_run_id for c in comparisons if c.mode == "forced" and c.kind == "full" and c.status == "ok"}
-    uncompared = [r for r in with_rows if r.status == "ok" and r.id not in compared and r.id not in refs]
+    latest: dict[tuple[str, str], Run] = {}  # what the comparisons compare (an older run of the same
+    for r in with_rows:                       # backend and mode, e.g. a retry's, is not evidence)
+        cur = latest.get((r.backend, r.mode))
+        if cur is None or r.created_ns >= cur.created_ns:
+            latest[(r.backend, r.mode)] = r
+    uncompared = [r for r in latest.values() if r.status == "ok" and r.id not in compared and r.id not in refs]
     if primary is None or uncompared:
         return CompactionResult(turn_id, "skipped", "not compared yet")
     reference = sorted(refs)[0] if len(refs) == 1 else None
@@ -256,13 +261,14 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
     plan = plan_evidence(turn_id, with_rows, comparisons, facts, policy, len(tokens))
 
     # pass 2: the kept rows of runs with a delta reference, re-encoded where that pays
-    delta_ref = _delta_refs(with_rows, reference) if policy.delta else {}
+    delta_ref = _delta_refs(list(latest.values()), reference) if policy.delta else {}
     changes: list[RowChange] = []
     runs_out: dict[str, Any] = {}
     n_full = n_delta = n_compact = 0
     after = 0
+    current = {r.id for r in latest.values()}
     for r in with_rows:
-        kept = plan.kept(r)
+        kept = plan.kept(r) if r.id in current else {}
         ref_id = delta_ref.get(r.id)
         ref_run = next((x for x in with_rows if x.id == ref_id), None)
         ref_kept = plan.kept(ref_run) if ref_run is not None else {}

@@ -170,8 +170,12 @@ def test_compaction_skips_pinned_recent_and_uncompared_turns(store):
                    "token_ids": turns[1].tokens}).result()
     store.write_rows("late", [(0, encode_row(np.zeros(V, np.float32)))]).result()
     assert compact_turn(store, "t1", POLICY).why == "not compared yet"
-    assert [r.turn_id for r in compact_store(store, POLICY) if r.status == "compacted"] == []
-    assert store.compaction("t0") is None and store.compaction("t1") is None
+    store.put_run({"id": "late", "turn_id": "t1", "backend": "candidate", "mode": "forced", "capture": "full",
+                   "token_ids": turns[1].tokens, "created_ns": 1}).result()  # an older try: not evidence
+    assert compact_turn(store, "t1", POLICY).status == "compacted"
+    assert store.compaction("t1")["runs"]["late"]["full"] == []
+    assert [r.turn_id for r in compact_store(store, POLICY) if r.status == "compacted"] == []  # t0 pinned
+    assert store.compaction("t0") is None
 
 
 def test_a_row_changed_meanwhile_is_a_conflict_and_nothing_is_written(store, monkeypatch):
