@@ -134,7 +134,7 @@ def plan_evidence(turn_id: str, runs: Sequence[Run], comparisons: Sequence[Compa
                 vals = np.asarray([np.nan if v is None else v for v in kl], dtype=np.float64)
                 order = np.argsort(-np.nan_to_num(vals, nan=-np.inf), kind="stable")[: policy.top_kl]
                 for i in order:
-                    if np.isfinite(vals[i]) and vals[i] > 0:
+                    if vals[i] > 0:  # an infinite KL (the candidate gave the token no mass) too
                         plan.keep_forced(pos[int(i)], "kl")
         elif c.mode == "free" and c.first_flip is not None:
             plan.keep_forced(c.first_flip, "divergence")

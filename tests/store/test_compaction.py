@@ -350,3 +350,162 @@ def test_viewer_says_where_retention_pruned_rows(store):
     assert tv["forced"]["lanes"]["candidate"]["flips"] == flips  # from the recorded top-k
     with pytest.raises(TurnCompacted, match="pruned"):
         compare_turn(store, "t0")
+
+
+# -- from `make mutants` on store/compact.py and store/compaction.py ------------------------------
+
+def _sample(seed: int, turn: str, n: int, share: float) -> set[int]:
+    """The documented sample, computed here: crc32 of "seed:turn:position" under share * 2**32."""
+    import zlib
+
+    return {p for p in range(n) if zlib.crc32(f"{seed}:{turn}:{p}".encode()) < share * 2**32}
+
+
+def test_plan_reasons_exactly():
+    runs = [run({"id": "f", "turn_id": "T", "backend": "c", "mode": "forced", "token_ids": list(range(100))}),
+            run({"id": "g", "turn_id": "T", "backend": "d", "mode": "forced", "token_ids": list(range(100))}),
+            run({"id": "r", "turn_id": "T", "backend": "c", "mode": "free", "token_ids": list(range(60))}),
+            run({"id": "r2", "turn_id": "T", "backend": "d", "mode": "free", "token_ids": list(range(50))})]
+    kl = [None] + [0.01] * 49
+    kl[5] = kl[30] = 0.7  # a tie: the first (stable) of them, at position 10 + 5
+    kl[40] = float("inf")
+    comps = [comparison({"run_id": "g", "ref_run_id": "x", "mode": "forced", "status": "error", "flips": [77]}),
+             comparison({"run_id": "f", "ref_run_id": "x", "mode": "forced", "flips": [3, 40],
+                         "positions": list(range(10, 60)), "metrics": {"kl": kl}}),
+             comparison({"run_id": "g", "ref_run_id": "x", "mode": "forced", "flips": [], "metrics": {"kl": [0.0] * 100}}),
+             comparison({"run_id": "g", "ref_run_id": "p", "mode": "forced", "flips": [], "metrics": None}),
+             comparison({"run_id": "r", "ref_run_id": "p", "mode": "free", "first_flip": 12}),
+             comparison({"run_id": "r2", "ref_run_id": "p", "mode": "free", "first_flip": None})]
+    facts = [RowFacts("f", p, 0.01 * p + 0.001) for p in range(100)]
+    facts += [RowFacts("g", p, 0.0005 if p == 50 else 1.0) for p in range(100)]
+    facts += [RowFacts("r", 5, float("nan")), RowFacts("r", 6, 0.05), RowFacts("r", 9, 0.08), RowFacts("r", 20, 0.09)]
+    facts += [RowFacts("r2", 7, 0.1), RowFacts("r2", 8, 0.5)]
+    pol = EvidencePolicy(close_nats=0.1, close_share=0.05, top_kl=2, sample=0.05, seed=3)
+    plan = plan_evidence("T", runs, comps, facts, pol, 100)
+    want: dict[int, set[str]] = {}
+
+    def add(d, p, why):
+        d.setdefault(p, set()).add(why)
+
+    for p in (3, 40):
+        add(want, p, "flip")
+    add(want, 50, "kl")  # inf, the highest
+    add(want, 15, "kl")
+    add(want, 12, "divergence")
+    for p in (50, 0, 1, 2, 3):  # the 5 smallest gaps of the 11 under 0.1 (5 % of 100), any forced run
+        add(want, p, "close")
+    for p in _sample(3, "T", 100, 0.05):
+        add(want, p, "sample")
+    assert plan.forced == want
+    free_r: dict[int, set[str]] = {12: {"divergence"}}
+    for p in (5, 6, 9):  # 3 of 60: the NaN row first
+        add(free_r, p, "close")
+    for p in _sample(3, "T", 60, 0.05):
+        add(free_r, p, "sample")
+    free_r2: dict[int, set[str]] = {}
+    for p in _sample(3, "T", 50, 0.05):  # 0.1 is not under close_nats
+        add(free_r2, p, "sample")
+    assert plan.free == {"r": free_r, **({"r2": free_r2} if free_r2 else {})}
+    assert plan.kept(runs[0]) == want and plan.kept(runs[2]) == free_r and plan.kept(
+        run({"id": "zz", "turn_id": "T", "backend": "e", "mode": "free"})) == {}
+    assert _sample(3, "T", 100, 0.05) and _sample(3, "T", 100, 0.05) != _sample(4, "T", 100, 0.05)
+    assert not sampled(3, "T", 1, 0.0) and all(sampled(3, "T", p, 1.0) for p in range(50))
+
+
+def test_policy_bounds():
+    for ok in ({"topk": 1}, {"topk": 4096}, {"close_nats": 0.0}, {"top_kl": 0}, {"after_s": 0.0},
+               {"sample": 0.0}, {"sample": 1.0}, {"close_share": 0.0}, {"close_share": 1.0}):
+        EvidencePolicy(**ok)
+    for bad, msg in (({"topk": 0}, "topk"), ({"topk": 4097}, "topk"), ({"close_nats": -0.01}, "close_nats"),
+                     ({"top_kl": -1}, "top_kl"), ({"after_s": -1.0}, "after_s"), ({"sample": -0.1}, "sample"),
+                     ({"sample": 1.1}, "sample"), ({"close_share": -0.1}, "close_share"),
+                     ({"close_share": 1.5}, "close_share")):
+        with pytest.raises(ValueError, match=msg):
+            EvidencePolicy(**bad)
+
+
+def test_gap_of_a_row():
+    from tensorverse.store.compaction import _gap
+
+    assert _gap(np.array([2.0], np.float32)) == float("inf")
+    assert _gap(np.array([1.0, -3.0, 2.5, 0.5], np.float32)) == 1.5
+    assert _gap(np.array([-4.0, -1.0, -1.0], np.float32)) == 0.0
+    assert np.isnan(_gap(np.array([np.inf, 1.0, 0.0], np.float32)))
+    assert np.isnan(_gap(np.array([np.nan, 1.0, 0.0], np.float32)))
+
+
+def test_compact_row_edges_and_bfloat16():
+    x = np.array([0.5, 3.0, 3.0, -1.0, 3.0, 2.0], np.float32)
+    c = compact_row(x, k=2, extra=[0, 5, 6, -1, 1])
+    assert c.top(5) == [1, 2] and list(c.ids) == [1, 2, 0, 5]  # ties by id; extras in range, sorted, new
+    assert c.logits.dtype == np.float32 and c.ids.dtype == np.int32
+    assert c.rank([1, 2, 0, 5, 4]) == [0, 0, None, None, None]
+    assert compact_row(x, k=6).top(6) == [1, 2, 4, 5, 0, 3]
+    assert compact_row(x.reshape(2, 3), k=3).vocab == 6
+    assert compact_row(x, k=3).top(3) == [1, 2, 4]  # a tie at the k-th value: the lowest ids
+    assert compact_row(np.array([1.0, np.nan, 2.0], np.float32), k=1).top(1) == [2]
+    with pytest.raises(ValueError, match="empty row"):
+        compact_row(np.zeros(0, np.float32))
+    with pytest.raises(ValueError, match="k must be in 1..6"):
+        compact_row(x, k=7)
+    with pytest.raises(ValueError, match="dtype"):
+        compact_row(x, dtype="int8")
+    b = compact_row(x, k=2, dtype="bfloat16", fingerprint=0xDEADBEEF)
+    back = decode_compact(encode_compact(b))
+    assert back.dtype == "bfloat16" and back.fingerprint == 0xDEADBEEF and back.k == 2 and back == b
+    assert back != compact_row(x, k=3) and back != "row"
+    assert compact_row(x, k=2).fingerprint == blob_info(encode_row(x))["crc32"]
+    assert np.isnan(compact_row(np.array([np.inf, 0.0], np.float32), k=1).lse)
+    assert compact_row(np.array([0.0, 0.0], np.float32), k=2).lse == pytest.approx(np.log(2), abs=1e-15)
+
+
+def _reblob(body: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_decode_compact_refuses_each_bad_field():
+    import struct
+
+    good = encode_compact(compact_row(np.arange(8, dtype=np.float32), k=3))
+    body = bytearray(good[:-4])
+    assert decode_compact(_reblob(bytes(body)), record="r@1").top(3) == [7, 6, 5]
+    cases = {0: (b"XVCR", "not a compact row"), 4: (b"\x02", "compact format 2"), 5: (b"\x09", "bad header"),
+             6: (struct.pack("<H", 0), "bad header"), 8: (struct.pack("<H", 1), "bytes for 4 entries"),
+             10: (struct.pack("<I", 7), "outside the vocabulary")}
+    for off, (val, msg) in cases.items():
+        b = bytearray(body)
+        b[off:off + len(val)] = val
+        with pytest.raises(CodecError, match=msg) as e:
+            decode_compact(_reblob(bytes(b)), record="r@1")
+        assert "compact row 'r@1'" in str(e.value)
+    neg = bytearray(body)
+    neg[26:30] = struct.pack("<i", -1)
+    with pytest.raises(CodecError, match="outside"):
+        decode_compact(_reblob(bytes(neg)))
+    edge = bytearray(body)
+    edge[26:30] = struct.pack("<i", 0)  # id 0 is in the vocabulary
+    assert 0 in decode_compact(_reblob(bytes(edge))).ids
+    with pytest.raises(CodecError, match="^compact row: truncated"):
+        decode_compact(good[:29])
+    assert len(good) == 26 + 8 * 3 + 4
+
+
+def test_each_skip_says_which_turn_and_why(store):
+    turns, _ = workload(store, turns=1)
+    from tensorverse.store.compaction import CompactionResult
+
+    assert compact_turn(store, "t0", replace(POLICY, after_s=7200)) == CompactionResult("t0", "skipped", "recent")
+    now = time.time_ns()
+    assert compact_turn(store, "t0", replace(POLICY, after_s=3599), now_ns=now).status == "compacted"
+    assert compact_turn(store, "t0", POLICY) == CompactionResult("t0", "skipped", "compacted already")
+    store.put_session({"id": "sx", "created_ns": 1}).result()
+    store.put_turn({"id": "tx", "session_id": "sx", "index": 0, "created_ns": 1}).result()
+    store.put_run({"id": "tx.rec", "turn_id": "tx", "backend": "p", "mode": "recorded", "token_ids": [1]}).result()
+    assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "no rows")
+    store.pin_session("sx").result()
+    assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "pinned")
+    out = compact_store(store, POLICY)
+    assert out == []  # t0 is done, sx is pinned
