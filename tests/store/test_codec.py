@@ -416,3 +416,49 @@ def test_masked_and_constant_rows():
     assert len(blob) < 1000
     assert_round_trip(np.zeros(n, np.float32))
     assert_round_trip(np.full(n, np.nan, np.float32))
+
+
+# -- from `make mutants` on store/codec.py --------------------------------------------------------
+
+def test_errors_name_the_blob_when_no_record_is_given():
+    from tensorverse.store.codec import CodecError, decode_row
+
+    with pytest.raises(CodecError, match="^logits blob: "):
+        decode_row(b"not a blob at all, long enough to parse")
+    with pytest.raises(CodecError, match="^logits record 'r@3': "):
+        decode_row(b"not a blob at all, long enough to parse", record="r@3")
+
+
+def test_row_checksum_of_bfloat16_bits_is_the_blob_fingerprint():
+    from tensorverse.store.codec import blob_info, encode_row, row_checksum
+
+    bits = (np.arange(64, dtype=np.uint16) * 977) & 0x7F7F
+    assert row_checksum(bits, dtype="bfloat16") == blob_info(encode_row(bits, dtype="bfloat16"))["crc32"]
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert row_checksum(widened) == row_checksum(bits, dtype="bfloat16")  # the same row, either form
+
+
+def test_matrices_of_float16_and_bfloat16_keep_their_shape():
+    from tensorverse.store.codec import decode_row, encode_row
+
+    h = (np.arange(24, dtype=np.float32) / 7).astype(np.float16).reshape(4, 6)
+    back = decode_row(encode_row(h))
+    assert back.shape == (4, 6) and back.dtype == np.float16 and back.tobytes() == h.tobytes()
+    b = ((np.arange(24, dtype=np.uint16) * 311) & 0x7F7F).reshape(3, 8)
+    back = decode_row(encode_row(b, dtype="bfloat16"))
+    assert back.shape == (3, 8) and back.dtype == np.uint16 and back.tobytes() == b.tobytes()
+
+
+def test_entropy_estimate_of_a_plane():
+    """The raw-or-zstd test's estimate (bits per byte): a plane longer than the sample is read at a
+    stride of len // 4096, so an alternating plane of 8192 bytes reads as constant; shorter planes are
+    read whole. (A wrong estimate costs bytes or time, never correctness: planes are lossless.)"""
+    from tensorverse.store.codec import _SAMPLE, _entropy_bits
+
+    alt = np.tile(np.array([0, 255], np.uint8), 4096)
+    assert _entropy_bits(alt[:4098]) == 1.0  # 4098 < 2 * 4096: stride 1
+    assert _entropy_bits(alt[: 2 * _SAMPLE]) == 0.0  # stride 2: every other byte
+    assert _entropy_bits(np.full(100, 7, np.uint8)) == 0.0
+    assert _entropy_bits(np.arange(256, dtype=np.uint8)) == 8.0
+    rng = np.random.default_rng(0)
+    assert 7.9 < _entropy_bits(rng.integers(0, 256, 100_000, dtype=np.uint8)) <= 8.0
