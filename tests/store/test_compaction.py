@@ -509,3 +509,53 @@ def test_each_skip_says_which_turn_and_why(store):
     assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "pinned")
     out = compact_store(store, POLICY)
     assert out == []  # t0 is done, sx is pinned
+
+
+def test_the_record_and_result_exactly(store):
+    from dataclasses import asdict
+
+    turns, originals = workload(store, turns=1)
+    t = turns[0]
+    sizes = {rid: {p: len(b) for p, b in store.read_rows(rid)} for rid in t.run_ids.values()}
+    now = time.time_ns()
+    r = compact_turn(store, "t0", POLICY, now_ns=now)
+    rec = store.compaction("t0")
+    assert set(rec) == {"turn_id", "at_ns", "policy", "reference_run", "runs", "reasons", "free_reasons",
+                        "bytes_before", "bytes_after"}
+    assert rec["turn_id"] == "t0" and rec["at_ns"] == now and rec["policy"] == asdict(POLICY)
+    assert r.turn_id == "t0" and r.status == "compacted" and r.why == ""
+    assert r.bytes_before == rec["bytes_before"] == sum(sum(s.values()) for s in sizes.values())
+    after = sum(len(b) for rid in t.run_ids.values() for _, b in store.read_rows(rid)) + \
+        sum(len(b) for rid in t.run_ids.values() for _, b in store.read_compact_rows(rid))
+    assert r.bytes_after == rec["bytes_after"] == after
+    assert r.rows_delta == sum(len(x["delta"]) for x in rec["runs"].values())
+    assert r.rows_full == sum(len(x["full"]) - len(x["delta"]) for x in rec["runs"].values())
+    assert r.rows_compact == sum(x["compact"] for x in rec["runs"].values()) == \
+        sum(len(store.read_compact_rows(rid)) for rid in t.run_ids.values())
+    assert r.rows_full + r.rows_delta + r.rows_compact == 6 * N
+    for (backend, mode), rid in t.run_ids.items():
+        x = rec["runs"][rid]
+        assert set(x) == {"backend", "mode", "full", "delta", "delta_ref", "compact", "topk"}
+        assert (x["backend"], x["mode"], x["topk"]) == (backend, mode, 20)
+        assert x["full"] == sorted(x["full"]) and set(x["delta"]) <= set(x["full"])
+        assert (x["delta_ref"] is None) == (not x["delta"])
+        assert x["compact"] == N - len(x["full"])
+    free = t.run_ids[("candidate", "free")]
+    assert rec["free_reasons"][free][str(t.flips[0])] == ["divergence"] or "divergence" in \
+        rec["free_reasons"][free][str(t.flips[0])]
+    run_tokens = store.get_run(free)["token_ids"]
+    src = StoredRows(store)
+    for p, _ in store.read_compact_rows(free):  # the run's own token and the primary's, kept
+        c = src.compact(free, p)
+        assert {run_tokens[p], t.tokens[p]} <= set(int(i) for i in c.ids)
+
+
+def test_no_deltas_when_the_policy_says_so_and_deltas_are_not_recompacted(store):
+    turns, originals = workload(store, turns=2)
+    r = compact_turn(store, "t0", replace(POLICY, delta=False))
+    assert r.status == "compacted" and r.rows_delta == 0
+    assert all(x["delta"] == [] and x["delta_ref"] is None for x in store.compaction("t0")["runs"].values())
+    t1 = turns[1]
+    twin, ref = t1.run_ids[("twin", "forced")], t1.run_ids[("secondary", "forced")]
+    store.write_rows(twin, [(0, encode_row(originals[twin][0], ref=originals[ref][0]))]).result()
+    assert compact_turn(store, "t1", POLICY).why == f"row {twin}@0 is a delta already"
