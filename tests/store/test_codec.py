@@ -462,3 +462,39 @@ def test_entropy_estimate_of_a_plane():
     assert _entropy_bits(np.arange(256, dtype=np.uint8)) == 8.0
     rng = np.random.default_rng(0)
     assert 7.9 < _entropy_bits(rng.integers(0, 256, 100_000, dtype=np.uint8)) <= 8.0
+
+
+def test_each_inner_check_names_the_record_and_the_reason():
+    """Blobs whose trailing checksum is valid but whose insides are wrong: each check raises with
+    the record's name and its own reason (the trailing checksum alone would not say what)."""
+    import struct
+
+    from tensorverse.store.codec import CodecError, decode_row, encode_row
+
+    def sealed(b: bytes) -> bytes:
+        return b[:-4] + struct.pack("<I", zlib.crc32(b[:-4]))
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(64) * 3).astype(np.float32)
+    good = encode_row(x)
+    planes_at = 16 + 8 * 1 + 1  # header, one dimension, the plane count
+    cases = [
+        (sealed(b"XXXX" + good[4:]), "not a logits blob \\(bad magic\\)"),
+        (sealed(good[:4] + b"\x07" + good[5:]), "unsupported codec version 7 \\(this is 1\\)"),
+        (sealed(good[:8] + struct.pack("<I", 12345) + good[12:]), "decoded row checksum mismatch"),
+        (sealed(good[:planes_at] + b"\x09" + good[planes_at + 1:]), "plane 0: unknown method 9"),
+    ]
+    for blob, reason in cases:
+        with pytest.raises(CodecError, match=f"^logits record 'R@1': {reason}"):
+            decode_row(blob, record="R@1")
+    ref = x.copy()
+    ref[3] += 1
+    delta = encode_row(x, ref=ref)
+    with pytest.raises(CodecError, match="^logits record 'R@2': blob is delta-encoded against a reference row; pass ref="):
+        decode_row(delta, record="R@2")
+    with pytest.raises(CodecError, match="^logits record 'R@2': ref does not match the row this blob was encoded against"):
+        decode_row(delta, ref=x, record="R@2")
+    with pytest.raises(CodecError, match="^logits record 'R@2': ref has shape \\(3,\\), blob has shape \\(64,\\)"):
+        decode_row(delta, ref=ref[:3], record="R@2")
+    with pytest.raises(CodecError, match="^logits record 'R@3': blob must be bytes, not int"):
+        decode_row(7, record="R@3")
