@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tensorverse.store import RecordNotFound, records
-from tensorverse.store.codec import blob_info, decode_row
+from tensorverse.store.codec import CodecError, blob_info, decode_row
 from tensorverse.store.compact import CompactRow, decode_compact
 
 __all__ = ["StoredRows", "RowCompacted", "RowPruned"]
@@ -99,8 +99,11 @@ class StoredRows:
                 raise RowPruned(run_id, position) from None
             raise
         record = f"{run_id}@{position}"
-        if not blob_info(blob, record=record)["needs_ref"]:
+        try:
             return decode_row(blob, record=record)
+        except CodecError:
+            if not blob_info(blob, record=record)["needs_ref"]:  # really bad, not a delta
+                raise
         ref = self.delta_ref(run_id)
         if ref is None or _depth >= self._MAX_DEPTH:
             raise RecordNotFound(f"row {position} of run {run_id} is a delta and its turn names no reference run")
