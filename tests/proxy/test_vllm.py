@@ -207,7 +207,7 @@ def test_shadows_forced_and_free_runs_stored(rig, make_proxy, settle, turns):
     runs = list(proxy.store.iter_runs(t["id"]))
     got = {(r["backend"], r["mode"]) for r in runs}
     assert {("fp32", "forced"), ("fp32", "free"), ("fp16", "forced"), ("fp16", "free")} <= got, runs
-    assert all(r["status"] == "ok" for r in runs if r["mode"] in ("forced", "free")), runs
+    assert all(r["status"] == "ok" for r in runs if r["mode"] in ("forced", "free")), [(r["backend"], r["mode"], r["status"], r.get("error")) for r in runs]
     comparisons = [c for r in runs for c in proxy.store.iter_comparisons(r["id"])]
     assert comparisons, "no analysis stored"
     assert proxy.tee.stats()["backend"]["fp32"]["ok"] == 1
