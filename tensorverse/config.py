@@ -295,8 +295,10 @@ class RetentionSection(_Section):
         """A budget is set (pruning); compaction runs whenever ``compact`` is on."""
         return self.max_age is not None or self.max_bytes is not None
 
-    def evidence_policy(self):  # -> tensorverse.store.compaction.EvidencePolicy | None
-        if not self.compact:
+    def evidence_policy(self, *, even_if_off: bool = False):  # -> compaction.EvidencePolicy | None
+        """The compaction policy; None when ``compact`` is off (unless ``even_if_off``: the
+        ``store compact`` command, asked by hand, uses the section's other values)."""
+        if not self.compact and not even_if_off:
             return None
         from tensorverse.store.compaction import EvidencePolicy
 

@@ -179,7 +179,7 @@ def _run_compact(args: argparse.Namespace) -> int:
 
     try:
         section = load_config(args.config).retention if args.config else RetentionSection()
-        policy = section.evidence_policy() or RetentionSection().evidence_policy()
+        policy = section.evidence_policy(even_if_off=True)
         if args.after is not None:
             policy = replace(policy, after_s=parse_duration(args.after))
         if args.limit is not None and args.limit < 1:
