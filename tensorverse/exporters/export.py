@@ -381,11 +381,11 @@ def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
 
     src = StoredRows(store)
     base = {"run_id": run.id, "turn_id": run.turn_id, "backend": run.backend, "mode": run.mode}
-    full = [("full", p, None) for p, _ in store.read_rows(run.id)]
-    compact = [("compact", p, b) for p, b in getattr(store, "read_compact_rows", lambda _: [])(run.id)]
+    full = [("full", p, b) for p, b in store.read_rows(run.id)]
+    compact = [("compact", p, b) for p, b in store.read_compact_rows(run.id)]
     for form, pos, blob in sorted(full + compact, key=lambda x: x[1]):
         if form == "full":
-            a = np.asarray(widen_bf16(src.row(run.id, pos)), dtype=np.float32).reshape(-1)
+            a = np.asarray(widen_bf16(src.decode(run.id, pos, blob)), dtype=np.float32).reshape(-1)
             yield {**base, "position": int(pos), "vocab": int(a.size), "form": "full", "logits": a.tolist(),
                    "kept_ids": None, "kept_logits": None, "lse": None}
         else:

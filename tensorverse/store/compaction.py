@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.metrics import widen_bf16
 from tensorverse.store import records
 from tensorverse.store.codec import blob_info, decode_row, encode_row
 from tensorverse.store.compact import compact_row, encode_compact
@@ -250,7 +251,7 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
             info = blob_info(blob, record=rec)
             if info["needs_ref"]:
                 return CompactionResult(turn_id, "skipped", f"row {rec} is a delta already")
-            x = _widen(decode_row(blob, record=rec)).reshape(-1)
+            x = widen_bf16(decode_row(blob, record=rec)).reshape(-1)
             extra = [t for t in (r.token_ids[p] if p < len(r.token_ids) else None,
                                  tokens[p] if p < len(tokens) else None) if t is not None]
             c = compact_row(x, k=min(policy.topk, x.size), extra=extra, dtype=info["dtype"],
@@ -316,12 +317,6 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
     except CompactionConflict as e:
         return CompactionResult(turn_id, "conflict", str(e))
     return result
-
-
-def _widen(a: np.ndarray) -> np.ndarray:
-    if a.dtype == np.uint16:  # bfloat16 bits
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32, copy=False)
 
 
 def due_turns(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None) -> Iterable[str]:

@@ -98,6 +98,10 @@ class StoredRows:
             if self.pruned(run_id):
                 raise RowPruned(run_id, position) from None
             raise
+        return self.decode(run_id, position, blob, _depth)
+
+    def decode(self, run_id: str, position: int, blob: bytes, _depth: int = 0) -> np.ndarray:
+        """Decode a row blob already read from the store (through its delta reference)."""
         record = f"{run_id}@{position}"
         try:
             return decode_row(blob, record=record)
