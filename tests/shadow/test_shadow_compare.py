@@ -274,3 +274,61 @@ def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(stor
     early = out[("early-r", prim)]
     assert early["divergence"]["position"] == 2
     assert early["flip_class"] == "runtime" and early["flips_by_class"]["runtime"] == 1
+
+
+# -- from `make mutants` on shadow/compare.py ---------------------------------------------------
+
+def test_a_compacted_or_pruned_turn_is_refused_with_its_reason(store, turn_runs):
+    import orjson
+
+    from tensorverse.shadow.compare import TurnCompacted, _refuse_compacted
+    from tensorverse.store import schema
+
+    _refuse_compacted(store, "T")  # not compacted: nothing
+    _refuse_compacted(store, None)
+    _refuse_compacted(object(), "T")  # a store without compaction (a replay's in-memory one)
+
+    def mark(rec):
+        store.submit(lambda txn: txn.put(b"T", orjson.dumps(rec), db=store._dbs[schema.COMPACTED])).result()
+
+    mark({"turn_id": "T", "runs": {}})
+    with pytest.raises(TurnCompacted) as e:
+        compare_turn(store, "T")
+    assert str(e.value) == ("turn T: its rows were compacted; its stored comparisons are the exact ones "
+                            "(computed from the full rows) and are not recomputed")
+    mark({"turn_id": "T", "runs": {}, "rows_pruned": 1})
+    with pytest.raises(TurnCompacted, match="^turn T: its rows were pruned by \\[retention\\]; "):
+        compare_turn(store, "T")
+
+
+def test_load_rows_gives_one_float32_matrix_and_refuses_mixed_widths(store):
+    from tensorverse.analysis.metrics import AnalysisInputError
+    from tensorverse.shadow.compare import load_rows
+
+    empty = load_rows(store, "none", [])
+    assert empty.shape == (0, 0) and empty.dtype == np.float32
+    x = ref_logits()
+    put_rows(store, "a", x)
+    got = load_rows(store, "a", [4, 1])
+    assert got.dtype == np.float32 and got.shape == (2, V) and np.array_equal(got, x[[4, 1]])
+    bits = (np.arange(V, dtype=np.uint16) * 7) & 0x7F7F  # bfloat16 rows come back widened
+    store.write_rows("b", [(0, encode_row(bits, dtype="bfloat16"))]).result()
+    assert np.array_equal(load_rows(store, "b", [0])[0], (bits.astype(np.uint32) << 16).view(np.float32))
+    store.write_rows("c", [(0, encode_row(x[0])), (1, encode_row(x[1, :10]))]).result()
+    with pytest.raises(AnalysisInputError, match=r"^run c: rows of different widths \[10, 50\]"):
+        load_rows(store, "c", [0, 1])
+
+
+def test_chunked_comparison_equals_the_one_chunk_comparison(store, turn_runs, monkeypatch):
+    """Rows are compared CHUNK positions at a time: the columns, flips and classes of a turn
+    compared 2 positions at a time are the one-chunk ones, position for position."""
+    import tensorverse.shadow.compare as C
+
+    whole = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    monkeypatch.setattr(C, "CHUNK", 2)
+    parts = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    assert parts.keys() == whole.keys()
+    for k, c in whole.items():
+        assert parts[k] == c, k
+    full = whole[("cand-f", "sec-f")]
+    assert full["kind"] == "full" and len(full["metrics"]["kl"]) == N and full["flips"] == [3]
