@@ -176,11 +176,13 @@ def _dump(obj: Any) -> bytes:
 def write_corpus(path: str | os.PathLike, cases: Sequence[Mapping[str, Any]], *,
                  tokenizer: Mapping[str, Any] | None = None, scrub: Mapping[str, Any] | None = None,
                  name: str | None = None, description: str | None = None,
-                 created: str | None = None, with_version: bool = True) -> Path:
+                 created: str | None = None, with_version: bool = True,
+                 model: Mapping[str, str] | None = None) -> Path:
     """Write a corpus directory (cases, manifest, schemas, scrub report). Case files are written
     first and the manifest last (through a temporary file), so a reader never sees a manifest
     naming cases that are not there. ``created`` (a UTC timestamp) and ``with_version=False``
-    (no ``tensorverse_version``) make the bytes reproducible, for a corpus kept in git."""
+    (no ``tensorverse_version``) make the bytes reproducible, for a corpus kept in git. ``model``
+    (``{"name", "content_hash"}``) names the model that produced the recorded tokens."""
     p = Path(path)
     (p / "cases").mkdir(parents=True, exist_ok=True)
     (p / "schema").mkdir(exist_ok=True)
@@ -207,6 +209,8 @@ def write_corpus(path: str | os.PathLike, cases: Sequence[Mapping[str, Any]], *,
         manifest["name"] = name
     if description:
         manifest["description"] = description
+    if model:
+        manifest["model"] = {"name": model["name"], "content_hash": model["content_hash"]}
     validate_manifest(manifest)
     if scrub:
         (p / "scrub-report.json").write_bytes(_dump(scrub))
