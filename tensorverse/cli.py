@@ -376,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_store(sub)  # tensorverse store [stats|prune|pin]
     register_report(sub)  # tensorverse report ...
+    from tensorverse.rig.cli import register as register_rig
+
+    register_rig(sub)  # tensorverse rig run|suites
+    # HYPERCUBE-REGISTER (enabled once tensorverse/hypercube/cli.py lands)
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     return parser
 

@@ -60,6 +60,8 @@ SERVER_ONLY = {
 PARTLY = {
     "proxy": "`--check` forms run (they validate and exit); without it the proxy serves",
     "demo": "`--help` runs; the demo itself starts four vLLM servers (tests/demo/test_demo_vllm.py)",
+    "rig": "`rig suites` runs; `rig run` starts vLLM servers (tests/rig/test_rig_run_vllm.py; its "
+           "refusals without a server: tests/rig/test_rig_run.py)",
 }
 # New commands whose owner has not added their run here yet: parsed only, and listed, so that
 # this stays a decision (remove the entry with the executor).
@@ -650,6 +652,25 @@ def _run_demo(form: Form, tmp: Path, capsys) -> None:
     assert out.startswith("usage: tensorverse demo") and "--runtimes" in out and "--no-view" in out
 
 
+def _run_rig(form: Form, tmp: Path, capsys) -> None:
+    if "run" in form.tokens[1:2] and "--help" not in form.tokens:
+        return  # starts vLLM servers: parsed only
+    code = main(instantiate(form).argv) if "--help" not in form.tokens else None
+    if code is None:
+        with pytest.raises(SystemExit) as e:
+            main(instantiate(form).argv)
+        assert e.value.code == 0
+        assert capsys.readouterr().out.startswith("usage: tensorverse rig")
+        return
+    out = capsys.readouterr().out
+    if "suites" in form.tokens:
+        from tensorverse.rig.suite import SUITES
+
+        assert code == 0 and all(s.name in out for su in SUITES.values() for s in su.settings)
+    else:
+        assert code == 2  # `tensorverse rig` alone: its help, as a usage error
+
+
 def _run_scrub(form: Form, tmp: Path, capsys) -> None:
     if "--tokenizer-url" in form.tokens:
         return  # asks a vLLM server for its tokenizer: parsed only
@@ -675,7 +696,77 @@ def _run_scrub(form: Form, tmp: Path, capsys) -> None:
     assert not any(o in t for o in ORIGINALS for t in case_texts)  # scrubbed
 
 
+def _shipped_bundle(path: Path, label: str) -> Path:
+    """A bundle of the shipped cpu-v1 corpus through the real writer: two settings that agree
+    with the recorded tokens everywhere (no logits needed), one refused."""
+    from tensorverse.bundle.known import known_corpus
+    from tensorverse.bundle.make import SettingOutcome, make_bundle
+    from tensorverse.rig.suite import suite
+
+    s = suite("cpu-v1")
+    k = known_corpus(s.corpus_dir)
+    pos = [{"setting": n, "case": c, "turn": t, "position": i, "token": tok, "top1": tok, "flip": False,
+            "flip_class": None, "margin": 1.0, "kl": 0.0, "topk_ids": None, "topk_logits": None}
+           for n in ("bf16", "bf16_noise") for (c, t), toks in k.tokens.items() for i, tok in enumerate(toks)]
+    free = [{"setting": n, "case": c, "turn": t, "status": "ok", "tokens": len(toks), "diverged": False,
+             "first_divergence": None, "verdict": "match"}
+            for n in ("bf16", "bf16_noise") for (c, t), toks in k.tokens.items()]
+    settings = [SettingOutcome("bf16", "reference", "bfloat16", "ran"),
+                SettingOutcome("bf16_noise", "noise", "2", "ran"),
+                SettingOutcome("fp8_kv_e4m3", "kv_cache_dtype", "fp8_e4m3", "refused", "no AVX-512")]
+    return make_bundle(path, suite={"name": s.name, "version": s.version}, corpus=k, rig_label=label,
+                       fingerprint={"label": label}, settings=settings, reference="bf16", noise="bf16_noise",
+                       positions=pos, free=free, provenance={"test": "cli usage"})
+
+
+def _run_report_check(form: Form, tmp: Path, capsys) -> None:
+    """`report check BUNDLE ... [--corpus DIR] [--json]`: bundles made by the real writer, every
+    one accepted; the form's bundles are these. With ``--corpus DIR``: synthetic bundles of a
+    synthetic corpus in DIR; without: bundles of the shipped cpu-v1 corpus."""
+    from tensorverse.testing.rig_bundles import make_corpus, synth_bundle
+
+    corpus = make_corpus(tmp / "rig-corpus")
+    tokens = list(form.tokens)
+    shipped = "--corpus" not in tokens
+    argv, bundles, i = ["report", "check"], [], 2
+    while i < len(tokens):
+        t = tokens[i]
+        if t == "--corpus":
+            argv += [t, str(corpus.path)]
+            i += 2
+        elif t == "--json":
+            argv.append(t)
+            i += 1
+        elif t == "...":  # more bundles: the form's own are enough
+            i += 1
+        else:
+            path, label = tmp / f"rig{len(bundles)}.tvbundle", f"rig-{len(bundles)}"
+            b = _shipped_bundle(path, label) if shipped else synth_bundle(
+                path, corpus, rig_label=label, scales={"bf16": 0, "bf16_noise": 0.05, "fp8": 0.6},
+                refused={"fp8_kv": "no AVX-512"}, rig_seed=len(bundles) + 1)
+            bundles.append(str(b))
+            argv.append(str(b))
+            i += 1
+    code, printed, err = run_cli(argv, capsys)
+    assert code == 0, f"{argv}: {printed}{err}"
+    ran = ["bf16", "bf16_noise"] if shipped else ["bf16", "bf16_noise", "fp8"]
+    if shipped:
+        from tensorverse.bundle.known import known_corpus
+        from tensorverse.rig.suite import suite
+
+        corpus = known_corpus(suite("cpu-v1").corpus_dir)
+    if "--json" in argv:
+        got = json.loads(printed)["bundles"]
+        assert [(b["path"], b["ok"], b["rig"], b["settings_ran"]) for b in got] == \
+            [(b, True, f"rig-{k}", ran) for k, b in enumerate(bundles)]
+    else:
+        assert printed.splitlines() == [f"{b}: ok (rig rig-{k}, {len(ran)} settings ran, 1 refused; "
+                                        f"{len(ran) * corpus.positions} positions)" for k, b in enumerate(bundles)]
+
+
 def _run_report(form: Form, tmp: Path, capsys) -> None:
+    if form.tokens[1] == "check":
+        return _run_report_check(form, tmp, capsys)
     from tests.replay.test_replay_runner import PROMPTS, _replay, make_case
     from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
@@ -803,7 +894,7 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
 
 EXECUTORS: dict[str, Callable[[Form, Path, Any], None]] = {
     "sessions": _run_sessions, "export": _run_export, "analyze": _run_analyze, "view": _run_view,
-    "proxy": _run_proxy, "demo": _run_demo, "scrub": _run_scrub, "report": _run_report,
+    "proxy": _run_proxy, "demo": _run_demo, "scrub": _run_scrub, "report": _run_report, "rig": _run_rig,
     "verdict": _run_verdict, "store": _run_store,
 }
 

@@ -69,7 +69,9 @@ def test_installed_package_comes_from_the_wheel_and_imports_everything(installed
     assert int(count) > 50
     for res in ("viz/static/index.html", "viz/static/app.js", "viz/static/app.css",
                 "replay/schema/case.schema.json", "replay/schema/corpus.schema.json",
-                "demo/data/netops-demo.json", "demo/data/netops-demo.safetensors.zst"):
+                "demo/data/netops-demo.json", "demo/data/netops-demo.safetensors.zst",
+                "rig/corpora/demo-netops-v1/corpus.json", "rig/corpora/demo-netops-v1/cases/demo-00-show-route.json",
+                "bundle/schema/manifest-1.schema.json"):
         assert (Path(where).parent / res).is_file(), f"{res} missing from the wheel"
     assert "tests" not in {p.name for p in Path(where).parent.parent.iterdir()}
     # the shipped demo model arrives whole (its checksum, then its vocabulary read back)

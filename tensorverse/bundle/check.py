@@ -212,6 +212,9 @@ def check_bundle(path: str, corpora: Mapping[str, KnownCorpus], limits: Limits =
     provenance = b.json(PROVENANCE)
     _strings(summaries, limits.string_chars, SUMMARIES)
     _strings(provenance, limits.string_chars, PROVENANCE)
+    for name, obj in ((SUMMARIES, summaries), (PROVENANCE, provenance)):
+        if not isinstance(obj, dict):
+            raise BundleRefused("schema", f"{name} is a JSON {type(obj).__name__}, not an object")
     for r in positions + free:
         for k in ("setting", "case"):
             if not isinstance(r[k], str) or not NAME_RE.match(r[k]):
@@ -220,9 +223,14 @@ def check_bundle(path: str, corpora: Mapping[str, KnownCorpus], limits: Limits =
     _check_free(free, set(ran), corpus)
     want = summarize(positions, free, ran)
     if json.dumps(summaries, sort_keys=True) != json.dumps(want, sort_keys=True):
-        diff = next((f"{s}.{k}: bundle {summaries.get(s, {}).get(k)!r}, tables {v!r}"
+        def got(s: str, k: str) -> Any:
+            one = summaries.get(s)
+            return one.get(k) if isinstance(one, dict) else None
+
+        diff = next((f"{s}.{k}: bundle {repr(got(s, k))[:80]}, tables {v!r}"
                      for s in want for k, v in want[s].items()
-                     if not isinstance(summaries.get(s), dict) or summaries[s].get(k) != v),
-                    f"settings {sorted(summaries) if isinstance(summaries, dict) else summaries!r} vs {ran}")
+                     if not isinstance(summaries.get(s), dict)
+                     or json.dumps(got(s, k), sort_keys=True) != json.dumps(v, sort_keys=True)),
+                    f"settings {sorted(summaries)[:20]} vs {ran}, or fields other than the tables give")
         raise BundleRefused("summary_mismatch", diff)
     return CheckedBundle(str(path), m, positions, free, summaries, provenance)

@@ -57,7 +57,9 @@ DATA_MEMBERS = (POSITIONS, FREE, SUMMARIES, PROVENANCE)  # hashed in the manifes
 
 TOPK_AT_FLIPS = 5
 FLIP_CLASSES = ("tie", "near_tie", "noise", "runtime")
-FREE_VERDICTS = ("match", "mismatch", "error")
+# a free run's tool-call verdict against the recorded output (tensorverse.analysis.toolcalls)
+FREE_VERDICTS = ("malformed", "count_mismatch", "wrong_func_name", "missing_param", "unexpected_param",
+                 "value_mismatch", "match")
 SETTING_STATUSES = ("ran", "refused", "failed")
 # names of settings, cases, suites and rigs: plain identifiers (the checker refuses others)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]{0,127}$")

@@ -99,6 +99,8 @@ class Bundle:
             return json.loads(b.decode("utf-8"), parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError) as e:
             raise BundleRefused("schema", f"{name} is not JSON: {e}") from None
+        except RecursionError:  # nested deeper than the parser's stack ("[" * 100000)
+            raise BundleRefused("schema", f"{name} is nested too deep to read") from None
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -159,16 +161,20 @@ def open_bundle(path: str | os.PathLike, limits: Limits = DEFAULT_LIMITS) -> Bun
                 infos.append(ti)
                 if len(infos) > len(MEMBERS):
                     raise BundleRefused("unsafe_member", f"more than {len(MEMBERS)} members")
-        except tarfile.TarError as e:
+        except BundleRefused:
+            raise
+        except (tarfile.TarError, OSError, ValueError, EOFError) as e:  # a header whose size seeks nowhere
             raise BundleRefused("unreadable", f"{p.name}: {e}") from None
         for ti in infos:
             if ti.name not in MEMBERS:
                 raise BundleRefused("unsafe_member", f"member {ti.name!r} is not one of {', '.join(MEMBERS)}")
-            if not ti.isreg():
+            if ti.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):  # not isreg(): no sparse or contiguous files
                 raise BundleRefused("unsafe_member", f"member {ti.name!r} is not a regular file "
                                                      f"(links and directories are refused)")
             if ti.name in members:
                 raise BundleRefused("unsafe_member", f"member {ti.name!r} appears twice")
+            if ti.size < 0:
+                raise BundleRefused("unreadable", f"member {ti.name} has a negative size ({ti.size})")
             if ti.size > limits.member_bytes:
                 raise BundleRefused("too_large", f"member {ti.name} is {ti.size} bytes (limit {limits.member_bytes})")
             members[ti.name] = b""
@@ -176,8 +182,11 @@ def open_bundle(path: str | os.PathLike, limits: Limits = DEFAULT_LIMITS) -> Bun
             if name not in members:
                 raise BundleRefused("missing_member", f"{p.name} has no {name}")
         for ti in infos:
-            fh = tf.extractfile(ti)
-            members[ti.name] = fh.read(ti.size + 1) if fh is not None else b""
+            try:
+                fh = tf.extractfile(ti)
+                members[ti.name] = fh.read(ti.size + 1) if fh is not None else b""
+            except (tarfile.TarError, OSError, ValueError, EOFError) as e:
+                raise BundleRefused("unreadable", f"member {ti.name} cannot be read: {e}") from None
             if len(members[ti.name]) != ti.size:
                 raise BundleRefused("unreadable", f"member {ti.name} is truncated")
     return Bundle(p, members, limits)

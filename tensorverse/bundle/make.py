@@ -34,9 +34,10 @@ class SettingOutcome:
                 "reason": self.reason, "vllm_args": list(self.vllm_args), "env": dict(self.env)}
 
 
-def rig_id(fingerprint: Mapping[str, Any]) -> str:
-    """16 hex digits naming a rig by its fingerprint (the same machine and stack: the same id)."""
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def rig_id(fingerprint: Mapping[str, Any], label: str = "") -> str:
+    """16 hex digits naming a rig by its fingerprint and label (the same machine and stack under
+    the same label: the same id; two profiles of one machine under two labels: two rigs)."""
+    return hashlib.sha256(json.dumps([fingerprint, label], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def make_bundle(path: str | Path, *, suite: Mapping[str, Any], corpus: KnownCorpus, rig_label: str,
@@ -53,7 +54,7 @@ def make_bundle(path: str | Path, *, suite: Mapping[str, Any], corpus: KnownCorp
         "created": created or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "suite": {"name": suite["name"], "version": int(suite["version"])},
         "corpus": corpus.identity(),
-        "rig": {"id": rig_id(fingerprint), "label": rig_label, "fingerprint": dict(fingerprint)},
+        "rig": {"id": rig_id(fingerprint, rig_label), "label": rig_label, "fingerprint": dict(fingerprint)},
         "reference_setting": reference, "noise_setting": noise,
         "settings": [s.as_dict() for s in settings],
     }

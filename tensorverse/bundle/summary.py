@@ -5,8 +5,8 @@ For one setting: ``positions``, ``flips`` (forced positions whose top-1 is not t
 token), ``flip_rate``, ``flips_by_class``, ``turns`` and ``turns_with_flip`` (the unit the
 hypercube's intervals use), ``kl_mean`` / ``kl_max`` (KL from the rig's reference setting,
 exactly rounded sums: :func:`math.fsum`, so the figure does not depend on row order), and for the
-free runs ``free_turns``, ``free_diverged``, ``tool_call_breaks`` (free runs whose tool calls are
-not the recorded ones) and ``free_errors``.
+free runs ``free_turns``, ``free_diverged``, ``tool_call_breaks`` (free runs whose tool-call verdict
+is not ``match``) and ``free_errors``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def summarize_setting(positions: Iterable[dict[str, Any]], free: Iterable[dict[s
             errors += 1
             continue
         diverged += bool(r["diverged"])
-        breaks += r["verdict"] == "mismatch"
+        breaks += r["verdict"] != "match"
     return {
         "positions": n, "flips": flips, "flip_rate": flips / n if n else None,
         "flips_by_class": by_class, "turns": len(turns), "turns_with_flip": len(flipped),

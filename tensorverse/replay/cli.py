@@ -1,6 +1,7 @@
 """Argument handling of ``tensorverse scrub``, ``tensorverse replay`` and ``tensorverse report``
 (``merge A.json B.json ... [--out F] [--parquet F]``: many rigs' results in one table;
-``html RESULTS --store DIR --out DIR``: the HTML report of a finished replay)."""
+``html RESULTS --store DIR --out DIR``: the HTML report of a finished replay;
+``check BUNDLE ... [--corpus DIR] [--json]``: accept or refuse rig results bundles)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["run_scrub", "add_replay_arguments", "run_replay_args", "register_report", "main"]
+__all__ = ["run_scrub", "add_replay_arguments", "run_replay_args", "register_report", "run_check", "main"]
 
 
 def run_scrub(args: argparse.Namespace, store: str) -> int:
@@ -109,14 +110,56 @@ def run_replay_args(args: argparse.Namespace) -> int:
 
 def register_report(sub: argparse._SubParsersAction) -> None:
     """``tensorverse report ...`` (wired by :mod:`tensorverse.cli`)."""
-    p = sub.add_parser("report", help="work with replay results: merge rigs' results, HTML report")
+    p = sub.add_parser("report", help="work with replay results: merge rigs' results, HTML report, "
+                       "check rig results bundles")
     p.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="merge A.json B.json ... [--out F] [--parquet F] | html RESULTS --store DIR --out DIR")
+                   help="merge A.json B.json ... [--out F] [--parquet F] | html RESULTS --store DIR --out DIR"
+                   " | check BUNDLE ... [--corpus DIR] [--json]")
     p.set_defaults(func=lambda a: main(a.rest))
 
 
+def run_check(bundles: Sequence[str], corpus_dirs: Sequence[str], as_json: bool) -> int:
+    """``tensorverse report check``: each bundle accepted or refused (docs/replay.md). Exit
+    status 0 when every bundle is accepted, 2 when one is refused or a ``--corpus`` is unreadable."""
+    from tensorverse.bundle.check import check_bundle
+    from tensorverse.bundle.format import BundleRefused
+    from tensorverse.rig.suite import known_corpora
+
+    try:
+        corpora = known_corpora(corpus_dirs)
+    except (ValueError, OSError, KeyError) as e:  # CorpusError is a ValueError
+        print(f"report check: a corpus cannot be read: {e}", file=sys.stderr)
+        return 2
+    out, reasons = [], []
+    for path in bundles:
+        try:
+            b = check_bundle(path, corpora)
+        except BundleRefused as e:
+            reasons.append(e.reason)
+            out.append({"path": path, "ok": False, "reason": e.reason, "detail": e.detail, "rig": None,
+                        "settings_ran": None})
+            if not as_json:
+                print(f"{path}: refused: {e.reason}: {e.detail}")
+            continue
+        statuses = [s["status"] for s in b.manifest["settings"]]
+        out.append({"path": path, "ok": True, "reason": None, "detail": None, "rig": b.rig["label"],
+                    "settings_ran": b.ran})
+        if not as_json:
+            failed = statuses.count("failed")
+            print(f"{path}: ok (rig {b.rig['label']}, {len(b.ran)} settings ran, {statuses.count('refused')} "
+                  f"refused{f', {failed} failed' if failed else ''}; {len(b.positions)} positions)")
+    if as_json:
+        print(json.dumps({"bundles": out}, indent=1))
+    if reasons:
+        print(f"report check: {len(reasons)} of {len(bundles)} bundle(s) refused "
+              f"({', '.join(sorted(set(reasons)))})", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``tensorverse report merge|html``. Exit status: 0 done, 2 unreadable input."""
+    """``tensorverse report merge|html|check``. Exit status: 0 done, 2 unreadable input (or a
+    refused bundle)."""
     from tensorverse.replay.report import merge_results, render_merged, write_parquet
 
     p = argparse.ArgumentParser(prog="tensorverse report")
@@ -129,7 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     h.add_argument("results", help="the replay's results JSON")
     h.add_argument("--store", required=True, help="the store the replay kept (replay --store DIR)")
     h.add_argument("--out", required=True, help="the report directory (index.html, cases/)")
+    c = sub.add_parser("check", help="accept or refuse rig results bundles (the submission checker)")
+    c.add_argument("bundles", nargs="+", metavar="BUNDLE", help="results bundles (*.tvbundle)")
+    c.add_argument("--corpus", action="append", default=[], metavar="DIR",
+                   help="a corpus directory the bundles may be about, besides the shipped ones (repeatable)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.cmd == "check":
+        return run_check(args.bundles, args.corpus, args.json)
     if args.cmd == "html":
         from tensorverse.replay.html import report_from_files
         from tensorverse.store import StoreVersionError

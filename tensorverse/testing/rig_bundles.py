@@ -83,7 +83,7 @@ def synth_bundle(path: str | Path, corpus: KnownCorpus, *, rig_label: str, scale
             first = int(fl[0]) if fl.size else None
             free.append({"setting": s, "case": cid, "turn": t, "status": "ok", "tokens": len(toks),
                          "diverged": first is not None, "first_divergence": first,
-                         "verdict": "mismatch" if first is not None and first < 3 else "match"})
+                         "verdict": "value_mismatch" if first is not None and first < 3 else "match"})
     settings = [SettingOutcome(s, "dtype" if s == ref or s == noise else s.split("_")[0], s, "ran")
                 for s in names]
     settings += [SettingOutcome(s, s.split("_")[0], s, "refused", why) for s, why in (refused or {}).items()]

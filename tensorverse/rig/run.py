@@ -1,0 +1,254 @@
+"""``tensorverse rig run``: one command that runs a standard suite on this machine and writes one
+results bundle (docs/rigs.md).
+
+1. **The corpus and the weights.** The suite's corpus (shipped) names its model by content hash;
+   the model served here (default: the shipped demo model, expanded) is hashed first, and a
+   model that hashes otherwise is refused before any server starts.
+2. **The rig.** Its fingerprint (:mod:`tensorverse.rig.fingerprint`) names it.
+3. **Every setting of the suite, one server at a time**, through the matrix's point runner
+   (:func:`tensorverse.matrix.run.run_config`: the server starts with the capture plugin writing
+   into the point's store, the corpus runs forced and free, the server stops). Every point,
+   the reference included, forces the **corpus's recorded tokens**, so positions line up across
+   rigs. A setting this machine cannot run is ``refused`` with the reason before its server
+   starts (:meth:`tensorverse.rig.suite.Setting.refusal`); one whose server does not start, or
+   whose capture fails, is ``failed`` with the reason and its log's last lines in the
+   provenance. The suite's noise point (the reference's config on a second server start) gives
+   each flip's ``noise`` class.
+4. **Resume.** Each finished point is a cached run under ``--work`` (``run.json`` written last):
+   an interrupted run, run again, redoes only the points not finished.
+5. **The bundle** (:mod:`tensorverse.bundle`): per-position rows
+   (:func:`tensorverse.rig.positions.turn_positions`), free runs, summaries, provenance; the
+   same run on the same rig gives the same bytes but for the manifest's ``created``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tensorverse.rig.suite import Setting, Suite
+
+__all__ = ["RigRunOptions", "RigRunError", "rig_run", "point_settings"]
+
+
+class RigRunError(RuntimeError):
+    """The run cannot start (wrong weights, unknown setting, unreadable corpus)."""
+
+
+@dataclass
+class RigRunOptions:
+    out: Path
+    suite: Suite
+    settings: Sequence[str] | None = None  # a subset (the reference is always run)
+    work: Path | None = None  # cached point runs (default: OUT.work)
+    model_dir: Path | None = None  # default: the shipped demo model
+    label: str | None = None
+    noise: bool = True
+    ready_timeout_s: float = 900.0
+    created: str | None = None
+
+    @property
+    def work_dir(self) -> Path:
+        return self.work or self.out.with_name(self.out.name + ".work")
+
+
+@dataclass
+class RigRunResult:
+    path: Path
+    outcomes: list[Any] = field(default_factory=list)
+    summaries: dict[str, Any] = field(default_factory=dict)
+    resumed: list[str] = field(default_factory=list)
+
+
+def point_settings(s: Setting) -> dict[str, Any]:
+    """The matrix point settings of a suite setting (its options and environment)."""
+    return {**dict(s.options), **dict(s.env)}
+
+
+def _chosen(suite: Suite, names: Sequence[str] | None, noise: bool) -> list[Setting]:
+    if names:
+        unknown = [n for n in names if n not in {s.name for s in suite.settings}]
+        if unknown:
+            raise RigRunError(f"suite {suite.name} has no setting {', '.join(unknown)}; "
+                              f"it has {', '.join(s.name for s in suite.settings)}")
+    want = set(names or [s.name for s in suite.settings]) | {suite.reference}
+    if noise:
+        want.add(suite.noise)
+    else:
+        want.discard(suite.noise)
+    ordered = [suite.setting(suite.reference)] + [s for s in suite.settings if s.name != suite.reference]
+    return [s for s in ordered if s.name in want]
+
+
+def _spec(suite: Suite, chosen: Sequence[Setting], model_dir: Path, served: str, ready_timeout_s: float):
+    from tensorverse.matrix.spec import MatrixSpec, ModelSection, PointSection, ReplaySection, ServerSection
+
+    return MatrixSpec(model=ModelSection(path=str(model_dir), served_name=served),
+                      points=[PointSection(name=s.name, settings=point_settings(s)) for s in chosen],
+                      server=ServerSection(options=dict(suite.base_options), env=dict(suite.base_env),
+                                           ready_timeout_s=ready_timeout_s),
+                      replay=ReplaySection(modes=["forced", "free"], concurrency=2))
+
+
+def _portless(cmd: Sequence[str]) -> list[str]:
+    out = list(cmd)
+    for i, a in enumerate(out[:-1]):
+        if a == "--port":
+            out[i + 1] = "PORT"  # a free port differs per run; the bundle must not
+    return out
+
+
+def _tail(text: str | None, lines: int = 12) -> str | None:
+    if not text:
+        return None
+    return "\n".join(text.splitlines()[-lines:])[-3000:]
+
+
+def _free_row(setting: str, cid: str, turn: int, rec_tokens: list[int], rec_text: str,
+              run: dict[str, Any] | None) -> dict[str, Any]:
+    from tensorverse.matrix.compare import free_turn
+
+    f = free_turn(rec_tokens, rec_text, run, "recorded")
+    if f is None or f.get("status") != "ok":
+        st = (f or {}).get("status") or "missing"
+        return {"setting": setting, "case": cid, "turn": turn, "status": re.sub(r"[^A-Za-z0-9._-]", "_", st),
+                "tokens": None, "diverged": None, "first_divergence": None, "verdict": None}
+    return {"setting": setting, "case": cid, "turn": turn, "status": "ok", "tokens": int(f["tokens"]),
+            "diverged": bool(f["diverged"]), "first_divergence": f["first_flip"] if f["diverged"] else None,
+            "verdict": f["verdict"]}
+
+
+def _model(opts: RigRunOptions, corpus: Any, log: Callable[[str], None]) -> Path:
+    from tensorverse.rig.models import file_weights_hash
+
+    if opts.model_dir is not None:
+        mdir = Path(opts.model_dir)
+    else:
+        from tensorverse.demo import model as demo_model
+
+        mdir = demo_model.build(log=lambda m: log("  " + m))
+    want = corpus.model["content_hash"]
+    log(f"hashing the weights of {mdir} ...")
+    try:
+        got = file_weights_hash(mdir)
+    except (OSError, ValueError) as e:
+        raise RigRunError(f"cannot hash the model's weights in {mdir}: {e}") from None
+    if got != want:
+        raise RigRunError(f"refused: the model in {mdir} hashes to {got[:16]}..., corpus {corpus.name} was "
+                          f"recorded from {corpus.model['name']} {want[:16]}...; every rig must run the same weights")
+    return mdir
+
+
+def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunResult:
+    from tensorverse.bundle.known import known_corpus
+    from tensorverse.bundle.make import SettingOutcome, make_bundle, rig_id
+    from tensorverse.matrix.compare import TurnRows
+    from tensorverse.matrix.launcher import build_command
+    from tensorverse.matrix.run import RunRequest, load_run, run_config
+    from tensorverse.matrix.spec import is_option, server_settings
+    from tensorverse.replay.corpus import load_corpus
+    from tensorverse.rig.fingerprint import rig_fingerprint
+    from tensorverse.rig.positions import flips_of, turn_positions
+
+    suite = opts.suite
+    chosen = _chosen(suite, opts.settings, opts.noise)
+    try:
+        kc = known_corpus(suite.corpus_dir)
+        corpus = load_corpus(suite.corpus_dir)
+    except (OSError, ValueError) as e:
+        raise RigRunError(f"suite {suite.name}'s corpus {suite.corpus_dir}: {e}") from None
+    mdir = _model(opts, kc, log)
+    fp = rig_fingerprint()
+    label = opts.label or (", ".join(fp["gpus"]["models"]) if fp.get("gpus") else None) or fp["cpu"]["model"] or "cpu"
+    spec = _spec(suite, chosen, mdir, kc.model["name"], opts.ready_timeout_s)
+    basis = {c["id"]: {str(t["index"]): list(t["reference"]["output_token_ids"]) for t in c["turns"]}
+             for c in corpus.cases}
+    work = opts.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"rig {rig_id(fp, label)} ({label}); suite {suite.name}: {len(chosen)} settings over {kc.cases} cases, "
+        f"{kc.positions} positions; work in {work}")
+    outcomes: list[SettingOutcome] = []
+    runs: dict[str, dict[str, Any]] = {}
+    provenance: dict[str, Any] = {"tensorverse": None, "suite": suite.name, "model_dir_name": mdir.name, "points": {}}
+    resumed: list[str] = []
+    for i, s in enumerate(chosen, 1):
+        why = s.refusal()
+        base = dict(name=s.name, axis=s.axis, value=s.value, vllm_args=(), env=dict(s.env))
+        req = RunRequest(spec=spec, corpus=str(suite.corpus_dir), out=work, settings=point_settings(s),
+                         label=s.name, basis=basis)
+        eff = spec.effective(req.settings)
+        # the server's options after model, name, host and port (the same on every rig)
+        argv = build_command("python", "MODEL", spec.served_name, 0, server_settings(eff))[11:]
+        base.update(vllm_args=tuple(argv), env={k: str(v) for k, v in eff.items() if not is_option(k)})
+        if why:
+            log(f"[{i}/{len(chosen)}] {s.name}: {why}")
+            outcomes.append(SettingOutcome(status="refused", reason=why, **base))
+            continue
+        rec = load_run(work, req.key)
+        if rec is not None and rec.get("status") in ("ok", "start_failed"):
+            log(f"[{i}/{len(chosen)}] {s.name}: done in an earlier run (resumed)")
+            resumed.append(s.name)
+        else:
+            log(f"[{i}/{len(chosen)}] {s.name} ({s.axis} = {s.value}) ...")
+            rec = run_config(req, log=lambda m, n=i: log(f"[{n}/{len(chosen)}] {m}"))
+        provenance["points"][s.name] = {"status": rec.get("status"), "command": _portless(rec.get("command") or [])[3:],
+                                        "effective": eff, "vllm": rec.get("vllm"), "host": rec.get("host"),
+                                        "error": rec.get("error"), "log_tail": _tail(rec.get("log_excerpt"))}
+        if rec.get("status") != "ok":
+            outcomes.append(SettingOutcome(status="failed", reason=f"{rec.get('status')}: {rec.get('error')}"[:2000], **base))
+            if s.name == suite.reference:
+                raise RigRunError(f"the reference setting {s.name} did not run ({rec.get('error')}); "
+                                  f"see {work}")
+            continue
+        runs[s.name] = rec
+        outcomes.append(SettingOutcome(status="ran", **base))
+
+    positions: list[dict[str, Any]] = []
+    free: list[dict[str, Any]] = []
+    opened = {n: TurnRows(work, r["key"]).__enter__() for n, r in runs.items()}
+    try:
+        for c in corpus.cases:
+            for t in c["turns"]:
+                idx = int(t["index"])
+                toks = list(t["reference"]["output_token_ids"])
+                rows = {n: tr.forced_rows(c["id"], idx) for n, tr in opened.items()}
+                ref = rows.get(suite.reference)
+                if ref is None:
+                    raise RigRunError(f"the reference setting has no full rows for {c['id']} turn {idx}")
+                nrows = rows.get(suite.noise)
+                nf = flips_of(nrows, toks) if nrows is not None else None
+                for n in opened:
+                    r = rows[n]
+                    if r is None or r.shape[0] != len(toks):
+                        continue  # the setting is marked failed below
+                    positions += turn_positions(n, c["id"], idx, toks, r, None if n == suite.reference else ref,
+                                                noise_flips=nf if n != suite.noise else None)
+                    free.append(_free_row(n, c["id"], idx, toks, t["reference"].get("text") or "",
+                                          opened[n].entry(c["id"], idx, "free")))
+    finally:
+        for tr in opened.values():
+            tr.__exit__(None, None, None)
+    have = {}
+    for r in positions:
+        have[r["setting"]] = have.get(r["setting"], 0) + 1
+    for k, o in enumerate(outcomes):
+        if o.status == "ran" and have.get(o.name, 0) != kc.positions:
+            outcomes[k] = dataclasses.replace(o, status="failed", reason=f"capture incomplete: "
+                                              f"{have.get(o.name, 0)} of {kc.positions} full rows")
+    ran = {o.name for o in outcomes if o.status == "ran"}
+    positions = [r for r in positions if r["setting"] in ran]
+    free = [r for r in free if r["setting"] in ran]
+    from tensorverse import __version__
+
+    provenance["tensorverse"] = __version__
+    noise = suite.noise if suite.noise in ran else None
+    path = make_bundle(opts.out, suite={"name": suite.name, "version": suite.version}, corpus=kc, rig_label=label,
+                       fingerprint=fp, settings=outcomes, reference=suite.reference, noise=noise,
+                       positions=positions, free=free, provenance=provenance, created=opts.created)
+    from tensorverse.bundle.summary import summarize
+
+    return RigRunResult(path=path, outcomes=outcomes, resumed=resumed,
+                        summaries=summarize(positions, free, [o.name for o in outcomes if o.status == "ran"]))

