@@ -379,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tensorverse.rig.cli import register as register_rig
 
     register_rig(sub)  # tensorverse rig run|suites
-    # HYPERCUBE-REGISTER (enabled once tensorverse/hypercube/cli.py lands)
+    from tensorverse.hypercube.cli import register as register_hypercube
+
+    register_hypercube(sub)  # tensorverse hypercube build
     register_matrix(sub)  # tensorverse matrix, tensorverse bisect
     return parser
 

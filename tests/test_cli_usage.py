@@ -719,6 +719,60 @@ def _shipped_bundle(path: Path, label: str) -> Path:
                        positions=pos, free=free, provenance={"test": "cli usage"})
 
 
+def _run_hypercube(form: Form, tmp: Path, capsys) -> None:
+    """`hypercube build BUNDLE... --site DIR [--corpus DIR ...]`: the bundles made on this machine
+    (examples/rig-bundles), or synthetic ones of a synthetic corpus with ``--corpus DIR``; the
+    site's index is written and names every rig."""
+    if "--help" in form.tokens or len(form.tokens) < 2:
+        return _help_only(form, capsys)
+    from tensorverse.testing.rig_bundles import make_corpus, synth_bundle
+
+    examples = sorted((ROOT / "examples" / "rig-bundles").glob("*.tvbundle"))
+    corpus = make_corpus(tmp / "hc-corpus")
+    tokens = list(form.tokens)
+    synthetic = "--corpus" in tokens
+    argv, labels, i = ["hypercube", "build"], [], 2
+    while i < len(tokens):
+        t = tokens[i]
+        if t in ("--corpus", "--site"):
+            argv += [t, str(corpus.path if t == "--corpus" else tmp / "site")]
+            i += 2
+        elif t.startswith("-"):
+            argv.append(t)
+            i += 1
+        elif t == "...":
+            i += 1
+        else:
+            k = len(labels)
+            if synthetic:
+                label = f"synthetic rig {k}"
+                argv.append(str(synth_bundle(tmp / f"hc{k}.tvbundle", corpus, rig_label=label,
+                                             scales={"bf16": 0, "bf16_noise": 0.05, "fp8": 0.6}, rig_seed=k + 1)))
+            else:
+                from tensorverse.bundle.io import open_bundle
+
+                b = examples[k % len(examples)]
+                label = open_bundle(b).manifest["rig"]["label"]
+                argv.append(str(b))
+            labels.append(label)
+            i += 1
+    code, printed, err = run_cli(argv, capsys)
+    assert code == 0, f"{argv}: {printed}{err}"
+    index = (tmp / "site" / "index.html").read_text()
+    for label in labels:
+        assert json.dumps(label)[1:-1].replace("<", "\\u003c") in index or label in index
+
+
+def _help_only(form: Form, capsys) -> None:
+    """`--help` exits 0; the command alone prints its help as a usage error (2)."""
+    try:
+        code = main(instantiate(form).argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == (0 if "--help" in form.tokens else 2)
+    assert capsys.readouterr().out.startswith(f"usage: tensorverse {form.command}")
+
+
 def _run_report_check(form: Form, tmp: Path, capsys) -> None:
     """`report check BUNDLE ... [--corpus DIR] [--json]`: bundles made by the real writer, every
     one accepted; the form's bundles are these. With ``--corpus DIR``: synthetic bundles of a
@@ -894,7 +948,7 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
 
 EXECUTORS: dict[str, Callable[[Form, Path, Any], None]] = {
     "sessions": _run_sessions, "export": _run_export, "analyze": _run_analyze, "view": _run_view,
-    "proxy": _run_proxy, "demo": _run_demo, "scrub": _run_scrub, "report": _run_report, "rig": _run_rig,
+    "proxy": _run_proxy, "demo": _run_demo, "scrub": _run_scrub, "report": _run_report, "rig": _run_rig, "hypercube": _run_hypercube,
     "verdict": _run_verdict, "store": _run_store,
 }
 

@@ -71,7 +71,8 @@ def test_installed_package_comes_from_the_wheel_and_imports_everything(installed
                 "replay/schema/case.schema.json", "replay/schema/corpus.schema.json",
                 "demo/data/netops-demo.json", "demo/data/netops-demo.safetensors.zst",
                 "rig/corpora/demo-netops-v1/corpus.json", "rig/corpora/demo-netops-v1/cases/demo-00-show-route.json",
-                "bundle/schema/manifest-1.schema.json"):
+                "bundle/schema/manifest-1.schema.json", "hypercube/static/hypercube.js",
+                "hypercube/static/hypercube.css"):
         assert (Path(where).parent / res).is_file(), f"{res} missing from the wheel"
     assert "tests" not in {p.name for p in Path(where).parent.parent.iterdir()}
     # the shipped demo model arrives whole (its checksum, then its vocabulary read back)

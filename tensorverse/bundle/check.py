@@ -28,30 +28,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-import jsonschema
-
 from tensorverse.bundle.format import (DATA_MEMBERS, DEFAULT_LIMITS, FLIP_CLASSES, FREE, FREE_VERDICTS, MANIFEST,
-                                       NAME_RE, POSITIONS, PROVENANCE, SCHEMA_DIR, SUMMARIES, TOPK_AT_FLIPS,
+                                       NAME_RE, POSITIONS, PROVENANCE, SUMMARIES, TOPK_AT_FLIPS,
                                        BundleRefused, Limits)
 from tensorverse.bundle.known import KnownCorpus
+from tensorverse.bundle.manifest import manifest_schema, validate_manifest
 
 __all__ = ["check_bundle", "CheckedBundle", "validate_manifest", "manifest_schema"]
 
 _KL_FLOOR = -1e-9  # float64 rounding of a KL that is mathematically >= 0
 _INT32 = 2**31
-
-
-def manifest_schema() -> dict[str, Any]:
-    return json.loads((SCHEMA_DIR / "manifest-1.schema.json").read_text())
-
-
-def validate_manifest(m: Any) -> None:
-    v = jsonschema.Draft202012Validator(manifest_schema())
-    errs = sorted(v.iter_errors(m), key=lambda e: list(e.absolute_path))
-    if errs:
-        e = errs[0]
-        where = "/".join(str(x) for x in e.absolute_path) or "(top)"
-        raise BundleRefused("schema", f"manifest.json at {where}: {e.message[:300]}")
 
 
 def _strings(obj: Any, limit: int, where: str, depth: int = 0) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 from tensorverse.bundle.format import (DATA_MEMBERS, DEFAULT_LIMITS, FREE, FREE_COLUMNS, MANIFEST, MEMBERS,
                                        POSITION_COLUMNS, POSITIONS, PROVENANCE, SUMMARIES, BundleRefused,
                                        Limits, free_schema, positions_schema)
+from tensorverse.bundle.manifest import validate_manifest
 
 __all__ = ["write_bundle", "open_bundle", "Bundle", "canonical_json", "sha256"]
 
@@ -66,8 +67,6 @@ def write_bundle(path: str | os.PathLike, manifest: Mapping[str, Any], positions
         PROVENANCE: canonical_json(provenance),
     }
     m = dict(manifest, members={k: {"sha256": sha256(v), "bytes": len(v)} for k, v in data.items()})
-    from tensorverse.bundle.check import validate_manifest
-
     validate_manifest(m)
     data = {MANIFEST: canonical_json(m), **data}
     p = Path(path)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from tensorverse.bundle.known import KnownCorpus
 
 __all__ = ["Setting", "Suite", "SUITES", "suite", "CORPORA_DIR", "known_corpora"]
 
@@ -99,7 +102,7 @@ def suite(name: str) -> Suite:
         raise KeyError(f"no suite {name!r}; known: {', '.join(SUITES)}") from None
 
 
-def known_corpora(extra: Sequence[str | Path] = ()) -> dict[str, "KnownCorpus"]:  # noqa: F821
+def known_corpora(extra: Sequence[str | Path] = ()) -> dict[str, KnownCorpus]:
     """Every corpus the checker knows: the suites' shipped corpora and ``extra`` directories,
     by name."""
     from tensorverse.bundle.known import known_corpus

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tensorverse.cli import main as cli_main
 from tensorverse.rig.suite import CPU_V1, known_corpora
 
