@@ -90,30 +90,6 @@ def refusal(path: Path, corpora, **kw: Any) -> BundleRefused:
     return e.value
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus") / "synthetic-v1")
-
-
-@pytest.fixture(scope="module")
-def corpora(corpus):
-    return known_corpora([corpus.path])
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory, corpus) -> Path:
-    return synth_bundle(tmp_path_factory.mktemp("good") / "rig-a.tvbundle", corpus, rig_label="rig-a",
-                        scales=SCALES, refused=REFUSED)
-
-
-@pytest.fixture
-def bundle(tmp_path, good) -> Path:
-    """A fresh copy of the good bundle, to tamper with."""
-    p = tmp_path / "b.tvbundle"
-    p.write_bytes(good.read_bytes())
-    return p
-
-
 # ---------------------------------------------------------------------------------------------
 # the good bundle
 

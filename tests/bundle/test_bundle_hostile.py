@@ -26,25 +26,10 @@ from tensorverse.bundle.check import check_bundle
 from tensorverse.bundle.format import (DEFAULT_LIMITS, FREE, FREE_COLUMNS, MANIFEST, MEMBERS, POSITION_COLUMNS,
                                        POSITIONS, PROVENANCE, REASONS, SUMMARIES, BundleRefused, Limits,
                                        positions_schema)
-from tensorverse.testing.rig_bundles import synth_bundle
-from tests.bundle.test_bundle_check import (REFUSED, SCALES, corpora, corpus, edit_json, edit_rows,  # noqa: F401
-                                            members_of, rewrite_member, write_tar)
+from tests.bundle.test_bundle_check import edit_json, edit_rows, members_of, rewrite_member, write_tar
 
 RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS",
                                   Path(__file__).resolve().parents[2] / "out" / "reliability"))
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory, corpus) -> Path:
-    return synth_bundle(tmp_path_factory.mktemp("good") / "rig-a.tvbundle", corpus, rig_label="rig-a",
-                        scales=SCALES, refused=REFUSED)
-
-
-@pytest.fixture
-def bundle(tmp_path, good) -> Path:
-    p = tmp_path / "b.tvbundle"
-    p.write_bytes(good.read_bytes())
-    return p
 
 
 def refused(path: Path, corpora, limits: Limits = DEFAULT_LIMITS) -> BundleRefused:  # noqa: F811
