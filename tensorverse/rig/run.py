@@ -23,6 +23,7 @@ results bundle (docs/rigs.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -172,7 +173,10 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
         f"{kc.positions} positions; work in {work}")
     outcomes: list[SettingOutcome] = []
     runs: dict[str, dict[str, Any]] = {}
-    provenance: dict[str, Any] = {"tensorverse": None, "suite": suite.name, "model_dir_name": mdir.name, "points": {}}
+    from tensorverse import __version__
+
+    provenance: dict[str, Any] = {"tensorverse": __version__, "suite": suite.name, "model_dir_name": mdir.name,
+                                  "points": {}}
     resumed: list[str] = []
     for i, s in enumerate(chosen, 1):
         why = s.refusal()
@@ -208,8 +212,9 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
 
     positions: list[dict[str, Any]] = []
     free: list[dict[str, Any]] = []
-    opened = {n: TurnRows(work, r["key"]).__enter__() for n, r in runs.items()}
-    try:
+    log(f"building the bundle from {len(runs)} point(s) ...")
+    with contextlib.ExitStack() as stack:
+        opened = {n: stack.enter_context(TurnRows(work, r["key"])) for n, r in runs.items()}
         for c in corpus.cases:
             for t in c["turns"]:
                 idx = int(t["index"])
@@ -228,9 +233,6 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
                                                 noise_flips=nf if n != suite.noise else None)
                     free.append(_free_row(n, c["id"], idx, toks, t["reference"].get("text") or "",
                                           opened[n].entry(c["id"], idx, "free")))
-    finally:
-        for tr in opened.values():
-            tr.__exit__(None, None, None)
     have = {}
     for r in positions:
         have[r["setting"]] = have.get(r["setting"], 0) + 1
@@ -241,9 +243,6 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
     ran = {o.name for o in outcomes if o.status == "ran"}
     positions = [r for r in positions if r["setting"] in ran]
     free = [r for r in free if r["setting"] in ran]
-    from tensorverse import __version__
-
-    provenance["tensorverse"] = __version__
     noise = suite.noise if suite.noise in ran else None
     path = make_bundle(opts.out, suite={"name": suite.name, "version": suite.version}, corpus=kc, rig_label=label,
                        fingerprint=fp, settings=outcomes, reference=suite.reference, noise=noise,
