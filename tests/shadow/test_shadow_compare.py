@@ -332,3 +332,553 @@ def test_chunked_comparison_equals_the_one_chunk_comparison(store, turn_runs, mo
         assert parts[k] == c, k
     full = whole[("cand-f", "sec-f")]
     assert full["kind"] == "full" and len(full["metrics"]["kl"]) == N and full["flips"] == [3]
+
+
+# -- run 3 of `make mutants` on shadow/compare.py: the result fields the survivors of run 2 changed --
+
+COMPLETE = {"expected": N, "present": N, "complete": True}
+RULE = {"ulps": 1, "nats": 0.0}  # DEFAULT_RULE.as_dict()
+
+
+def _flipped(R: np.ndarray, at: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
+    """R with another top-1 (the next token id) at the positions ``at``."""
+    T = tokens_of(R)
+    C = R.copy()
+    for p in at:
+        C[p, (T[p] + 1) % V] = R[p].max() + 1.0
+    return C, [(t + 1) % V for t in T]
+
+
+def _template(status):
+    return {"status": status}
+
+
+def test_forced_result_fields_roles_templates_and_no_pieces(store):
+    """compare_forced called alone: no pieces (no regions anywhere), no noise run (no `noise`
+    class, noise_source None), roles from the mapping before the records, the template mismatch
+    of either side."""
+    from tensorverse.shadow.compare import compare_forced
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C, alt = _flipped(R, (1, 4))
+    ref = run_record("r-f", "r", "reference", "forced", T, top=topk(R), rows=COMPLETE)
+    cand = run_record("c-f", "c", "shadow", "forced", T, top=topk(C), rows=COMPLETE,
+                      template=_template("template_mismatch"))
+    put_rows(store, "r-f", R)
+    put_rows(store, "c-f", C)
+    res = compare_forced(store, cand, ref, T, roles={"c": "canary", "r": "secondary"})
+    assert res["mode"] == "forced" and res["kind"] == "full" and res["status"] == "ok"
+    assert (res["role"], res["ref_role"], res["noise_floor"]) == ("canary", "secondary", False)
+    assert res["template_mismatch"] is True
+    assert res["flips"] == [1, 4] and res["flip_classes"] == ["runtime", "runtime"]
+    assert res["regions"] is None and "flips_by_region" not in res["summary"]
+    assert "flips_by_region_class" not in res["summary"]
+    assert res["flip_tokens"] == [
+        {"position": p, "token": T[p], "ref_top1": T[p], "cand_top1": alt[p], "region": None,
+         "flip_class": "runtime"} for p in (1, 4)]
+    assert res["attribution"]["rule"] == RULE and res["attribution"]["noise_source"] is None
+    assert [d["position"] for d in res["attribution"]["details"]] == [1, 4]
+    assert set(res["metrics"]) == {"top1_agree", "kl", "delta_p", "margin", "rank", "entropy",
+                                   "ref_top1", "cand_top1"}
+    assert res["metrics"]["ref_top1"] == T and res["metrics"]["cand_top1"] == [
+        alt[p] if p in (1, 4) else T[p] for p in range(N)]
+    assert res["metrics"]["top1_agree"] == [p not in (1, 4) for p in range(N)]
+    assert res["metrics"]["rank"] == [1 if p in (1, 4) else 0 for p in range(N)]
+
+    # no roles: the records' roles; the reference's template mismatch counts as well
+    cand["template"] = _template("ok")
+    ref["template"] = _template("template_mismatch")
+    res = compare_forced(store, cand, ref, T)
+    assert (res["role"], res["ref_role"], res["template_mismatch"]) == ("shadow", "reference", True)
+    res = compare_forced(store, cand, ref, T, roles={"c": "secondary"})
+    assert (res["role"], res["ref_role"]) == ("secondary", "reference")
+    ref["template"] = None
+    assert compare_forced(store, cand, ref, T)["template_mismatch"] is False
+
+
+def test_forced_rule_regions_by_class_and_first_flip_of_incomplete_rows(store):
+    """The tie rule passed reaches both paths and the attribution; flips counted per region and
+    class; with a row missing, summary.first_flip is the output position, not the row index."""
+    from tensorverse.analysis.attribution import TieRule
+    from tensorverse.shadow.compare import compare_forced
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C, alt = _flipped(R, (2, 3))  # both in tool_args
+    loose = TieRule(ulps=0, nats=100.0)  # every flip with both logits known is a near tie
+    ref = run_record("r-f", "r", "reference", "forced", T, top=topk(R, V))  # rows: not listed
+    cand = run_record("c-f", "c", "shadow", "forced", T, top=topk(C, V),
+                      rows={"expected": N, "present": N - 1, "complete": False})
+    put_rows(store, "r-f", R)
+    put_rows(store, "c-f", C, skip=(1,))
+    res = compare_forced(store, cand, ref, T, pieces=PIECES, rule=loose)
+    assert res["kind"] == "full" and res["positions"] == [0, 2, 3, 4, 5] and res["n"] == 5
+    assert res["flips"] == [2, 3] and res["first_flip"] == 2 and res["summary"]["first_flip"] == 2
+    assert res["flip_classes"] == ["near_tie", "near_tie"]
+    assert res["attribution"]["rule"] == {"ulps": 0, "nats": 100.0}
+    assert res["summary"]["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
+    assert res["regions"] == ["tool_syntax", "tool_args", "tool_args", "tool_syntax", "tool_syntax"]
+    assert [f["region"] for f in res["flip_tokens"]] == ["tool_args", "tool_args"]
+    assert compare_forced(store, cand, ref, T, pieces=PIECES)["flip_classes"] == ["runtime", "runtime"]
+    assert compare_forced(store, cand, ref, T, pieces=PIECES[:3])["regions"] is None  # not one per position
+
+    # top-k on both sides (the reference's whole distribution: both logprobs known at a flip)
+    ref["capture"] = cand["capture"] = "topk"
+    res = compare_forced(store, cand, ref, T, pieces=PIECES, rule=loose)
+    assert res["kind"] == "topk" and res["incomplete"] is False and res["positions"] is None
+    assert res["flips"] == [2, 3] and res["flip_classes"] == ["near_tie", "near_tie"]
+    assert res["attribution"]["rule"] == {"ulps": 0, "nats": 100.0}
+    assert [d["steps"] is not None for d in res["attribution"]["details"]] == [True, True]
+    assert res["summary"]["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
+    assert compare_forced(store, cand, ref, T, pieces=PIECES)["flip_classes"] == ["runtime", "runtime"]
+
+
+def _entry(first: int, rest: list[int]) -> list[list[float]]:
+    """A top-k entry: ``first`` best, then ``rest`` in order (logprobs -0.1, -2, -3, ...)."""
+    return [[first, -0.1]] + [[t, -2.0 - i] for i, t in enumerate(rest)]
+
+
+def test_topk_k_is_the_smaller_one_and_bounds_the_ranks(store):
+    """Top-k metrics get k = the smaller of both runs' k (None when neither has one): a token
+    ranked k or lower, or missing, is a rank lower bound; a missing one's rank is k, or the
+    entry's size without k."""
+    from tensorverse.shadow.compare import compare_forced
+
+    T = [10, 11, 12]
+    ref_top = [_entry(10, [1, 2, 3, 4]), _entry(11, [1, 2, 3, 4]), _entry(12, [1, 2, 3, 4])]
+    cand_top = [_entry(10, [1, 2, 3, 4]),
+                _entry(20, [21, 22, 11, 23]),  # the token 4th: rank 3
+                _entry(30, [31, 32, 33, 34])]  # the token missing
+    ref = run_record("r-f", "r", "reference", "forced", T, capture="topk", top=ref_top)
+    cand = run_record("c-f", "c", "shadow", "forced", T, capture="topk", top=cand_top)
+    for ck, rk, rank, lower in ((3, 5, [0, 3, 3], [False, True, True]),
+                                (5, 3, [0, 3, 3], [False, True, True]),
+                                (5, None, [0, 3, 5], [False, False, True]),
+                                (None, None, [0, 3, 5], [False, False, True])):
+        cand["k"], ref["k"] = ck, rk
+        m = compare_forced(store, cand, ref, T)["metrics"]
+        assert (m["rank"], m["rank_lower_bound"]) == (rank, lower), (ck, rk)
+    assert set(m) == {"top1_agree", "kl", "delta_p", "margin", "rank", "entropy", "ref_top1",
+                      "cand_top1", "rank_lower_bound"}
+
+
+def test_forced_refusals_and_their_messages(store):
+    import orjson
+
+    from tensorverse.analysis.metrics import AnalysisInputError
+    from tensorverse.shadow.compare import TurnCompacted, compare_forced
+    from tensorverse.store import schema
+
+    R = ref_logits()
+    T = tokens_of(R)
+    ref = run_record("r-f", "r", "reference", "forced", T, capture="none")
+    cand = run_record("c-f", "c", "shadow", "forced", T, capture="topk", top=topk(R))
+    with pytest.raises(AnalysisInputError) as e:
+        compare_forced(store, cand, ref, T)
+    assert str(e.value) == ("c (topk) and r (none) have neither full rows nor top-k logprobs for "
+                            "every position on both sides")
+    with pytest.raises(AnalysisInputError, match=r"^r \(none\) and c \(topk\) have neither"):
+        compare_forced(store, ref, cand, T)
+    ref["capture"], cand["capture"] = "full", "full"
+    with pytest.raises(AnalysisInputError) as e:  # no row stored on either side
+        compare_forced(store, cand, ref, T)
+    assert str(e.value) == "no position has a captured row on both sides"
+    put_rows(store, "r-f", R)
+    put_rows(store, "c-f", R)
+    store.submit(lambda txn: txn.put(b"T", orjson.dumps({"turn_id": "T", "runs": {}}),
+                                     db=store._dbs[schema.COMPACTED])).result()
+    with pytest.raises(TurnCompacted, match="^turn T: its rows were compacted"):
+        compare_forced(store, cand, ref, T)
+
+
+def test_at_most_256_flip_details_and_flip_tokens(store):
+    from tensorverse.shadow.compare import compare_forced
+
+    n = 260
+    R = np.tile(np.arange(8, dtype=np.float32), (n, 1))  # top-1 7 everywhere
+    C = R[:, ::-1].copy()  # top-1 0 everywhere
+    ref = run_record("r-f", "r", "reference", "forced", [7] * n, rows={"expected": n, "present": n,
+                                                                    "complete": True})
+    cand = run_record("c-f", "c", "shadow", "forced", [7] * n, rows=ref["rows"])
+    put_rows(store, "r-f", R)
+    put_rows(store, "c-f", C)
+    res = compare_forced(store, cand, ref, [7] * n)
+    assert res["flips"] == list(range(n))
+    assert len(res["attribution"]["details"]) == 256 and len(res["flip_tokens"]) == 256
+    assert res["flip_tokens"][-1]["position"] == 255
+
+
+def test_forced_departure_rows_then_top_logprobs(store):
+    from tensorverse.shadow.compare import _forced_departure
+    from tensorverse.store.records import run
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C0, _ = _flipped(R, (0,))
+    C4, _ = _flipped(R, (4,))
+    put_rows(store, "f0", C0)
+    put_rows(store, "f4", C4, skip=(2,))
+
+    def forced(rid, capture="full", top=None, status="ok"):
+        return run(run_record(rid, "b", "shadow", "forced", T, capture=capture, top=top, status=status))
+
+    assert _forced_departure(None, T, store) is None
+    assert _forced_departure(forced("f0", status="failed", top=topk(C0)), T, store) is None
+    assert _forced_departure(forced("f0", top=topk(R)), T, store) == 0  # rows first
+    assert _forced_departure(forced("f0", top=topk(R)), T, None) is None  # no store: top-k
+    assert _forced_departure(forced("f0", capture="topk", top=topk(R)), T, store) is None
+    assert _forced_departure(forced("f0", capture="topk", top=topk(C4)), T, store) == 4
+    # a missing row: the top-k decides
+    assert _forced_departure(forced("f4", top=topk(C0)), T, store) == 0
+    assert _forced_departure(forced("f4", top=None), T, store) is None
+    assert _forced_departure(forced("none", capture="topk", top=topk(C4)[:N]), T, None) == 4
+    assert _forced_departure(forced("none", capture="topk", top=topk(C4)[:N - 1]), T, None) is None
+    empty = topk(C4)
+    empty[2] = []
+    assert _forced_departure(forced("none", capture="topk", top=empty), T, None) is None
+    assert _forced_departure(forced("none", capture="topk", top=None), T, None) is None
+
+
+def test_row_positions_trusts_a_complete_rows_record():
+    from tensorverse.shadow.compare import _row_positions
+    from tensorverse.store.records import run
+
+    class Rows:
+        def __init__(self, have):
+            self.have, self.reads = set(have), 0
+
+        def read_row(self, run_id, p):
+            self.reads += 1
+            if p not in self.have:
+                raise KeyError(p)
+            return b""
+
+    def r(rows):
+        return run(run_record("x", "b", "shadow", "forced", [1] * N, rows=rows))
+
+    s = Rows({0, 2})
+    assert _row_positions(s, r(COMPLETE), N) == list(range(N)) and s.reads == 0
+    assert _row_positions(s, r({**COMPLETE, "expected": N - 1}), N) == [0, 2] and s.reads == N
+    assert _row_positions(s, r({**COMPLETE, "complete": False}), N) == [0, 2]
+    assert _row_positions(s, r(None), N) == [0, 2]
+
+
+def test_select_reference_prefers_full_rows_then_the_backend_name():
+    from tensorverse.shadow.compare import _has_topk, latest_runs
+    from tensorverse.store.records import run
+
+    def f(backend, capture, role="secondary"):
+        return run_record(backend + "-f", backend, role, "forced", [1], capture=capture)
+
+    forced = [f("a", "topk"), f("c", "full"), f("b", "full"), f("d", "full", role="reference")]
+    assert select_reference(forced).backend == "b"
+    assert select_reference([f("a", "topk"), f("c", "topk")]).backend == "a"
+    assert select_reference([f("d", "full", role="reference"), f("e", "topk", "reference")]).backend == "d"
+
+    runs = [run_record("new", "b", "shadow", "forced", [1], created_ns=5),
+            run_record("old", "b", "shadow", "forced", [1], created_ns=3),
+            run_record("same", "b", "shadow", "free", [1], created_ns=4),
+            run_record("same2", "b", "shadow", "free", [1], created_ns=4)]
+    got = latest_runs(runs)
+    assert {k: v.id for k, v in got.items()} == {("b", "forced"): "new", ("b", "free"): "same2"}
+
+    assert _has_topk(None, 1) is False
+    assert _has_topk(run(f("a", "topk") | {"top_logprobs": [[[1, -0.1]]]}), 2) is False
+    assert _has_topk(run(f("a", "topk") | {"top_logprobs": [[[1, -0.1]], []]}), 2) is False
+    assert _has_topk(run(f("a", "topk") | {"top_logprobs": [[[1, -0.1]], [[2, -0.1]]]}), 2) is True
+
+
+def _free_pair(T, cand_tokens, *, top=None, **prim):
+    prim = run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk", top=top,
+                      text=REF_TEXT, **prim)
+    cand = run_record("c-r", "c", "shadow", "free", cand_tokens, text=REF_TEXT)
+    return cand, prim
+
+
+def test_free_result_fields_and_the_tie_at_the_divergence_point():
+    """The primary's top-k at the divergence point gives both logits: equal ones are a tie; the
+    rule passed decides near ties; every constant field of a free comparison."""
+    from tensorverse.analysis.attribution import TieRule
+    from tensorverse.shadow.compare import compare_free
+
+    T = [10, 11, 12, 13, 14, 15]
+    top = [_entry(t, [1, 2, 3]) for t in T]
+    top[3] = [[13, -0.5], [40, -0.5], [41, -3.0]]  # 13 and 40 tie at 3
+    cand, prim = _free_pair(T, T[:3] + [40, 41, 42], top=top)
+    cand["template"] = _template("template_mismatch")
+    res = compare_free(cand, prim)
+    assert {k: res[k] for k in ("mode", "kind", "backend", "ref_backend", "role", "ref_role",
+                                "noise_floor", "approximate", "status", "template_mismatch")} == {
+        "mode": "free", "kind": "tokens", "backend": "c", "ref_backend": "prim", "role": "shadow",
+        "ref_role": "primary", "noise_floor": False, "approximate": False, "status": "ok",
+        "template_mismatch": True}
+    assert res["first_flip"] == 3 and res["flip_class"] == "tie"
+    assert res["attribution"] == {"rule": RULE, "flip": {
+        "position": 3, "flip_class": "tie", "mode": "free", "ref_token": 13, "cand_token": 40,
+        "margin": 0.0, "steps": 0, "ref_dtype": "float32"}}
+    assert res["forced_departure"] is None and res["confirms_forced"] is None
+    top[3] = [[13, -0.5], [40, -0.75], [41, -3.0]]
+    assert compare_free(cand, prim)["flip_class"] == "runtime"
+    res = compare_free(cand, prim, rule=TieRule(ulps=0, nats=0.5), roles={"c": "canary"})
+    assert res["flip_class"] == "near_tie" and res["attribution"]["rule"] == {"ulps": 0, "nats": 0.5}
+    assert res["attribution"]["flip"]["margin"] == 0.25 and res["role"] == "canary"
+    assert compare_free(cand, prim, roles={"c": "secondary"})["noise_floor"] is True
+    cand["template"] = None
+    assert compare_free(cand, prim)["template_mismatch"] is False
+
+
+def test_free_flips_without_usable_logits_of_the_primary():
+    """A length divergence, a top-k entry that cannot be read, top-k shorter than the divergence
+    point or none at all: no margin, so the class comes from noise, the parser check, or runtime."""
+    from tensorverse.shadow.compare import compare_free
+
+    T = [10, 11, 12, 13, 14, 15]
+    top = [_entry(t, [1, 2, 3]) for t in T]
+    longer, _ = _free_pair(T, T + [7], top=top)
+    shorter, prim = _free_pair(T, T[:4], top=top)
+    for cand in (longer, shorter):
+        res = compare_free(cand, prim)
+        assert res["divergence"]["kind"] == "length" and res["flip_class"] == "runtime", cand
+    assert compare_free(longer, prim)["first_flip"] == N and compare_free(shorter, prim)["first_flip"] == 4
+    assert compare_free(shorter, prim, noise_positions={4})["flip_class"] == "noise"
+    diverged = run_record("c-r", "c", "shadow", "free", T[:3] + [40, 41, 42], text=REF_TEXT)
+    top[3] = "not an entry"
+    assert compare_free(diverged, prim)["flip_class"] == "runtime"
+    for tops in (top[:3], None):
+        _, p = _free_pair(T, T, top=tops)
+        res = compare_free(diverged, p)
+        assert res["flip_class"] == "runtime" and res["attribution"]["flip"]["margin"] is None
+    # the primary's parser check found a mismatch: a flip without a margin is a parser flip
+    _, p = _free_pair(T, T, top=None, parser_check={"mismatch": True})
+    assert compare_free(diverged, p)["flip_class"] == "parser"
+    assert compare_free(diverged, p, noise_positions={3})["flip_class"] == "noise"
+    _, p = _free_pair(T, T, top=None, parser_check={"mismatch": False})
+    assert compare_free(diverged, p)["flip_class"] == "runtime"
+
+
+def test_free_tool_calls_of_the_primary_come_from_its_openai_tool_calls():
+    from tensorverse.shadow.compare import compare_free
+
+    T = [10, 11, 12]
+    prim = run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk",
+                      tool_calls=[{"id": "1", "type": "function", "function": {
+                          "name": "show_vlan", "arguments": '{"vlan": 201}'}}])
+    cand = run_record("c-r", "c", "shadow", "free", T, text=REF_TEXT)
+    res = compare_free(cand, prim)
+    assert res["ref_tool_calls"] == 1 and res["cand_tool_calls"] == 1 and res["verdict"] == "match"
+    assert res["flip_class"] is None and res["attribution"]["flip"] is None
+    assert res["flips_by_class"] == {"tie": 0, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 0}
+    cand["text"] = CAND_TEXT
+    assert compare_free(cand, prim)["verdict"] == "value_mismatch"
+
+
+def test_free_departure_reads_the_forced_rows_from_the_store(store):
+    from tensorverse.shadow.compare import compare_free
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C, alt = _flipped(R, (3,))
+    put_rows(store, "c-f", C)
+    forced = run_record("c-f", "c", "shadow", "forced", T, top=topk(R), rows=COMPLETE)  # top-k: no flip
+    cand, prim = _free_pair(T, T[:3] + [alt[3], 1, 1], top=topk(R))
+    res = compare_free(cand, prim, forced=forced, store=store)
+    assert res["forced_departure"] == 3 and res["confirms_forced"] is True
+    res = compare_free(cand, prim, forced={**forced, "status": "failed"}, store=store)
+    assert res["forced_departure"] is None and res["confirms_forced"] is None
+    res = compare_free(cand, prim, forced=forced)  # no store: the forced run's top-k
+    assert res["forced_departure"] is None and res["confirms_forced"] is False
+
+
+def _keyed(out):
+    return {(c["run_id"], c["ref_run_id"]): c for c in out}
+
+
+def test_compare_runs_error_results_skipped_runs_roles_and_noise(store, turn_runs):
+    """The fixture's turn with more runs: a forced run with rows of two widths (an error result
+    in forced and in free mode), one without tokens, one without top-k, one whose top-k cannot be
+    read, one sorted after the secondary, one whose rows and top-k disagree, free runs without a
+    forced run or with a failed one, a failed free run sorted first; roles passed through."""
+    R, C, T = turn_runs
+    prim = primary_run_id("T")
+    C3, alt = _flipped(R, (3,))
+    bad_top = topk(C)
+    bad_top[0] = "garbage"
+    free_tokens = T[:3] + [alt[3], 4, 5]
+    extra = [
+        run_record("mix-f", "mix", "shadow", "forced", T, top=topk(C), rows=COMPLETE),
+        run_record("mix-r", "mix", "shadow", "free", free_tokens, text=REF_TEXT),
+        run_record("empty-f", "empty", "shadow", "forced", [], rows=COMPLETE, top=topk(C)),
+        run_record("notk-f", "notk", "shadow", "forced", T, rows=COMPLETE),
+        run_record("bad-f", "bad", "shadow", "forced", T, rows=COMPLETE, top=bad_top),
+        run_record("zed-f", "zed", "shadow", "forced", T, rows=COMPLETE, top=topk(C)),
+        run_record("rows-f", "rows", "shadow", "forced", T, rows=COMPLETE, top=topk(R)),
+        run_record("rows-r", "rows", "shadow", "free", free_tokens, text=REF_TEXT),
+        run_record("solo-r", "solo", "shadow", "free", free_tokens, text=REF_TEXT),
+        run_record("down-r", "down", "shadow", "free", free_tokens, text=REF_TEXT),
+        run_record("aaa-r", "aaa", "shadow", "free", [], status="failed", error="connect"),
+    ]
+    for r in extra:
+        store.put_run(r).result()
+    store.write_rows("mix-f", [(0, encode_row(C[0])), (1, encode_row(C[1, :10]))]
+                     + [(p, encode_row(C[p])) for p in range(2, N)]).result()
+    for rid in ("empty-f", "notk-f", "bad-f", "zed-f"):
+        put_rows(store, rid, C)
+    put_rows(store, "rows-f", C3)
+    out = _keyed(compare_turn(store, "T", roles={"cand": "canary"}, store_results=False))
+    assert set(out) == {
+        ("cand-f", "sec-f"), ("cand-f", prim), ("sec-f", prim), ("sec-r", prim), ("cand-r", prim),
+        ("mix-f", "sec-f"), ("mix-f", prim), ("mix-r", prim), ("notk-f", "sec-f"),
+        ("bad-f", "sec-f"), ("bad-f", prim), ("zed-f", "sec-f"), ("zed-f", prim),
+        ("rows-f", "sec-f"), ("rows-f", prim), ("rows-r", prim), ("solo-r", prim), ("down-r", prim)}
+    widths = "AnalysisInputError: run mix-f: rows of different widths [10, 50]"
+    assert out[("mix-f", "sec-f")] == {"turn_id": "T", "mode": "forced", "backend": "mix",
+                                       "ref_backend": "sec", "status": "error", "error": widths,
+                                       "run_id": "mix-f", "ref_run_id": "sec-f"}
+    assert out[("mix-r", prim)] == {"turn_id": "T", "mode": "free", "backend": "mix",
+                                    "ref_backend": "prim", "status": "error", "error": widths,
+                                    "run_id": "mix-r", "ref_run_id": prim}
+    assert out[("bad-f", prim)] == {"turn_id": "T", "mode": "forced", "backend": "bad",
+                                    "ref_backend": "prim", "status": "error",
+                                    "error": "AnalysisInputError: top-k logprobs: cannot read entry "
+                                             "of type str",
+                                    "run_id": "bad-f", "ref_run_id": prim}
+    assert out[("bad-f", "sec-f")]["status"] == "ok"
+    floor = out[("sec-f", prim)]
+    assert floor["noise_floor"] is True and "noise" not in floor and "excess" not in floor
+    assert floor["attribution"]["noise_source"] == "secondary:sec" and floor["regions"] == [
+        "tool_syntax", "tool_name", "tool_args", "tool_args", "tool_syntax", "tool_syntax"]
+    for ref in ("sec-f", prim):
+        c = out[("cand-f", ref)]
+        assert c["role"] == "canary" and c["attribution"]["noise_source"] == "secondary:sec"
+        assert c["regions"] == floor["regions"], ref
+    assert out[("cand-r", prim)]["role"] == "canary"
+    for b in ("zed", "cand"):
+        assert out[(b + "-f", prim)]["noise"]["floor_backend"] == "sec"
+        assert out[(b + "-f", prim)]["excess"]["floor_backend"] == "sec"
+    rows = out[("rows-r", prim)]
+    assert rows["forced_departure"] == 3 and rows["confirms_forced"] is True
+    for b in ("solo", "down"):  # no forced run; a failed one
+        r = out[(b + "-r", prim)]
+        assert r["forced_departure"] is None and r["confirms_forced"] is None and r["first_flip"] == 3
+
+    # a backend that is no pivot: its failed comparison with the primary is still returned
+    only_bad = _keyed(compare_runs(store, list(store.iter_runs("T")), backends=["bad"], store_results=False))
+    assert set(only_bad) == {("bad-f", "sec-f"), ("bad-f", prim)}
+    assert only_bad[("bad-f", prim)]["status"] == "error"
+
+
+def test_noise_and_excess_errors_are_kept_in_the_result(store, turn_runs, monkeypatch):
+    import tensorverse.shadow.compare as C
+    from tensorverse.analysis.metrics import AnalysisInputError
+
+    def boom(*a, **k):
+        raise AnalysisInputError("boom")
+
+    monkeypatch.setattr(C, "compare_flip_rates", boom)
+    monkeypatch.setattr(C, "excess_flip_rate", boom)
+    c = _keyed(compare_turn(store, "T", store_results=False))[("cand-f", primary_run_id("T"))]
+    assert c["noise"] == {"error": "boom"} and c["excess"] == {"error": "boom"}
+
+
+def test_the_noise_floor_follows_the_roles_given(store, turn_runs):
+    """roles make `sec` the secondary although its record says shadow, and the primary is the
+    primary whatever its record says: its comparison is the noise floor."""
+    prim = primary_run_id("T")
+    runs = [dict(r) for r in store.iter_runs("T")]
+    for r in runs:
+        if r["id"] == "sec-f":
+            r["role"] = "shadow"
+        if r["id"] == prim:
+            r["role"] = None
+    out = _keyed(compare_runs(store, runs, roles={"sec": "secondary"}, store_results=False))
+    floor = out[("sec-f", prim)]
+    assert (floor["role"], floor["ref_role"], floor["noise_floor"]) == ("secondary", "primary", True)
+    assert out[("cand-f", prim)]["noise"]["floor_backend"] == "sec"
+    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] == "secondary:sec"
+
+
+def test_no_noise_run_without_a_secondary_of_the_turns_length(store, turn_runs):
+    prim = primary_run_id("T")
+    runs = [dict(r) for r in store.iter_runs("T")]
+    for r in runs:
+        if r["id"] == "sec-f":
+            r["token_ids"] = r["token_ids"][:3]
+    out = _keyed(compare_runs(store, runs, store_results=False))
+    assert ("sec-f", prim) not in out and "noise" not in out[("cand-f", prim)]
+    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None
+    assert out[("cand-f", prim)]["attribution"]["noise_source"] is None
+
+
+def test_no_comparison_with_a_primary_without_top_k_or_tokens(store, turn_runs):
+    from tensorverse.store import RecordNotFound
+
+    prim = primary_run_id("T")
+    runs = [dict(r) for r in store.iter_runs("T")]
+    for r in runs:
+        if r["id"] == prim:
+            r["top_logprobs"] = None
+    assert set(_keyed(compare_runs(store, runs, store_results=False))) == {
+        ("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
+    for r in runs:
+        if r["id"] == prim:
+            r["top_logprobs"], r["token_ids"] = [], []
+    out = _keyed(compare_runs(store, runs, store_results=False))
+    assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
+    assert out[("cand-f", "sec-f")]["error"] == ("AnalysisInputError: no position has a captured "
+                                                 "row on both sides")
+    # stored by default, not when told
+    with pytest.raises(RecordNotFound):
+        store.get_comparison("cand-r", prim)
+    compare_turn(store, "T", store_results=False)
+    with pytest.raises(RecordNotFound):
+        store.get_comparison("cand-r", prim)
+    compare_runs(store, list(store.iter_runs("T")))
+    assert store.get_comparison("cand-r", prim)["verdict"] == "value_mismatch"
+
+
+def test_no_recorded_primary_message(store):
+    from tensorverse.analysis.metrics import AnalysisInputError
+
+    with pytest.raises(AnalysisInputError) as e:
+        compare_runs(store, [run_record("x", "a", "shadow", "forced", [1])])
+    assert str(e.value) == "the turn has no recorded primary run"
+
+
+def test_a_primary_with_full_rows_is_compared_on_its_rows(store, turn_runs):
+    """A recorded primary whose rows are in the store (capture full): the comparisons with it
+    read them; without its top-k there are none, and no noise run either."""
+    R, C, T = turn_runs
+    prim = primary_run_id("T")
+    put_rows(store, prim, R)
+    runs = [dict(r) for r in store.iter_runs("T")]
+    for r in runs:
+        if r["id"] == prim:
+            r["capture"], r["rows"] = "full", COMPLETE
+    out = _keyed(compare_runs(store, runs, store_results=False))
+    assert out[("sec-f", prim)]["kind"] == "full" and out[("cand-f", prim)]["kind"] == "full"
+    assert out[("cand-f", prim)]["flips"] == [3] and out[("sec-f", prim)]["flips"] == []
+    for r in runs:
+        if r["id"] == prim:
+            r["top_logprobs"] = None
+    out = _keyed(compare_runs(store, runs, store_results=False))
+    assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
+    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None
+
+
+def test_forced_departure_a_chunk_with_a_missing_row_falls_back_to_top_k(store):
+    """Rows are read CHUNK positions at a time: a missing row anywhere in a chunk sends the search
+    to the top-k, even where an earlier row of that chunk departs."""
+    from tensorverse.shadow.compare import CHUNK, _forced_departure
+    from tensorverse.store.records import run
+
+    n = 2 * CHUNK + 2
+    R = np.tile(np.arange(8, dtype=np.float32), (n, 1))  # top-1 7 everywhere
+    R[CHUNK + 1] = R[CHUNK + 1, ::-1]  # the rows depart at CHUNK + 1 ...
+    tokens = [7] * n
+    top = [[[7, -0.1], [0, -3.0]]] * n
+    store.write_rows("f", [(p, encode_row(R[p])) for p in range(n) if p != CHUNK + 5]).result()
+    forced = run(run_record("f", "b", "shadow", "forced", tokens, top=top))
+    assert _forced_departure(forced, tokens, store) is None  # ... in a chunk missing CHUNK + 5
+    store.write_rows("f", [(CHUNK + 5, encode_row(R[CHUNK + 5]))]).result()
+    assert _forced_departure(forced, tokens, store) == CHUNK + 1
