@@ -17,27 +17,12 @@ from tensorverse.analysis.verdict import TurnEvidence, VerdictPolicy, decide, fi
 # --------------------------------------------------------------------------- the betting bounds
 
 
-def _loop_log_wealth(y, m_excess, side, trunc=sequential.TRUNCATION):
+def _loop_log_wealth(y, m_excess, side):
     """The formulas of the module docstring, one observation at a time (independent of numpy's
-    vectorised version)."""
-    m = (m_excess + 1) / 2
-    total, sq, logw = 0.0, 0.0, 0.0
-    mu_prev, var_prev = 0.5, 0.25
-    for i, yi in enumerate(y, start=1):
-        x = (yi + 1) / 2
-        d = mu_prev - m
-        lam = d / (var_prev + d * d)
-        if side == "lower":
-            lam = min(max(lam, 0.0), trunc / m)
-            logw += math.log(1 + lam * (x - m))
-        else:
-            lam = min(max(-lam, 0.0), trunc / (1 - m))
-            logw += math.log(1 - lam * (x - m))
-        sq += (x - mu_prev) ** 2
-        total += x
-        mu_prev = (0.5 + total) / (i + 1)
-        var_prev = (0.25 + sq) / (i + 1)
-    return logw
+    vectorised version): the plain loop of tests/analysis/test_sequential.py."""
+    from tests.analysis.test_sequential import _loop  # type: ignore[import-not-found]
+
+    return _loop(y, m_excess, side)
 
 
 @pytest.mark.parametrize("side", ["lower", "upper"])
