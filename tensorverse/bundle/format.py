@@ -41,7 +41,7 @@ from pathlib import Path
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "POSITIONS", "FREE", "SUMMARIES", "PROVENANCE",
            "MEMBERS", "DATA_MEMBERS", "POSITION_COLUMNS", "FREE_COLUMNS", "TOPK_AT_FLIPS", "FLIP_CLASSES",
            "FREE_VERDICTS", "SETTING_STATUSES", "Limits", "DEFAULT_LIMITS", "BundleRefused", "REASONS",
-           "SCHEMA_DIR", "NAME_RE", "positions_schema", "free_schema"]
+           "SCHEMA_DIR", "NAME_RE", "positions_schema", "free_schema", "missing_packages"]
 
 FORMAT = "tensorverse.rig-bundle"
 FORMAT_VERSION = 1
@@ -128,6 +128,17 @@ REASONS = (
     "summary_mismatch",  # a summary is not what the tables give
     "impossible_value",  # schema-valid but absurd (NaN, negative KL, flip with positive margin...)
 )
+
+
+def missing_packages(*names: str) -> str | None:
+    """None when every package (``pyarrow``, ``duckdb``) imports, else what to install: the
+    bundle commands need the ``rig`` extra, which a plain install of Tensorverse leaves out."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if not missing:
+        return None
+    return f"needs {', '.join(missing)}: pip install 'tensorverse[rig]'"
 
 
 class BundleRefused(ValueError):

@@ -102,6 +102,12 @@ class BuildRefused(Exception):
 
 
 def _build(args: argparse.Namespace) -> int:
+    from tensorverse.bundle.format import missing_packages
+
+    need = missing_packages("pyarrow", "duckdb")
+    if need:
+        print(f"{PROG}: {need}", file=sys.stderr)
+        return 2
     try:
         index = build(args.bundles, args.site, args.corpus)
     except BuildRefused as e:

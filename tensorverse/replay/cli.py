@@ -122,9 +122,13 @@ def run_check(bundles: Sequence[str], corpus_dirs: Sequence[str], as_json: bool)
     """``tensorverse report check``: each bundle accepted or refused (docs/replay.md). Exit
     status 0 when every bundle is accepted, 2 when one is refused or a ``--corpus`` is unreadable."""
     from tensorverse.bundle.check import check_bundle
-    from tensorverse.bundle.format import BundleRefused
+    from tensorverse.bundle.format import BundleRefused, missing_packages
     from tensorverse.rig.suite import known_corpora
 
+    need = missing_packages("pyarrow")
+    if need:
+        print(f"report check: {need}", file=sys.stderr)
+        return 2
     try:
         corpora = known_corpora(corpus_dirs)
     except (ValueError, OSError, KeyError) as e:  # CorpusError is a ValueError

@@ -59,9 +59,14 @@ def _suites(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tensorverse.bundle.format import missing_packages
     from tensorverse.rig.run import RigRunError, RigRunOptions, rig_run
     from tensorverse.rig.suite import suite
 
+    need = missing_packages("pyarrow")
+    if need:
+        print(f"tensorverse rig run: {need}", file=sys.stderr)
+        return 2
     try:
         su = suite(args.suite)
         names = [x.strip() for x in args.settings.split(",") if x.strip()] if args.settings else None

