@@ -113,3 +113,55 @@ def test_first_difference(a, b, want):
     token sequences part (one function for the three)."""
     assert first_difference(a, b) == want
     assert first_difference(b, a) == want
+
+
+# --------------------------------------------------------------------------- make mutants (issue 27)
+
+
+def test_free_divergence_records_every_field_on_each_path():
+    from tensorverse.analysis.flips import free_divergence
+
+    tok = free_divergence([5, 6, 7, 8], [5, 6, 9])
+    assert tok.as_dict() == {"position": 2, "common_prefix": 2, "ref_len": 4, "cand_len": 3, "kind": "token",
+                             "ref_token": 7, "cand_token": 9}
+    same = free_divergence([5, 6], np.array([5, 6], np.uint16))
+    assert same.as_dict() == {"position": None, "common_prefix": 2, "ref_len": 2, "cand_len": 2, "kind": None,
+                              "ref_token": None, "cand_token": None}
+    longer = free_divergence([5], [5, 6, 7])
+    assert longer.as_dict() == {"position": 1, "common_prefix": 1, "ref_len": 1, "cand_len": 3, "kind": "length",
+                                "ref_token": None, "cand_token": 6}
+    assert [type(v) for v in tok.as_dict().values()] == [int] * 4 + [str, int, int]
+
+
+def test_token_errors_name_the_argument_and_the_reason():
+    from tensorverse.analysis.flips import free_divergence
+    from tensorverse.analysis.metrics import AnalysisInputError
+
+    with pytest.raises(AnalysisInputError) as e:
+        free_divergence([[1, 2]], [1])
+    assert str(e.value) == "ref_tokens: expected a flat list of token ids, got shape (1, 2)"
+    with pytest.raises(AnalysisInputError) as e:
+        free_divergence([1], [1.5])
+    assert str(e.value) == "cand_tokens: token ids must be integers, got float64"
+    with pytest.raises(AnalysisInputError) as e:
+        free_divergence([1, [2, 3]], [1])
+    assert str(e.value).startswith("ref_tokens: not a list of token ids (")
+
+
+def test_token_vectors_are_int64_and_not_copied_when_they_already_are():
+    from tensorverse.analysis.flips import _token_vector
+
+    assert _token_vector([], "x").dtype == np.int64
+    assert _token_vector(np.array([3], np.uint8), "x").dtype == np.int64
+    a = np.array([1, 2], np.int64)
+    assert _token_vector(a, "x") is a
+
+
+def test_forced_flips_read_agreement_as_booleans():
+    from types import SimpleNamespace
+
+    from tensorverse.analysis.flips import first_forced_flip, forced_flips
+
+    m = SimpleNamespace(top1_agree=np.array([1, 0, 1, 0]))  # 0/1 integers: ~ must be a boolean not
+    assert forced_flips(m) == [1, 3] and first_forced_flip(m) == 1
+    assert first_forced_flip(SimpleNamespace(top1_agree=[1, 1])) is None
