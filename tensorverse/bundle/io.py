@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tensorverse.bundle.format import (DATA_MEMBERS, DEFAULT_LIMITS, FREE, FREE_COLUMNS, MANIFEST, MEMBERS,
+from tensorverse.bundle.format import (DEFAULT_LIMITS, FREE, FREE_COLUMNS, MANIFEST, MEMBERS,
                                        POSITION_COLUMNS, POSITIONS, PROVENANCE, SUMMARIES, BundleRefused,
                                        Limits, free_schema, positions_schema)
 from tensorverse.bundle.manifest import validate_manifest
@@ -189,7 +189,3 @@ def open_bundle(path: str | os.PathLike, limits: Limits = DEFAULT_LIMITS) -> Bun
             if len(members[ti.name]) != ti.size:
                 raise BundleRefused("unreadable", f"member {ti.name} is truncated")
     return Bundle(p, members, limits)
-
-
-def data_hashes(b: Bundle) -> dict[str, str]:
-    return {k: sha256(b.members[k]) for k in DATA_MEMBERS}

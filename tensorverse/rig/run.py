@@ -61,7 +61,6 @@ class RigRunResult:
     path: Path
     outcomes: list[Any] = field(default_factory=list)
     summaries: dict[str, Any] = field(default_factory=dict)
-    resumed: list[str] = field(default_factory=list)
 
 
 def point_settings(s: Setting) -> dict[str, Any]:
@@ -177,7 +176,6 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
 
     provenance: dict[str, Any] = {"tensorverse": __version__, "suite": suite.name, "model_dir_name": mdir.name,
                                   "points": {}}
-    resumed: list[str] = []
     for i, s in enumerate(chosen, 1):
         why = s.refusal()
         base = dict(name=s.name, axis=s.axis, value=s.value, vllm_args=(), env=dict(s.env))
@@ -194,7 +192,6 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
         rec = load_run(work, req.key)
         if rec is not None and rec.get("status") in ("ok", "start_failed"):
             log(f"[{i}/{len(chosen)}] {s.name}: done in an earlier run (resumed)")
-            resumed.append(s.name)
         else:
             log(f"[{i}/{len(chosen)}] {s.name} ({s.axis} = {s.value}) ...")
             rec = run_config(req, log=lambda m, n=i: log(f"[{n}/{len(chosen)}] {m}"))
@@ -249,5 +246,5 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
                        positions=positions, free=free, provenance=provenance, created=opts.created)
     from tensorverse.bundle.summary import summarize
 
-    return RigRunResult(path=path, outcomes=outcomes, resumed=resumed,
+    return RigRunResult(path=path, outcomes=outcomes,
                         summaries=summarize(positions, free, [o.name for o in outcomes if o.status == "ran"]))
