@@ -199,3 +199,9 @@ def test_kill_9_while_pruning_leaves_whole_sessions(tmp_path):
                 assert len(runs) == 2
                 for r in runs:
                     assert [p for p, _ in st.read_rows(r["id"])] == list(range(6))
+    from tests.reliability.harness import record
+
+    record("fault-kill9-prune", load="40 sessions (3 turns x 2 runs x 6 rows each), pruned by age",
+           faults="SIGKILL of `prune` once it reported 5 sessions deleted", bad_inputs=0, requests=0, requests_failed=0,
+           records_lost=0, sessions_deleted_before_kill=40 - len(left), sessions_half_deleted=0,
+           note="every session left whole: all its turns, runs and rows")
