@@ -134,6 +134,13 @@ def test_kubernetes_manifests():
     services = [d for d in docs if d["kind"] == "Service"]
     assert any(s["spec"].get("sessionAffinity") == "ClientIP" for s in services)
     assert sts["spec"]["serviceName"] in {s["metadata"]["name"] for s in services}
+    # a budget the store keeps, under the size cap, so that pruning starts before writes are refused
+    from tensorverse.store.retention import parse_bytes
+
+    assert cfg.retention.enabled and cfg.retention.compact
+    assert parse_bytes(cfg.retention.max_bytes) < cfg.store.max_size_bytes
+    claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    assert cfg.store.max_size_bytes < parse_bytes(claim.replace("Gi", "GiB"))
 
 
 def test_vllm_image_gets_every_dependency_tensorverse_needs():
