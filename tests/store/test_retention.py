@@ -205,3 +205,36 @@ def test_kill_9_while_pruning_leaves_whole_sessions(tmp_path):
            faults="SIGKILL of `prune` once it reported 5 sessions deleted", bad_inputs=0, requests=0, requests_failed=0,
            records_lost=0, sessions_deleted_before_kill=40 - len(left), sessions_half_deleted=0,
            note="every session left whole: all its turns, runs and rows")
+
+
+def test_a_full_store_is_pruned_at_once_and_recording_resumes(tmp_path):
+    """Recording does not stop on a full store while the budget can free space: the keeper is due
+    as soon as the store refuses a write (not only every ``interval_s``), prunes the oldest
+    sessions under ``max_bytes``, and the next session's rows are written."""
+    from tensorverse.store import StoreFullError
+
+    cap = 4 << 20
+    now = time.time_ns()
+    with Store.open(tmp_path / "s", map_size=1 << 20, max_size=cap, durable=False) as st:
+        keeper = RetentionKeeper(st, RetentionPolicy(max_bytes=cap // 2), interval_s=3600)
+        keeper.run_once()  # a run just now: the next is an hour away
+        assert not keeper.due()
+        written: list[str] = []
+        with pytest.raises(StoreFullError):
+            for k in range(100):  # 1 MiB a session (2 turns x 2 runs x 4 rows of 64 KiB)
+                _session(st, f"s{k:02d}", now + k, turns=2, rows=4)
+                written.append(f"s{k:02d}")
+        assert st.stats()["full"] and 2 <= len(written) < 10
+        assert keeper.due()  # full: due before its interval
+        r = keeper.run_once()
+        # the middle step: the rows of the oldest sessions go first, their records stay
+        assert r is not None and not r.over_budget and r.live_bytes <= cap // 2 and r.bytes_freed > 0
+        assert r.rows_dropped == written[:len(r.rows_dropped)] and r.rows_dropped and not r.deleted
+        assert set(written) <= set(_alive(st))
+        for sid in written:
+            rows = st.read_rows(f"{sid}-t0-fp8-forced")
+            assert (rows == []) == (sid in r.rows_dropped), sid
+        assert not st.stats()["full"]
+        _session(st, "after", now + 1000, turns=1, rows=4)  # recording goes on
+        assert "after" in _alive(st)
+        assert [p for p, _ in st.read_rows("after-t0-fp8-forced")] == list(range(4))
