@@ -20,6 +20,14 @@ def test_example_config_is_valid():
     assert {b.name for b in cfg.shadows} >= {"flashinfer", "fp8-kv"}
 
 
+def test_the_example_in_the_docs_is_the_example_file():
+    """docs/proxy.md shows examples/tensorverse.toml whole: a change to one is made to both."""
+    doc = (EXAMPLE.parents[1] / "docs" / "proxy.md").read_text()
+    start = doc.index("## Example: primary + FlashInfer shadow")
+    shown = doc[doc.index("```toml\n", start) + len("```toml\n"):]
+    assert shown[:shown.index("```\n")] == EXAMPLE.read_text()
+
+
 @pytest.mark.parametrize(
     "data, key, words",
     [
