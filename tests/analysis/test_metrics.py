@@ -428,3 +428,216 @@ def test_widen_bf16_is_exact_and_leaves_other_rows_alone():
     bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # these values are bf16-exact
     np.testing.assert_array_equal(widen_bf16(bits).view(np.uint32), x.view(np.uint32) & 0xFFFF0000)
     assert widen_bf16(x) is x
+
+
+# --------------------------------------------------------------------------- mutation-testing gaps
+# (issue 27: each test below kills mutants of metrics.py that survived the suite above; expected
+# values come from the longdouble reference `ref_row`, plain Python loops or the definitions.)
+
+
+def test_second_max_next_to_the_top1_inside_a_tile(monkeypatch):
+    # top-1 at index 1 of a tile with the runner-up at index 0, and top-1 at the tile's
+    # second-to-last entry with the runner-up at its last one: both neighbours must be searched.
+    rows = np.array([
+        [1.0, 2.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0],
+        [-5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 2.0, 1.0],
+        [-5.0, -4.0, 1.0, 2.0, -1.0, 0.0, -3.0, -2.0],  # with a 4-wide tile: index 1 of tile 0
+    ])
+    cand = rows[:, ::-1].copy()
+    t = np.array([0, 7, 2])
+    m = assert_matches(rows, cand, t)
+    for i in range(3):  # the margin, literally: p(top1) - p(top2) under P, in plain floats
+        e = [math.exp(v) for v in rows[i]]
+        p = sorted((v / sum(e) for v in e), reverse=True)
+        assert m.margin[i] == pytest.approx(p[0] - p[1], abs=1e-12)
+    monkeypatch.setattr(M, "_CHUNK", 4)  # two tiles per row: the same rows across a tile edge
+    assert_matches(rows, cand, t)
+    shifted = np.array([[-1.0, 1.0, 2.0, 0.0, -9.0, -9.0, -9.0, -9.0]])  # top-1 at 2 of tile 0
+    assert_matches(shifted, shifted[:, ::-1].copy(), [3])
+
+
+def test_metrics_arrays_have_their_documented_dtypes():
+    x, y = lm_rows(3, 50, seed=14)
+    for m in (position_metrics(x, y, [1, 2, 3]), reference_position_metrics(x, y, [1, 2, 3])):
+        assert m.ref_top1.dtype == np.int64 and m.cand_top1.dtype == np.int64
+        assert m.rank.dtype == np.int64 and m.top1_agree.dtype == bool
+        assert m.tokens.dtype == np.int64 and m.tokens.tolist() == [1, 2, 3]
+        r = m.rows()[0]
+        assert type(r["ref_top1"]) is int and type(r["cand_top1"]) is int and type(r["token"]) is int
+
+
+def test_reference_implementation_on_huge_logits_one_hot_rows_and_one_entry():
+    rng = np.random.default_rng(15)
+    x = rng.normal(0, 2, (3, 300)) + np.array([[1e3], [-1e3], [0.0]])
+    x[2] = -50.0
+    x[2, 7] = 50.0  # one-hot: entropy far below 1
+    y = x + rng.normal(0, 0.3, x.shape)
+    t = np.array([4, 9, 7])
+    m = assert_matches(x, y, t, reference_position_metrics(x, y, t))
+    assert m.entropy[2] < 1e-30
+    one = reference_position_metrics(np.array([[1.5]]), np.array([[-2.0]]), [0])
+    assert one.margin[0] == 1.0 and one.kl[0] == 0.0 and one.entropy[0] == 0.0
+
+
+def test_non_finite_messages_exactly():
+    x = np.zeros((3, 6))
+    x[2] = [0.0, np.nan, np.inf, np.inf, -np.inf, 0.0]
+    y = np.zeros((3, 6))
+    want = "ref: row 2 contains non-finite logits (1 NaN, 2 +inf, 1 -inf; first at column 1)"
+    for f in (position_metrics, reference_position_metrics):
+        with pytest.raises(AnalysisInputError) as ei:
+            f(x, y, [0, 0, 0])
+        assert str(ei.value) == want
+    y[1, 3] = -np.inf
+    want = "cand: row 1 contains non-finite logits (1 -inf; first at column 3)"
+    for f in (position_metrics, reference_position_metrics):
+        with pytest.raises(AnalysisInputError) as ei:
+            f(np.zeros((3, 6)), y, [0, 0, 0])
+        assert str(ei.value) == want
+    # a later block: the row number counts from the start of the run
+    y = np.zeros((11, 6))
+    y[10, 5] = np.nan
+    with pytest.raises(AnalysisInputError) as ei:
+        position_metrics(np.zeros((11, 6)), y, [0] * 11)
+    assert str(ei.value) == "cand: row 10 contains non-finite logits (1 NaN; first at column 5)"
+
+
+def test_validation_messages_name_the_side():
+    assert _err(None, np.zeros((1, 2)), [0]) == "ref: no logits given"
+    assert _err(np.zeros((1, 2)), None, [0]) == "cand: no logits given"
+    assert _err(np.zeros((1, 2), int), np.zeros((1, 2)), [0]) == (
+        "ref: logits must be a floating dtype (float16/float32/float64), got int64")
+    assert _err(np.zeros((1, 2)), np.zeros((1, 2), np.float32)[:, :, None], [0]) == (
+        "cand: logits must be 2-D (positions x vocabulary), got shape (1, 2, 1)")
+    assert _err(np.zeros((2, 5)), np.zeros((2, 6)), [0, 0]) == (
+        "ref and cand shapes differ: (2, 5) vs (2, 6) (both must be positions x vocabulary)")
+    msg = _err([[1.0, 2.0], [1.0]], np.zeros((2, 2)), [0, 0])
+    assert msg.startswith("ref: not an array of logits (")
+    msg = _err(np.zeros((2, 2)), [[1.0, 2.0], [1.0]], [0, 0])
+    assert msg.startswith("cand: not an array of logits (")
+    assert _err(np.zeros((1, 2)), np.zeros((1, 2)), None) == "tokens: no reference token ids given"
+    assert _err(np.zeros((2, 2)), np.zeros((2, 2)), [[0], [1, 0]]).startswith(
+        "tokens: not a list of token ids (")
+    assert _err(np.zeros((1, 2)), np.zeros((1, 2)), [1.0]) == (
+        "tokens: token ids must be integers, got float64")
+    assert _err(np.zeros((3, 4)), np.zeros((3, 4)), [4, -1, 9]) == (
+        "tokens: token id 4 at position 0 is outside the vocabulary [0, 4) (3 out of range)")
+
+
+def test_python_lists_are_logits():
+    x = [[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]]
+    y = [[0.5, 1.0, 2.0], [0.0, 2.0, 0.0]]
+    m = position_metrics(x, y, [2, 0])
+    assert_matches(np.array(x), np.array(y), [2, 0], m)
+
+
+def test_metrics_do_not_depend_on_the_callers_floating_point_error_state():
+    # exp(-800) underflows: a caller's np.errstate(all="raise") must not turn it into an error
+    x = np.zeros((2, 40))
+    x[:, 5] = 800.0
+    y = np.zeros((2, 40))
+    y[0, 1] = -np.inf
+    with np.errstate(all="raise"):
+        m = position_metrics(x, np.zeros((2, 40)), [5, 0])
+        with pytest.raises(AnalysisInputError, match="cand: row 0"):
+            position_metrics(x, y, [5, 0])
+    assert_matches(x, np.zeros((2, 40)), [5, 0], m)
+
+
+def test_rows_of_approximate_metrics_and_without_tokens():
+    n = 3
+    base = dict(
+        top1_agree=np.array([True, False, True]), kl=np.array([0.0, 0.5, 0.25]),
+        delta_p=np.array([0.0, np.nan, 0.1]), margin=np.full(n, 0.5),
+        rank=np.array([0, 5, 2], np.int64), entropy=np.ones(n),
+        ref_top1=np.zeros(n, np.int64), cand_top1=np.array([0, 1, 0], np.int64),
+    )
+    lb = np.array([False, True, False])
+    rows = PositionMetrics(**base, approximate=True, rank_lower_bound=lb).rows()
+    assert [r["rank"] for r in rows] == [0, ">= 5", 2]
+    assert all(r["approximate"] is True for r in rows)
+    assert [r["token"] for r in rows] == [None, None, None]  # no tokens given: None, not 0
+    assert len(rows) == n and len(PositionMetrics(**base)) == n
+    exact = PositionMetrics(**base, rank_lower_bound=lb).rows()  # not approximate: flags ignored
+    assert [r["rank"] for r in exact] == [0, 5, 2] and "approximate" not in exact[0]
+
+
+def test_widen_bf16_gives_float32():
+    bits = np.array([0x3F80, 0xC020, 0x0000], np.uint16)  # 1.0, -2.5, 0.0
+    w = M.widen_bf16(bits)
+    assert w.dtype == np.float32
+    assert w.tolist() == [1.0, -2.5, 0.0]
+
+
+def _summary_metrics(kl, delta_p, *, entropy=None, margin=None, agree=None, approximate=False,
+                     lb=None) -> PositionMetrics:
+    kl = np.asarray(kl)
+    n = kl.size
+    agree = np.ones(n, bool) if agree is None else np.asarray(agree, bool)
+    return PositionMetrics(
+        top1_agree=agree, kl=kl, delta_p=np.asarray(delta_p, np.float64),
+        margin=np.full(n, 0.5) if margin is None else np.asarray(margin, np.float64),
+        rank=np.zeros(n, np.int64),
+        entropy=np.ones(n) if entropy is None else np.asarray(entropy, np.float64),
+        ref_top1=np.zeros(n, np.int64), cand_top1=np.where(agree, 0, 1).astype(np.int64),
+        approximate=approximate, rank_lower_bound=lb,
+    )
+
+
+def test_summary_of_two_positions_has_standard_errors():
+    s = summarize(_summary_metrics([1.0, 3.0], [0.0, 0.0], agree=[True, False]))
+    # population variance 1 over n - 1 = 1: se 1
+    assert (s["kl"]["n"], s["kl"]["mean"], s["kl"]["se"]) == (2, 2.0, 1.0)
+    assert s["same_top_p"] == {"p": 0.5, "se": math.sqrt(0.5 * 0.5 / 1)}
+    # every delta_p zero: rms 0 and its se 0 (not a division by zero)
+    assert s["delta_p"]["rms"] == 0.0 and s["delta_p"]["rms_se"] == 0.0
+    assert s["delta_p"]["mean"] == 0.0 and s["delta_p"]["n"] == 2
+
+
+def test_summary_of_one_nonzero_delta_p_has_no_se():
+    s = summarize(_summary_metrics([0.5], [-0.25]))
+    assert s["delta_p"]["rms"] == 0.25 and s["delta_p"]["rms_se"] is None
+    assert s["delta_p"]["mean"] == -0.25 and s["delta_p"]["se"] is None
+
+
+def test_summary_of_approximate_metrics_with_unknown_delta_p():
+    nan = float("nan")
+    m = _summary_metrics([0.1, 0.2, 0.3], [nan, nan, nan], approximate=True,
+                         lb=np.array([True, False, True]),
+                         entropy=[1.0, np.inf, 2.0], margin=[np.nan, np.nan, np.nan])
+    s = summarize(m)
+    want = {"n": 0, "mean": None, "se": None, "max": None}
+    want.update({f"p{p:g}": None for p in (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)})
+    want.update({"min": None, "rms": None, "rms_se": None})
+    assert s["delta_p"] == want and list(s["delta_p"]) == list(want)
+    assert (s["kl_bound"], s["rank_lower_bounds"], s["delta_p_unknown"]) == ("lower", 2, 3)
+    assert s["approximate"] is True
+    assert s["mean_entropy"] == 1.5  # the infinite entry left out
+    assert s["mean_margin"] is None  # nothing finite
+    no_lb = summarize(_summary_metrics([0.1], [nan], approximate=True))
+    assert no_lb["rank_lower_bounds"] == 0 and no_lb["delta_p_unknown"] == 1
+    exact = summarize(_summary_metrics([0.1, 0.2], [0.0, 0.1], entropy=[0.5, 1.0], margin=[0.25, 0.5]))
+    assert exact["mean_entropy"] == 0.75 and exact["mean_margin"] == 0.375
+    assert "kl_bound" not in exact and "rank_lower_bounds" not in exact
+
+
+def test_summary_statistics_are_taken_in_float64():
+    kl = np.array([0.1, 0.2, 0.3, 0.7], np.float16)
+    s = summarize(_summary_metrics(kl, np.zeros(4)))
+    vals = [float(v) for v in kl]  # the float16 values, exactly, as Python floats
+    mean = sum(vals) / 4
+    se = math.sqrt(sum((v - mean) ** 2 for v in vals) / 4 / 3)
+    assert s["kl"]["mean"] == pytest.approx(mean, rel=1e-15, abs=0)
+    assert s["kl"]["se"] == pytest.approx(se, rel=1e-12, abs=0)
+
+
+def test_summary_messages():
+    m = _summary_metrics([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(AnalysisInputError, match=r"^summarize: no positions$"):
+        summarize(_summary_metrics(np.zeros(0), np.zeros(0)))
+    with pytest.raises(AnalysisInputError, match=r"^regions: 1 labels for 2 positions$"):
+        summarize(m, ["content"])
+    with pytest.raises(AnalysisInputError, match=r"^regions: labels must be strings, got 3$"):
+        summarize(m, ["content", 3])
+    s = summarize(m, ["zeta", "alpha"])  # labels outside REGIONS: sorted, after the known ones
+    assert list(s["flips_by_region"]) == ["alpha", "zeta"]

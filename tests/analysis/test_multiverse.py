@@ -156,3 +156,126 @@ def test_round_trip_and_invariants(branches):
                 while k < len(sa) and k < len(sb) and sa[k] == sb[k]:
                     k += 1
                 assert d == k
+
+
+# ------------------------------------------------------------------------------------------
+# Exact trees, records and messages (issue 27, mutation testing)
+# ------------------------------------------------------------------------------------------
+
+# p and s agree, q goes on past them, r stops after the first token:
+#   root [1] (ended r) -> [2] -> [3] (ended p, s)
+#                             -> [4, 5] (ended q)
+FOUR = {"p": [1, 2, 3], "q": [1, 2, 4, 5], "r": [1], "s": [1, 2, 3]}
+
+
+def test_tree_of_four_in_full():
+    tree = build_tree(FOUR)
+    assert END == -1
+    leaf_ps = {"id": 2, "start": 2, "end": 3, "tokens": [3], "backends": ["p", "s"],
+               "ended": ["p", "s"], "children": []}
+    leaf_q = {"id": 3, "start": 2, "end": 4, "tokens": [4, 5], "backends": ["q"], "ended": ["q"],
+              "children": []}
+    mid = {"id": 1, "start": 1, "end": 2, "tokens": [2], "backends": ["p", "q", "s"], "ended": [],
+           "children": [leaf_ps, leaf_q]}
+    root = {"id": 0, "start": 0, "end": 1, "tokens": [1], "backends": ["p", "q", "r", "s"],
+            "ended": ["r"], "children": [mid]}
+    assert tree.to_dict() == {
+        "backends": ["p", "q", "r", "s"],
+        "lengths": {"p": 3, "q": 4, "r": 1, "s": 3},
+        "root": root,
+        "branch_points": [
+            {"position": 1, "options": [{"token": 2, "backends": ["p", "q", "s"]},
+                                        {"token": END, "backends": ["r"]}]},
+            {"position": 2, "options": [{"token": 3, "backends": ["p", "s"]},
+                                        {"token": 4, "backends": ["q"]}]},
+        ],
+    }
+    nodes = list(tree.nodes())
+    assert [n.id for n in nodes] == [0, 1, 2, 3]
+    assert [n.end for n in nodes] == [1, 2, 3, 4]
+    # one child and an end is a branch point; ends without children, or one child alone, are not
+    assert [n.is_branch_point for n in nodes] == [True, True, False, False]
+    assert nodes[0].options() == {2: ["p", "q", "s"], END: ["r"]}
+    assert nodes[2].options() == {END: ["p", "s"]}
+    assert [n.id for n in tree.path("q")] == [0, 1, 3]
+    assert [n.id for n in tree.path("r")] == [0]
+    assert tree.sequence("q") == [1, 2, 4, 5] and tree.sequence("r") == [1]
+    bps = tree.branch_points()
+    assert [(bp.position, bp.options) for bp in bps] == [
+        (1, {2: ["p", "q", "s"], END: ["r"]}), (2, {3: ["p", "s"], 4: ["q"]})]
+
+
+def test_divergence_of_every_pair():
+    tree = build_tree(FOUR)
+    want = {("p", "s"): None, ("p", "q"): 2, ("p", "r"): 1, ("q", "r"): 1, ("q", "s"): 2,
+            ("r", "s"): 1}
+    for (a, b), d in want.items():
+        assert tree.divergence(a, b) == d, (a, b)
+        assert tree.divergence(b, a) == d, (b, a)
+    for b in FOUR:
+        assert tree.divergence(b, b) is None
+    with pytest.raises(KeyError, match="nope"):
+        tree.divergence("p", "nope")
+    with pytest.raises(KeyError, match="nope"):
+        tree.path("nope")
+
+
+def test_records_are_copies():
+    tree = build_tree(FOUR)
+    root = tree.root
+    opts = root.options()
+    opts[2].append("x")
+    opts[END].append("y")
+    d = root.to_dict()
+    d["tokens"].append(9)
+    d["backends"].append("z")
+    d["ended"].append("z")
+    t = tree.to_dict()
+    t["backends"].append("z")
+    t["lengths"]["z"] = 0
+    assert root.children[0].backends == ["p", "q", "s"] and root.ended == ["r"]
+    assert root.tokens == [1] and root.backends == ["p", "q", "r", "s"]
+    assert tree.backends == ["p", "q", "r", "s"] and "z" not in tree.lengths
+
+
+def test_branch_points_at_the_same_position_keep_tree_order():
+    # two subtrees branch at position 2; the first backend's subtree comes first, even though
+    # the second's tokens are smaller
+    tree = build_tree({"a": [5, 6, 9], "b": [5, 6, 8], "c": [2, 3, 1], "d": [2, 3, 0]})
+    assert [(bp.position, bp.options) for bp in branch_points(tree)] == [
+        (0, {5: ["a", "b"], 2: ["c", "d"]}),
+        (2, {9: ["a"], 8: ["b"]}),
+        (2, {1: ["c"], 0: ["d"]}),
+    ]
+    assert [n.id for n in tree.nodes()] == list(range(7))
+    # a deep branch point in the first subtree comes after a shallow one in the second
+    deep = build_tree({"a": [1, 1, 1, 1, 1, 9], "b": [1, 1, 1, 1, 1, 8], "c": [2, 3, 4], "d": [2, 3, 5]})
+    assert [(bp.position, bp.options) for bp in branch_points(deep)] == [
+        (0, {1: ["a", "b"], 2: ["c", "d"]}), (2, {4: ["c"], 5: ["d"]}), (5, {9: ["a"], 8: ["b"]})]
+    assert [n.tokens for n in tree.nodes()] == [[], [5, 6], [9], [8], [2, 3], [1], [0]]
+
+
+def test_validation_messages():
+    with pytest.raises(TypeError, match="^branches must be a mapping of backend name -> token ids$"):
+        build_tree([[1, 2]])
+    with pytest.raises(ValueError, match="^build_tree needs at least one branch$"):
+        build_tree({})
+    with pytest.raises(ValueError, match="^backend name must be a non-empty string, got ''$"):
+        build_tree({"": [1]})
+    with pytest.raises(ValueError, match="^backend name must be a non-empty string, got 3$"):
+        build_tree({3: [1]})
+    with pytest.raises(ValueError, match="^a: token id must be an integer, got True$"):
+        build_tree({"a": [1, True]})
+    with pytest.raises(ValueError, match="^a: token id must be an integer, got 1.5$"):
+        build_tree({"a": [1.5]})
+    with pytest.raises(ValueError, match="^b: token id must be >= 0, got -2$"):
+        build_tree({"a": [1], "b": [0, -2]})
+    import numpy as np
+    with pytest.raises(ValueError, match="^a: token id must be >= 0, got -3$"):
+        build_tree({"a": np.array([-3])})
+    # token 0 is valid; None is an empty sequence
+    tree = build_tree({"a": [0, 0], "b": None})
+    assert tree.lengths == {"a": 2, "b": 0}
+    assert tree.root.tokens == [] and tree.root.ended == ["b"]
+    assert [c.tokens for c in tree.root.children] == [[0, 0]]
+    assert branch_points(tree) == [(0, {0: ["a"], END: ["b"]})]

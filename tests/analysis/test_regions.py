@@ -185,3 +185,230 @@ def test_regions_do_not_depend_on_tokenization(pieces):
     text = "".join(pieces)
     per_char = tag_regions(list(text))
     assert per_char == char_regions(text)
+
+
+# ------------------------------------------------------------------------------------------
+# Exact labels of every character (issue 27, mutation testing). Each case is written as
+# (segment, region) pairs labelled by hand from the rules in the module docstring; the text is
+# their concatenation and the expected label of every character is its segment's.
+# ------------------------------------------------------------------------------------------
+
+S, A, N, C, T = "tool_syntax", "tool_args", "tool_name", "content", "thinking"
+
+
+def _check(segs, **kw):
+    text = "".join(s for s, _ in segs)
+    want = [r for s, r in segs for _ in s]
+    assert len(want) == len(text)
+    got = char_regions(text, **kw)
+    assert len(got) == len(text)
+    bad = [(i, text[i], want[i], got[i]) for i in range(len(text)) if got[i] != want[i]]
+    assert not bad, (text, bad[:5])
+    # one token per segment (each segment is one region) and one token per character agree
+    assert tag_regions([s for s, _ in segs], **kw) == [r for _, r in segs]
+    assert tag_regions(list(text), **kw) == want
+
+
+def test_json_escapes_unknown_keys_parameters_and_literals():
+    _check([
+        ("Intro ", C), ("<tool_call>", S), ("\n ", S), ("{", S), ('"name"', S), (": ", S),
+        ('"', S), ('do\\"it', N), ('"', S),  # an escaped quote does not end the name
+        (", ", S), ('"id"', S), (":", S), ("42", S),  # a top-level key other than name/arguments
+        (", ", S), ('"parameters"', S), (": ", S), ("{", S),  # "parameters" is "arguments"
+        ('"', S), ("q", A), ('"', S), (":", S), ('"', S), ("x y", A), ('"', S), (",", S), (" ", S),
+        ('"', S), ("k", A), ('"', S), (" : ", S), ("null", A), ("}", S),
+        ("}", S), ("\n", S), ("</tool_call>", S), (" bye", C),
+    ])
+
+
+def test_json_stray_delimiters_and_non_object_arguments():
+    # a stray delimiter where a value should be is one syntax character; scanning goes on after it
+    _check([("<tool_call>", S), ('{"name": ', S), (",", S), (" ", S), ('"arguments"', S), (": ", S),
+            ("5", A), ("}", S), ("</tool_call>", S)])
+    # arguments as a list: every character of it, brackets included, is an argument
+    _check([("<tool_call>", S), ('{"name": "', S), ("f", N), ('", "arguments": ', S),
+            ('[1, "a", [2]]', A), ("}", S), ("</tool_call>", S)])
+    # arguments as a JSON string: quotes are syntax, the content arguments
+    _check([("<tool_call>", S), ('{"arguments": "', S), ('{\\"a\\": 1}', A), ('"', S), ("}", S),
+            ("</tool_call>", S)])
+    # garbage before the object in the body is syntax, one character at a time
+    _check([("<tool_call>", S), ("x,", S), ('{"name": "', S), ("g", N), ('"}', S),
+            ("</tool_call>", S)])
+
+
+def test_json_nested_values_with_brackets_in_strings():
+    _check([("<tool_call>", S), ('{"name": "', S), ("h", N), ('", "arguments": {"', S), ("v", A),
+            ('": ', S), ('{"s": "]}", "t": [[1], [2]]}', A), (', "', S), ("w", A), ('": ', S),
+            ("1", A), ("}}", S), ("</tool_call>", S)])
+    # brackets are counted, other characters (X) are not
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("v", A), ('": ', S), ("[X]", A), (', "', S),
+            ("w", A), ('": ', S), ("1", A), ("}}", S), ("</tool_call>", S)])
+    # a nested value that never closes runs to the end of the body
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("v", A), ('": ', S), ('{"s": [1', A),
+            ("</tool_call>", S)])
+
+
+def test_xml_parameters_values_and_newlines():
+    _check([
+        ("<tool_call>", S), ("\n", S), ("<function=", S), ("get", N), (">", S), ("\n", S),
+        ("<parameter=", S), ("a", A), (">", S), ("\n", S), ("v1\nv2", A), ("\n", S),
+        ("</parameter>", S), ("\n", S),
+        # a value cut short by the next parameter, then one cut short by </function>
+        ("<parameter=", S), ("b", A), (">", S), ("x", A),
+        ("<parameter=", S), ("c", A), (">", S), ("\n", S), ("y", A), ("\n", S),
+        ("</function>", S), ("\n", S), ("</tool_call>", S), ("ok", C),
+    ])
+    # names ended by a newline or by '<' instead of '>'
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), ("\n", S), ("<parameter=", S), ("p", A),
+            ("<parameter=", S), ("q", A), (">", S), ("z", A), ("</parameter>", S), ("</tool_call>", S)])
+    # a body starting with blanks then '<' (not '<function=') is XML
+    _check([("<tool_call>", S), (" ", S), ("<parameter=", S), ("p", A), (">", S), ("v", A),
+            ("</parameter>", S), ("</tool_call>", S)])
+
+
+def test_xml_value_truncated_at_the_end_keeps_its_trailing_newline():
+    # the trailing newline is stripped only when a closing tag follows it
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S), ("p", A),
+            (">", S), ("\n", S), ("val\n", A)])
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S), ("p", A),
+            (">", S), ("\n", S)])
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S), ("p", A),
+            (">", S)])
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S), ("ab", A)])
+
+
+def test_tool_call_tags_at_top_level():
+    # a second <tool_call> before the first one closes ends the first body
+    _check([("<tool_call>", S), ('{"name": "', S), ("a", N), ('"', S), ("<tool_call>", S),
+            ('{"name": "', S), ("b", N), ('"}', S), ("</tool_call>", S)])
+    # a stray </tool_call> is syntax; other '<' are content
+    _check([("x", C), ("</tool_call>", S), ("y<b>c<", C), ("<tool_call>", S), ('{"name": "', S),
+            ("n", N), ('"}', S), ("</tool_call>", S)])
+    # an unclosed call runs to the end
+    _check([("<tool_call>", S), ('{"name": "', S), ("n", N)])
+
+
+def test_bare_function_ends_at_its_close_or_the_next_tag():
+    _check([("x", C), ("<function=", S), ("f", N), (">", S), ("</function>", S), (" z", C)])
+    _check([("<function=", S), ("f", N), (">", S), ("<parameter=", S), ("p", A), (">", S), ("v", A),
+            ("<think>hm</think>", T), (" z", C)])
+    _check([("<function=", S), ("f", N), (">", S), ("<tool_call>", S), ('{"name": "', S), ("g", N),
+            ('"}', S), ("</tool_call>", S)])
+    _check([("<function=", S), ("f", N), (">", S), ("v", S)])
+
+
+def test_thinking_boundaries():
+    _check([("pre", C), ("<think>t<tool_call>{</think>", T), ("post", C)])
+    _check([("a</think>", T), ("b", C), ("<think>c", T)])  # prefilled, then another unclosed
+    _check([("a</think>", T), ("<think>b", T)])
+    _check([("<", C), ("<think>t</think>", T)])  # a "<" that starts no tag is content
+    _check([("a<tool_call>b", T)], start_in_thinking=True)  # forced, never closed
+    _check([("a</think>", T), ("<tool_call>", S), ('{"name": "', S), ("n", N), ('"}', S),
+            ("</tool_call>", S)], start_in_thinking=True)
+    _check([("<think>", T), ("x", T), ("</think>", T), ("</think>", C)])
+    _check([("a", C), ("</think>", C), ("<think>b</think>", T)], start_in_thinking=False)
+
+
+def test_char_regions_of_odd_input():
+    assert char_regions(None) == []
+    assert char_regions(123) == [C, C, C]
+    assert char_regions("") == []
+
+    class Evil(str):  # str() keeps it; its find raises inside the scanner
+        def __str__(self):
+            return self
+
+        def find(self, *a, **k):
+            raise RuntimeError("boom")
+
+    assert char_regions(Evil("<think>ab")) == [C] * 9
+
+
+def test_empty_and_non_string_pieces():
+    assert tag_regions(["", ""]) == [C, C]
+    assert tag_regions(["", "<think>", "x</think>", "", "b", ""]) == [T, T, T, T, C, C]
+    assert tag_regions([None, "<think>", None]) == [T, T, T]
+    # non-strings are converted with str: 12 is two characters of content before the tag
+    assert tag_regions([12, "</think>", "x"]) == [T, T, C]
+    assert tag_regions(["a", "b"], start_in_thinking=False) == [C, C]
+
+
+def test_region_at():
+    from tensorverse.analysis.regions import UNKNOWN, region_at
+
+    assert UNKNOWN == "unknown"
+    pieces = ["<think>", "x", "</think>", "ok", "<tool_call>", '{"name": "', "f", '"}', "</tool_call>"]
+    want = [T, T, T, C, S, S, N, S, S]
+    assert [region_at(pieces, i) for i in range(len(pieces))] == want
+    assert region_at(tuple(pieces), 6) == N
+    for pos in (None, -1, len(pieces), len(pieces) + 1):
+        assert region_at(pieces, pos) == UNKNOWN
+    assert region_at(None, 0) == UNKNOWN
+    assert region_at([], 0) == UNKNOWN
+
+    class Bad:
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    assert region_at(["a", Bad()], 0) == UNKNOWN
+
+
+def test_next_finder_remembers_only_forward():
+    from tensorverse.analysis.regions import NextFinder
+
+    nf = NextFinder("ab<x>cd<x>")
+    assert nf.find("<x>", 0) == 2
+    assert nf.find("<x>", 2) == 2  # the remembered hit, still ahead
+    assert nf.find("<x>", 3) == 7  # past the remembered hit: searched again
+    assert nf.find("<x>", 0) == 2  # behind the remembered start: searched again
+    assert nf.find("<x>", 0, 4) == 4  # the hit does not fit before end: end
+    assert nf.find("<x>", 0, 5) == 2  # exactly fits
+    assert nf.find("<y>", 0) == 10 and nf.find("<y>", 3, 6) == 6  # never found: end
+    nf = NextFinder("a<x>")
+    assert nf.find("<x>", 2) == 4  # not after 2 -> remembered as absent from 2 on
+    assert nf.find("<x>", 3) == 4
+    assert nf.find("<x>", 0) == 1  # from 0 it is there
+    assert nf.find("<x>", 1) == 1
+
+
+def test_json_truncated_at_the_end_of_the_text():
+    # every scanner stops at the end of the text, with one label per character
+    _check([("<tool_call>", S), ("{", S)])
+    _check([("<tool_call>", S), ('{"name": "', S), ("f", N), ('"}', S)])
+    _check([("<tool_call>", S), ('{"name": "', S), ("f", N), ('",', S)])
+    _check([("<tool_call>", S), ('{"name": "', S), ("f", N), ('", ', S)])
+    _check([("<tool_call>", S), ('{"name": ', S)])
+    _check([("<tool_call>", S), ('{"arguments": ', S)])
+    _check([("<tool_call>", S), ('{"name": ', S), ("]", S)])  # a stray delimiter, last
+    _check([("<tool_call>", S), ('{"name": "', S)])
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("k", A), ('": ', S), ("12", A)])
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("k", A), ('": ', S), ("[1", A)])
+    _check([("<tool_call>", S), ("<function=", S), ("ab", N)])
+    _check([("<tool_call>", S), ("<function=", S), ("ab", N), (">", S)])
+
+
+def test_json_strings_empty_and_escaped_and_odd_members():
+    # an empty value, a value ending in an escaped backslash, a value that is an escaped quote
+    _check([("<tool_call>", S), ('{"name": "', S), ("f", N), ('", "arguments": {"', S), ("a", A),
+            ('": ""', S), (', "', S), ("b", A), ('": "', S), ("C:\\\\", A), ('"', S), (', "', S),
+            ("c", A), ('": "', S), ('\\"', A), ('"}}', S), ("</tool_call>", S)])
+    # arguments before the name: the arguments object closes before "name"
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("k", A), ('": "', S), ("v", A),
+            ('"}, "name": "', S), ("f", N), ('"}', S), ("</tool_call>", S)])
+    # a key with no colon and a stray delimiter for its value; scanning resumes after it
+    _check([("<tool_call>", S), ('{"arguments"', S), (",", S), ("5", S), (', "name": "', S), ("f", N),
+            ('"}', S), ("</tool_call>", S)])
+    # a bare literal starting with X, and a key with no colon before its object
+    _check([("<tool_call>", S), ('{"arguments": {"', S), ("k", A), ('": ', S), ("Xy", A), ("}}", S),
+            ("</tool_call>", S)])
+    _check([("<tool_call>", S), ('{"arguments"{"', S), ("k", A), ('": ', S), ("1", A), ("}}", S),
+            ("</tool_call>", S)])
+
+
+def test_xml_function_names():
+    _check([("<tool_call>", S), ("<function=", S), ("showXcvr", N), (">", S), ("\n", S),
+            ("</function>", S), ("</tool_call>", S)])
+    _check([("<function=", S), ("f", N), ("<parameter=", S), ("p", A), (">", S), ("v", A),
+            ("</parameter>", S)])
+    _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S),
+            ("maxX", A), (">", S), ("1", A), ("</parameter>", S), ("</function>", S), ("</tool_call>", S)])

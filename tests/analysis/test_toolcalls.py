@@ -388,3 +388,156 @@ def test_exact_assignment_matches_enumeration(cost):
     total = lambda pairs: sum(cost[i][j] for i, j in pairs)  # noqa: E731
     exact = _assign_exact(cost)
     assert len(exact) == min(n, m) and total(exact) == total(_assign(cost, n, m))
+
+
+# ------------------------------------------------------------------------------ mutation-testing gaps
+# (issue 27: each test below kills mutants of toolcalls.py that survived the suite above; the
+# expected records are written out from the module's documented format.)
+
+
+def test_extraction_record_exactly():
+    text = "<think>plan</think>Sure." + qwen3("show_vlan", {"vlan_id": 201}) + "</tool_call>"
+    ex = extract_tool_calls(text)
+    raw = qwen3("show_vlan", {"vlan_id": 201})
+    assert ex.to_dict() == {
+        "format": "qwen3_json",
+        "calls": [{"name": "show_vlan", "arguments": {"vlan_id": 201}, "raw": raw, "format": "qwen3_json"}],
+        "malformed": [{"reason": "stray_close_tag", "raw": "</tool_call>", "format": "qwen3_json",
+                       "detail": "'</tool_call>' without '<tool_call>'"}],
+        "content": "Sure.",
+        "reasoning": "plan",
+    }
+
+
+def test_verdict_record_exactly():
+    ref = [ToolCall("show_vlan", {"vlan_id": 201}), ToolCall("show_interfaces", {"interface": "Gi0/1"})]
+    cand = [ToolCall("show_interfaces", {"interface": "Gi0/2"})]
+    v = compare_tool_calls(ref, cand)
+    assert v.to_dict() == {
+        "verdict": "count_mismatch",
+        "n_reference": 2,
+        "n_candidate": 1,
+        "pairs": [[1, 0]],
+        "differences": [
+            {"kind": "count_mismatch", "path": "$", "call_index": None, "candidate_index": None,
+             "reference": 2, "candidate": 1, "detail": "2 reference call(s) vs 1 candidate call(s)"},
+            {"kind": "value_mismatch", "path": "$[1].arguments.interface", "call_index": 1,
+             "candidate_index": 0, "reference": "Gi0/1", "candidate": "Gi0/2", "detail": ""},
+            {"kind": "count_mismatch", "path": "$[0]", "call_index": 0, "candidate_index": None,
+             "reference": {"name": "show_vlan", "arguments": {"vlan_id": 201}},
+             "detail": "reference call with no candidate"},
+        ],
+    }
+
+
+def test_difference_indices_and_values_of_every_kind():
+    ref = [ToolCall("a", {"x": 1}), ToolCall("b", {"keep": 5, "y": 2})]
+    cand = [ToolCall("b", {"y": 2, "extra": [1]}), ToolCall("c", {})]
+    v = compare_tool_calls(ref, cand)
+    got = {(d.kind, d.path, d.call_index, d.candidate_index, repr(d.reference), repr(d.candidate))
+           for d in v.differences}
+    assert got == {
+        ("wrong_func_name", "$[0].name", 0, 1, "'a'", "'c'"),
+        ("missing_param", "$[1].arguments.keep", 1, 0, "5", "MISSING"),
+        ("unexpected_param", "$[1].arguments.extra", 1, 0, "MISSING", "[1]"),
+    }
+    d = next(d for d in v.differences if d.kind == "missing_param").to_dict()
+    assert d == {"kind": "missing_param", "path": "$[1].arguments.keep", "call_index": 1,
+                 "candidate_index": 0, "reference": 5, "detail": ""}
+
+
+def test_type_mismatch_details_name_both_types():
+    cases = [(None, "x", "type null vs string"), (True, 1, "type boolean vs number"),
+             (1, "1", "type number vs string"), ({"a": 1}, [1], "type object vs array"),
+             ({1, 2}, "x", "type set vs string")]
+    for ref, cand, detail in cases:
+        (d,) = compare_tool_calls([ToolCall("f", {"v": ref})], [ToolCall("f", {"v": cand})]).differences
+        assert (d.kind, d.path, d.detail) == ("value_mismatch", "$.arguments.v", detail)
+        assert (d.reference, d.candidate) == (ref, cand)
+
+
+@pytest.mark.parametrize(
+    "ref, cand, equal",
+    [(1.5, 2.5, False), (1.0, float("nan"), False), (1, float("nan"), False),
+     (float("nan"), 1.0, False), (True, True, True), (False, False, True), (True, False, False)],
+)
+def test_numbers_nan_and_booleans(ref, cand, equal):
+    v = compare_tool_calls([ToolCall("f", {"v": ref})], [ToolCall("f", {"v": cand})])
+    assert (v.verdict == "match") is equal
+
+
+def test_non_ascii_keys_are_written_as_they_are():
+    (d,) = compare_tool_calls([ToolCall("f", {"vlan é": 1})], [ToolCall("f", {"vlan é": 2})]).differences
+    assert d.path == '$.arguments["vlan é"]'
+
+
+def test_argument_error_details():
+    ex = extract_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1} x"}</tool_call>')
+    assert [(m.reason, m.detail) for m in ex.malformed] == [
+        ("invalid_arguments", "arguments string is not JSON: trailing data")]
+    ex = extract_tool_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call>')
+    assert [(m.reason, m.detail) for m in ex.malformed] == [
+        ("invalid_arguments", "arguments is a list, not an object")]
+
+
+def test_bare_function_without_close_is_malformed_with_its_text():
+    text = "<function=a>\n<parameter=x>\n1\n</parameter>\n<function=b>\n</function>"
+    ex = extract_tool_calls(text)
+    assert [m.to_dict() for m in ex.malformed] == [{
+        "reason": "unclosed_tag", "raw": "<function=a>\n<parameter=x>\n1\n</parameter>\n",
+        "format": "qwen3_coder_xml", "detail": "'<function=' without '</function>'"}]
+    assert [(c.name, c.arguments, c.raw) for c in ex.calls] == [("b", {}, "<function=b>\n</function>")]
+
+
+def test_nested_difference_records_exactly():
+    ref = [ToolCall("g", {}), ToolCall("f", {"o": {"gone": 1, "t": None, "l": [1, 2]}})]
+    cand = [ToolCall("f", {"o": {"t": "x", "l": [1], "new": True}}), ToolCall("g", {})]
+    v = compare_tool_calls(ref, cand)
+    assert v.pairs == [(0, 1), (1, 0)]
+    assert [d.to_dict() for d in v.differences] == [
+        {"kind": "value_mismatch", "path": "$[1].arguments.o.gone", "call_index": 1, "candidate_index": 0,
+         "reference": 1, "detail": "key missing in candidate"},
+        {"kind": "value_mismatch", "path": "$[1].arguments.o.t", "call_index": 1, "candidate_index": 0,
+         "reference": None, "candidate": "x", "detail": "type null vs string"},
+        {"kind": "value_mismatch", "path": "$[1].arguments.o.l", "call_index": 1, "candidate_index": 0,
+         "reference": [1, 2], "candidate": [1], "detail": "length 2 vs 1"},
+        {"kind": "value_mismatch", "path": "$[1].arguments.o.new", "call_index": 1, "candidate_index": 0,
+         "candidate": True, "detail": "key not in reference"},
+    ]
+    # a nested scalar difference keeps both call indices too
+    (d,) = compare_tool_calls(list(reversed(ref)), [ToolCall("g", {}), ToolCall("f", {"o": {"gone": 2, "t": None, "l": [1, 2]}})]).differences
+    assert (d.path, d.call_index, d.candidate_index) == ("$[0].arguments.o.gone", 0, 1)
+
+
+def test_malformed_and_unmatched_candidate_records_exactly():
+    bad_ref = '<tool_call>{"name": "a"'
+    bad_cand = "<tool_call>[1]</tool_call>"
+    v = compare_tool_calls(bad_ref + qwen3("x", {}), bad_cand + qwen3("x", {}) + qwen3("y", {"k": 1}))
+    assert (v.n_reference, v.n_candidate, v.pairs) == (1, 2, [(0, 0)])
+    d = [x.to_dict() for x in v.differences]
+    assert d[0] == {"kind": "malformed", "path": "$", "call_index": None, "candidate_index": None,
+                    "reference": bad_ref,
+                    "detail": "reference: unclosed_tag: '<tool_call>' without '</tool_call>'"}
+    assert d[1] == {"kind": "malformed", "path": "$", "call_index": None, "candidate_index": None,
+                    "candidate": bad_cand, "detail": "candidate: not_an_object: JSON list, not an object"}
+    assert d[2] == {"kind": "count_mismatch", "path": "$", "call_index": None, "candidate_index": None,
+                    "reference": 1, "candidate": 2, "detail": "1 reference call(s) vs 2 candidate call(s)"}
+    assert d[3] == {"kind": "count_mismatch", "path": "$[1]", "call_index": None, "candidate_index": 1,
+                    "candidate": {"name": "y", "arguments": {"k": 1}}, "detail": "candidate call with no reference"}
+    assert len(d) == 4 and v.verdict == "malformed"
+
+
+def test_one_reference_call_against_two_is_indexed_and_prefers_the_same_name():
+    ref = [ToolCall("f", {"a": 1, "b": 2, "c": 3})]
+    cand = [ToolCall("g", {}), ToolCall("f", {"a": 9, "b": 9, "c": 9})]
+    v = compare_tool_calls(ref, cand)
+    assert v.pairs == [(0, 1)]  # three value differences cost less than a wrong name
+    assert [d.path for d in v.differences if d.kind == "value_mismatch"] == [
+        "$[0].arguments.a", "$[0].arguments.b", "$[0].arguments.c"]
+
+
+def test_a_function_without_its_closing_angle_bracket_is_read_once():
+    # the next <function= is searched for after this one's </function>, never before it
+    ex = extract_tool_calls("<function=x</function>")
+    assert [(m.reason, m.detail) for m in ex.malformed] == [("invalid_xml", "'<function=' without '>'")]
+    assert ex.calls == []
