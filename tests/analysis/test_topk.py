@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -125,3 +127,222 @@ def test_length_mismatch_and_empty():
         topk_position_metrics([], [], [])
     with pytest.raises(AnalysisInputError):
         topk_position_metrics([{}], [{1: -0.1}], [1])
+
+
+# --- exact checks of each rule (the survivors of the mutation run, docs/mutants.md) ---------
+
+
+def _msg(text: str) -> str:
+    return "^" + re.escape(text) + "$"
+
+
+def test_parse_error_messages_name_the_item_and_the_reason():
+    with pytest.raises(AnalysisInputError, match=_msg("top-k logprobs: bad token key True")):
+        parse_top_logprobs({True: -0.1})
+    with pytest.raises(AnalysisInputError, match=_msg(f"top-k logprobs: bad token key {np.bool_(False)!r}")):
+        parse_top_logprobs([(np.bool_(False), -0.1)])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: key 'hello' is not a token id; request the logprobs with "
+            "return_tokens_as_token_ids so keys read 'token_id:N'")):
+        parse_top_logprobs({"hello": -0.1})
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: logprob of 'token_id:3' is not a number: 'x'")):
+        parse_top_logprobs({"token_id:3": "x"})
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: logprob of 'token_id:3' is invalid: 0.5")):
+        parse_top_logprobs({"token_id:3": 0.5})
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: logprob of 'token_id:3' is invalid: nan")):
+        parse_top_logprobs([("token_id:3", math.nan)])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: missing entry (None) for a position")):
+        parse_top_logprobs(None)
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: item without token/logprob: {'token': 'token_id:1'}")):
+        parse_top_logprobs([{"token": "token_id:1"}])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: item without token/logprob: {'logprob': -0.1}")):
+        parse_top_logprobs([{"logprob": -0.1}])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: cannot read item (1, -0.1, 7)")):
+        parse_top_logprobs([(1, -0.1, 7)])
+    with pytest.raises(AnalysisInputError, match=_msg("top-k logprobs: cannot read item 3")):
+        parse_top_logprobs([3])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: cannot read entry of type int")):
+        parse_top_logprobs(5)
+    # the sampled token of a chat content item: its own key is named
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k logprobs: logprob of 'token_id:8' is not a number: None")):
+        parse_top_logprobs({"token": "token_id:8", "logprob": None, "top_logprobs": []})
+
+
+def test_logprob_bounds_and_keys_without_the_prefix():
+    # up to 1e-6 above 0 is float rounding of a certainty: clamped to 0, not refused
+    assert parse_top_logprobs({1: 1e-6, 2: 5e-7, 3: -0.0}) == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert parse_top_logprobs({1: 2e-6 - 1e-6})[1] == 0.0
+    for bad in (1.1e-6, 0.5, 1.0, 2.0, math.inf):
+        with pytest.raises(AnalysisInputError, match="is invalid"):
+            parse_top_logprobs({1: bad})
+    # -9999 and below are vLLM's -inf; just above it stays finite
+    assert parse_top_logprobs({1: -9999.0, 2: -1e5, 3: -9998.5}) == {1: -math.inf, 2: -math.inf, 3: -9998.5}
+    # keys: a bare number string, an int, a numpy integer
+    assert parse_top_logprobs({"42": -0.1, np.int32(7): -0.2, 9: -0.3}) == {42: -0.1, 7: -0.2, 9: -0.3}
+
+
+def test_chat_content_item_needs_both_token_and_logprob_to_add_the_sampled_one():
+    top = [{"token": "token_id:3", "logprob": -0.2}]
+    assert parse_top_logprobs({"token": "token_id:8", "top_logprobs": top}) == {3: -0.2}
+    assert parse_top_logprobs({"logprob": -4.0, "top_logprobs": top}) == {3: -0.2}
+    assert parse_top_logprobs({"token": "token_id:8", "logprob": -4.0, "top_logprobs": None}) == {8: -4.0}
+    # the top list wins over the sampled copy of the same token
+    assert parse_top_logprobs({"token": "token_id:3", "logprob": -0.3, "top_logprobs": top}) == {3: -0.2}
+
+
+def _log_softmax_rows(x):
+    """Plain-Python float64 log-softmax of each row, and the ids sorted by (-logit, id)."""
+    out = []
+    for row in x.tolist():
+        m = max(row)
+        lse = m + math.log(math.fsum(math.exp(v - m) for v in row))
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j))
+        out.append((order, [v - lse for v in row]))
+    return out
+
+
+def test_topk_logprobs_exactly_k_entries_in_float64_even_from_float32():
+    rng = np.random.default_rng(11)
+    x = (rng.normal(0, 3, (4, 30)) + 5).astype(np.float32)
+    x[0, 3] = x[0, 17] = x[0].max() + 1  # a tie at the top: the lower id first
+    got = topk_logprobs(x, 6)
+    assert len(got) == 4
+    for d, (order, lps) in zip(got, _log_softmax_rows(x.astype(np.float64))):
+        assert list(d) == order[:6]
+        for j, v in d.items():
+            assert type(j) is int and type(v) is float
+            assert v == pytest.approx(lps[j], abs=1e-12)
+    assert list(got[0])[:2] == [3, 17]
+    # more than the vocabulary: the whole row
+    assert [len(d) for d in topk_logprobs(x[:2], 99)] == [30, 30]
+    # one row as a 1-D array
+    one = topk_logprobs(x[1], 3)
+    assert len(one) == 1 and list(one[0].items()) == list(got[1].items())[:3]
+
+
+def test_kl_and_entropy_with_a_zero_probability_token_and_no_known_mass_in_common():
+    # P's only token in common with Q has logprob -inf (vLLM's -9999): P's known mass in
+    # common is 0, its tail 1; Q's tail there is 0.5.
+    P = {1: -9999.0, 2: 0.0}
+    Q = {1: math.log(0.5), 3: math.log(0.5)}
+    m = topk_position_metrics([P], [Q], [2], tail_floor=0.0)
+    assert m.kl[0] == pytest.approx(math.log(2.0), abs=1e-12)
+    # P is certain of token 2: entropy 0, no tail term (its tail is exactly 0)
+    assert m.entropy[0] == 0.0
+    # no token in common at all: every mass is in the tail on both sides, KL 0
+    m = topk_position_metrics([{1: math.log(0.7)}], [{2: math.log(0.9)}], [1])
+    assert m.kl[0] == 0.0
+
+
+def test_kl_with_one_token_in_common_uses_both_tails():
+    P = {1: math.log(0.6), 2: math.log(0.3)}
+    Q = {1: math.log(0.2), 5: math.log(0.7)}
+    m = topk_position_metrics([P], [Q], [1])
+    want = 0.6 * math.log(0.6 / 0.2) + 0.4 * math.log(0.4 / 0.8)
+    assert m.kl[0] == pytest.approx(want, abs=1e-12)
+
+
+def test_kl_terms_do_not_warn_when_both_sides_give_minus_inf():
+    P = {1: -math.inf, 2: math.log(0.5), 3: math.log(0.5)}
+    Q = {1: -math.inf, 2: math.log(0.25), 3: math.log(0.75)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = topk_position_metrics([P], [Q], [2])
+    # -inf - -inf is NaN; the KL term of a token P gives 0 is 0, silently
+    assert not [w for w in caught if "subtract" in str(w.message)]
+    want = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert m.kl[0] == pytest.approx(want, abs=1e-12)
+
+
+def test_entropy_counts_the_tail_as_one_bucket():
+    P = {1: math.log(0.5), 2: math.log(0.3), 4: -math.inf}
+    m = topk_position_metrics([P], [P], [1])
+    want = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2))
+    assert m.entropy[0] == pytest.approx(want, abs=1e-12)
+    # a tail below the floor adds nothing
+    m = topk_position_metrics([P], [P], [1], tail_floor=0.25)
+    assert m.entropy[0] == pytest.approx(-(0.5 * math.log(0.5) + 0.3 * math.log(0.3)), abs=1e-12)
+
+
+def test_margin_of_one_and_of_two_entries_and_ties_to_the_lower_id():
+    m = topk_position_metrics([{4: math.log(0.9)}], [{4: math.log(0.8)}], [4])
+    assert math.isnan(m.margin[0]) and m.ref_top1[0] == 4
+    m = topk_position_metrics([{4: math.log(0.7), 6: math.log(0.2)}], [{4: -0.1}], [4])
+    assert m.margin[0] == pytest.approx(0.5, abs=1e-12)
+    # ties: the lowest token id is the top-1, whatever the order of the entries
+    tie = {9: math.log(0.4), 2: math.log(0.4), 5: math.log(0.2)}
+    m = topk_position_metrics([tie], [{5: -0.1, 9: math.log(0.4), 2: math.log(0.4)}], [2])
+    assert m.ref_top1[0] == 2 and m.margin[0] == pytest.approx(0.0, abs=1e-15)
+    assert m.cand_top1[0] == 5 and not m.top1_agree[0]
+
+
+def test_rank_of_a_token_missing_from_the_candidate_is_k_when_k_is_given():
+    P = {7: -0.1}
+    Q = {1: -0.5, 2: -1.5, 3: -2.0}
+    m = topk_position_metrics([P, P, P], [Q, Q, Q], [7, 7, 7], k=5)
+    assert m.rank.tolist() == [5, 5, 5] and m.rank_lower_bound.all()
+    m = topk_position_metrics([P], [Q], [7], k=0)
+    assert m.rank[0] == 0 and m.rank_lower_bound[0]
+    m = topk_position_metrics([P], [Q], [7], k=-3)
+    assert m.rank[0] == 0 and m.rank_lower_bound[0]
+    m = topk_position_metrics([P], [Q], [7])
+    assert m.rank[0] == 3 and m.rank_lower_bound[0]
+    # present in Q's top-k below k: exact
+    m = topk_position_metrics([P], [Q], [2], k=5)
+    assert m.rank[0] == 1 and not m.rank_lower_bound[0]
+
+
+def test_metric_dtypes():
+    P = {1: math.log(0.6), 2: math.log(0.3)}
+    Q = {2: math.log(0.6), 1: math.log(0.3)}
+    for tokens in (np.array([1, 2], np.int32), np.array([1, 2], np.uint8), [1, 2]):
+        m = topk_position_metrics([P, P], [Q, {9: -0.1}], tokens)
+        assert m.tokens.dtype == np.int64 and m.tokens.tolist() == [1, 2]
+        assert m.ref_top1.dtype == np.int64 and m.cand_top1.dtype == np.int64
+        assert m.rank.dtype == np.int64
+        assert m.rank_lower_bound.dtype == bool and m.top1_agree.dtype == bool
+        assert m.rank_lower_bound.tolist() == [False, True]
+        assert m.ref_top1.tolist() == [1, 1] and m.cand_top1.tolist() == [2, 9]
+        assert m.kl.dtype == np.float64 and m.entropy.dtype == np.float64
+
+
+def test_metrics_error_messages():
+    one = [{1: -0.1}]
+    with pytest.raises(AnalysisInputError, match=_msg("top-k metrics: no positions")):
+        topk_position_metrics([], [], [])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k metrics: 1 reference and 2 candidate entries for 1 tokens "
+            "(one entry per position expected)")):
+        topk_position_metrics(one, one * 2, [1])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k metrics: 2 reference and 1 candidate entries for 1 tokens "
+            "(one entry per position expected)")):
+        topk_position_metrics(one * 2, one, [1])
+    with pytest.raises(AnalysisInputError, match=r"^tokens: not a list of token ids \(.+\)$"):
+        topk_position_metrics(one * 2, one * 2, [[1, 2], [3]])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "tokens: expected a flat list of integer token ids, got float64")):
+        topk_position_metrics(one, one, [1.0])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "tokens: expected a flat list of integer token ids, got int64")):
+        topk_position_metrics(one, one, np.array([[1]], np.int64))
+    with pytest.raises(AnalysisInputError, match=_msg("tokens: negative token id")):
+        topk_position_metrics(one * 2, one * 2, [1, -1])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k metrics: empty reference top-k at position 1")):
+        topk_position_metrics(one + [{}], one * 2, [1, 1])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k metrics: empty candidate top-k at position 0")):
+        topk_position_metrics(one, [[]], [1])
+    with pytest.raises(AnalysisInputError, match=_msg(
+            "top-k metrics: empty reference top-k at position 0")):
+        topk_position_metrics([{}], [{}], [1])
