@@ -209,8 +209,8 @@ def test_kill_9_while_pruning_leaves_whole_sessions(tmp_path):
 
 def test_a_full_store_is_pruned_at_once_and_recording_resumes(tmp_path):
     """Recording does not stop on a full store while the budget can free space: the keeper is due
-    as soon as the store refuses a write (not only every ``interval_s``), prunes the oldest
-    sessions under ``max_bytes``, and the next session's rows are written."""
+    as soon as the store refuses a write (not only every ``interval_s``), drops the oldest
+    sessions' rows until the store fits ``max_bytes``, and the next session's rows are written."""
     from tensorverse.store import StoreFullError
 
     cap = 4 << 20
