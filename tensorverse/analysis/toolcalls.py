@@ -418,7 +418,7 @@ def _extract_from_text(text: str) -> tuple[list[ToolCall | Malformed], str]:
             content.append(text)
         if _TC_CLOSE in text:
             items.append(Malformed("stray_close_tag", _TC_CLOSE, "qwen3_json", "'</tool_call>' without '<tool_call>'"))
-        return items, "".join(content)
+        return items, "".join(content).replace(_TC_CLOSE, "")  # a stray close tag is not content (as below)
 
     i = 0
     n = len(text)

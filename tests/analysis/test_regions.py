@@ -412,3 +412,36 @@ def test_xml_function_names():
             ("</parameter>", S)])
     _check([("<tool_call>", S), ("<function=", S), ("f", N), (">", S), ("<parameter=", S),
             ("maxX", A), (">", S), ("1", A), ("</parameter>", S), ("</function>", S), ("</tool_call>", S)])
+
+
+def test_thinking_found_by_the_first_tags_and_closed_by_the_first_close():
+    # prefilled (the first </think> before the first <think>), reopened and closed again
+    _check([("a</think>", T), ("b", C), ("<think>c</think>", T), ("d", C)])
+    # not prefilled: the first <think> comes before the first </think>, although a later one does not
+    _check([("x", C), ("<think>a</think>", T), ("b", C), ("<think>c", T)])
+    # a bare function after closed thinking, and a <think> inside a tool call's body (not thinking)
+    _check([("<think>a</think>", T), ("\n", C), ("<function=", S), ("f", N), (">\n</function>", S)])
+    _check([('<tool_call>{"name": "', S), ("f", N), ('"}<think>x</tool_call>', S), ("after", C)])
+
+
+def test_next_finder_searches_each_tag_once_per_forward_scan():
+    from tensorverse.analysis.regions import NextFinder
+
+    class Counting(str):
+        calls = 0
+
+        def find(self, *a):
+            Counting.calls += 1
+            return str.find(self, *a)
+
+    text = Counting("<a>" * 1000 + "</a>")
+    nf = NextFinder(text)
+    assert [nf.find("</a>", i) for i in range(0, 3000, 3)] == [3000] * 1000
+    assert nf.find("</a>", 3000) == 3000  # the hit itself, at exactly the start
+    assert Counting.calls == 1  # one search for the whole forward scan
+    Counting.calls = 0
+    nf = NextFinder(Counting("x" * 100))
+    assert [nf.find("</b>", i) for i in (0, 0, 5, 50, 99)] == [100] * 5  # a miss, asked again and again
+    assert Counting.calls == 1
+    assert nf.find("</b>", 0) == 100 and nf.find("<c>", 0) == 100  # another tag has its own memory
+    assert Counting.calls == 2

@@ -541,3 +541,188 @@ def test_a_function_without_its_closing_angle_bracket_is_read_once():
     ex = extract_tool_calls("<function=x</function>")
     assert [(m.reason, m.detail) for m in ex.malformed] == [("invalid_xml", "'<function=' without '>'")]
     assert ex.calls == []
+
+
+# ------------------------------------------------------------------------------ whole records
+# Each refusal and each accepted call as its whole record (reason, raw, format, detail), written
+# out by hand from the module's rules: a test that compares only the reason lets the rest drift.
+
+
+def _mal(reason: str, raw: str, fmt: str, detail: str) -> dict:
+    return {"reason": reason, "raw": raw, "format": fmt, "detail": detail}
+
+
+def _call(name: str, arguments: dict, raw: str, fmt: str) -> dict:
+    return {"name": name, "arguments": arguments, "raw": raw, "format": fmt}
+
+
+J, X, O = "qwen3_json", "qwen3_coder_xml", "openai"
+TC = "<tool_call>{}</tool_call>".format
+
+TEXT_RECORDS = [
+    # qwen3_json refusals
+    (TC(" \n "), [], [_mal("invalid_json", TC(" \n "), J, "empty tool call")]),
+    (TC("{bad}"), [], [_mal("invalid_json", TC("{bad}"), J,
+                            "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")]),
+    (TC('{"name": "f"} and then some more text that runs on and on'), [],
+     [_mal("trailing_data", TC('{"name": "f"} and then some more text that runs on and on'), J,
+           "text after the JSON object: ' and then some more text that runs on an'")]),
+    (TC("[1, 2]"), [], [_mal("not_an_object", TC("[1, 2]"), J, "JSON list, not an object")]),
+    (TC('{"arguments": {}}'), [], [_mal("missing_name", TC('{"arguments": {}}'), J, "no function name")]),
+    (TC('{"name": ""}'), [], [_mal("missing_name", TC('{"name": ""}'), J, "no function name")]),
+    (TC('{"name": 5}'), [], [_mal("missing_name", TC('{"name": 5}'), J, "no function name")]),
+    (TC('{"name": "f", "arguments": 5}'), [],
+     [_mal("invalid_arguments", TC('{"name": "f", "arguments": 5}'), J, "arguments is a int, not an object")]),
+    # qwen3_json calls: the alias, its precedence, null and missing arguments
+    (TC('{"name": "f", "parameters": {"a": 1}}'), [_call("f", {"a": 1}, TC('{"name": "f", "parameters": {"a": 1}}'), J)], []),
+    (TC('{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}'),
+     [_call("f", {"a": 1}, TC('{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}'), J)], []),
+    (TC('{"name": "f", "arguments": null, "parameters": {"b": 2}}'),
+     [_call("f", {}, TC('{"name": "f", "arguments": null, "parameters": {"b": 2}}'), J)], []),
+    (TC('{"name": "f"}'), [_call("f", {}, TC('{"name": "f"}'), J)], []),
+    # qwen3_coder_xml refusals
+    (TC("<function=f</function>"), [], [_mal("invalid_xml", TC("<function=f</function>"), X, "'<function=' without '>'")]),
+    (TC("<function= >\n</function>"), [], [_mal("missing_name", TC("<function= >\n</function>"), X, "empty function name")]),
+    (TC("<function=f><parameter=a\n1</parameter></function>"), [],
+     [_mal("invalid_xml", TC("<function=f><parameter=a\n1</parameter></function>"), X, "'<parameter=' without '>'")]),
+    (TC("<function=f><parameter= >1</parameter></function>"), [],
+     [_mal("invalid_xml", TC("<function=f><parameter= >1</parameter></function>"), X, "empty parameter name")]),
+    # qwen3_coder_xml calls: names and keys trimmed, one newline off each end of a value, an
+    # unclosed parameter ended by the next, text between parameters ignored, two functions in one
+    # <tool_call> (each with the whole <tool_call> as its raw text)
+    (TC("<function= f ><parameter= a >\n\nhello\n\n</parameter><parameter=n>\n\n7\n\n</parameter></function>"),
+     [_call("f", {"a": "\nhello\n", "n": 7},
+            TC("<function= f ><parameter= a >\n\nhello\n\n</parameter><parameter=n>\n\n7\n\n</parameter></function>"), X)], []),
+    (TC("<function=f><parameter=a>1<parameter=b>2</parameter>junk<parameter=c>x</parameter></function>"),
+     [_call("f", {"a": 1, "b": 2, "c": "x"},
+            TC("<function=f><parameter=a>1<parameter=b>2</parameter>junk<parameter=c>x</parameter></function>"), X)], []),
+    (TC("\n<function=a></function>\n<function=b></function>\n"),
+     [_call("a", {}, TC("\n<function=a></function>\n<function=b></function>\n"), X),
+      _call("b", {}, TC("\n<function=a></function>\n<function=b></function>\n"), X)], []),
+    # an unclosed <tool_call> before another: its own text as raw, its format from its body
+    ('<tool_call>{"name": "a"}<tool_call>{"name": "b"}</tool_call>',
+     [_call("b", {}, TC('{"name": "b"}'), J)],
+     [_mal("unclosed_tag", '<tool_call>{"name": "a"}', J, "'<tool_call>' without '</tool_call>'")]),
+    ("<tool_call> <function=a></function><tool_call>" + '{"name": "b"}</tool_call>',
+     [_call("b", {}, TC('{"name": "b"}'), J)],
+     [_mal("unclosed_tag", "<tool_call> <function=a></function>", X, "'<tool_call>' without '</tool_call>'")]),
+    # unclosed at the end: accepted when whole, otherwise the body's own fault in the detail
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}', [_call("f", {"a": 1}, '<tool_call>{"name": "f", "arguments": {"a": 1}}', J)], []),
+    ('<tool_call>{"name": "show_vlan", "argu', [],
+     [_mal("unclosed_tag", '<tool_call>{"name": "show_vlan", "argu', J,
+           "'<tool_call>' without '</tool_call>' (truncated?); invalid_json: "
+           "Unterminated string starting at: line 1 column 23 (char 22)")]),
+    ("<tool_call>  <function=a>", [],
+     [_mal("unclosed_tag", "<tool_call>  <function=a>", X,
+           "'<tool_call>' without '</tool_call>' (truncated?); unclosed_tag: '<function=' without '</function>'")]),
+    # bare <function=> without <tool_call>: the raw text is the function's own
+    ("x <function=f>", [], [_mal("unclosed_tag", "<function=f>", X, "'<function=' without '</function>'")]),
+    ("<function=f>\n<parameter=a>\n1\n</parameter>\n</function>",
+     [_call("f", {"a": 1}, "<function=f>\n<parameter=a>\n1\n</parameter>\n</function>", X)], []),
+]
+
+
+@pytest.mark.parametrize("text,calls,malformed", TEXT_RECORDS)
+def test_text_extraction_records_exactly(text, calls, malformed):
+    ex = extract_tool_calls(text).to_dict()
+    assert (ex["calls"], ex["malformed"]) == (calls, malformed)
+    formats = {r["format"] for r in calls + malformed}
+    assert ex["format"] == (formats.pop() if len(formats) == 1 else "mixed")
+
+
+def test_content_is_the_text_outside_every_call():
+    ex = extract_tool_calls("a " + TC('{"name": "f"}') + " b " + TC('{"name": "g"}') + " c")
+    assert (ex.content, ex.reasoning) == ("a  b  c", None)
+    ex = extract_tool_calls("  before <function=f>\n</function> after\n")
+    assert (ex.content, [c.name for c in ex.calls]) == ("before  after", ["f"])
+    ex = extract_tool_calls("x <function=f>")
+    assert ex.content == "x"
+    # a stray close tag is not content, with or without a <tool_call> in the text
+    for text in ("done</tool_call> here", "<function=f></function>done</tool_call> here"):
+        ex = extract_tool_calls(text)
+        assert ex.content == "done here"
+        assert [m.to_dict() for m in ex.malformed] == [
+            _mal("stray_close_tag", "</tool_call>", J, "'</tool_call>' without '<tool_call>'")]
+
+
+@pytest.mark.parametrize("text,visible,reasoning", [
+    ("no thinking", "no thinking", None),
+    ("a</think>b<think>c</think>d", "bd", "ac"),
+    ("x<think>y</think>z<think>w", "xz", "yw"),
+    ("<think>a</think>b</think>c", "b</think>c", "a"),
+    ("<think></think>", "", ""),
+])
+def test_thinking_is_split_off_exactly(text, visible, reasoning):
+    ex = extract_tool_calls(text)
+    assert (ex.content, ex.reasoning) == (visible, reasoning)
+
+
+def test_openai_records_exactly():
+    class Boom:
+        def model_dump(self):
+            raise RuntimeError("boom")
+
+        def __repr__(self):
+            return "B" * 300
+
+    class Fn:
+        def model_dump(self):
+            return {"name": "g", "arguments": '{"x": "Ü"}'}
+
+        def __str__(self):
+            return "FN"
+
+    entry = {"type": "function", "id": "c1", "function": {"name": "set_description", "arguments": '{"d": "Ü-link"}'}}
+    unsortable = {"name": "f", 1: "x"}
+    entries = [entry, 42, {"function": "show_vlan"}, {"function": {"arguments": {}}}, {"function": {"name": ""}},
+               {"name": "f", "parameters": {"a": 1}}, {"function": {"name": "f", "arguments": "{bad"}},
+               {"function": {"name": "f", "arguments": [1]}}, unsortable, Boom(), {"function": Fn()}]
+    ex = extract_tool_calls(openai_tool_calls=entries).to_dict()
+    assert ex["format"] == "openai"
+    assert ex["calls"] == [
+        _call("set_description", {"d": "Ü-link"},
+              '{"function": {"arguments": "{\\"d\\": \\"Ü-link\\"}", "name": "set_description"}, "id": "c1", "type": "function"}', O),
+        _call("f", {"a": 1}, '{"name": "f", "parameters": {"a": 1}}', O),
+        _call("f", {}, "{'name': 'f', 1: 'x'}", O),
+        _call("g", {"x": "Ü"}, '{"function": "FN"}', O),
+    ]
+    assert ex["malformed"] == [
+        _mal("invalid_entry", "42", O, "tool call entry is a int"),
+        _mal("invalid_entry", '{"function": "show_vlan"}', O, "'function' is not an object"),
+        _mal("missing_name", '{"function": {"arguments": {}}}', O, "no function name"),
+        _mal("missing_name", '{"function": {"name": ""}}', O, "no function name"),
+        _mal("invalid_arguments", '{"function": {"arguments": "{bad", "name": "f"}}', O,
+             "arguments string is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        _mal("invalid_arguments", '{"function": {"arguments": [1], "name": "f"}}', O, "arguments is a list, not an object"),
+        _mal("invalid_entry", "B" * 200, O, "RuntimeError: boom"),
+    ]
+
+
+def test_openai_tool_calls_in_every_container():
+    one = {"name": "f", "arguments": {}}
+    raw = '{"arguments": {}, "name": "f"}'
+    for value in ([one], (one,), one, json.dumps([one]), json.dumps([one]).encode(), bytearray(json.dumps(one).encode())):
+        assert extract_tool_calls(openai_tool_calls=value).to_dict()["calls"] == [_call("f", {}, raw, O)], value
+
+    class Sdk:
+        def model_dump(self):
+            return one
+
+    assert extract_tool_calls(openai_tool_calls=Sdk()).to_dict()["calls"] == [_call("f", {}, raw, O)]
+    ex = extract_tool_calls(openai_tool_calls=5).to_dict()
+    assert (ex["calls"], ex["malformed"]) == ([], [_mal("invalid_entry", "5", O, "tool call entry is a int")])
+    bad = "[" + "x" * 2500
+    ex = extract_tool_calls(openai_tool_calls=bad).to_dict()
+    assert (ex["format"], ex["calls"]) == ("openai", [])
+    assert ex["malformed"] == [_mal("invalid_json", bad[:2000], O, "Expecting value: line 1 column 2 (char 1)")]
+    ex = extract_tool_calls(openai_tool_calls=bytearray(b"\xff")).to_dict()
+    assert ex["malformed"] == [_mal("invalid_json", "\ufffd", O, "Expecting value: line 1 column 1 (char 0)")]
+
+
+def test_format_of_the_whole_extraction():
+    assert extract_tool_calls(openai_tool_calls=[]).format == "openai"
+    assert extract_tool_calls("").format == "none"
+    both = extract_tool_calls(b"<function=g></function>", openai_tool_calls=[{"name": "f"}])
+    assert (both.format, [c.name for c in both.calls]) == ("mixed", ["f", "g"])
+    assert extract_tool_calls(TC("[1]")).format == J
+    assert extract_tool_calls(bytearray(TC('{"name": "f"}').encode())).calls[0].name == "f"
