@@ -599,6 +599,10 @@ TEXT_RECORDS = [
     (TC("\n<function=a></function>\n<function=b></function>\n"),
      [_call("a", {}, TC("\n<function=a></function>\n<function=b></function>\n"), X),
       _call("b", {}, TC("\n<function=a></function>\n<function=b></function>\n"), X)], []),
+    # a '>' inside a value (a shell redirect) is the value's, not the end of the name
+    (TC("<function=run><parameter=cmd>\necho up > /tmp/state\n</parameter></function>"),
+     [_call("run", {"cmd": "echo up > /tmp/state"},
+            TC("<function=run><parameter=cmd>\necho up > /tmp/state\n</parameter></function>"), X)], []),
     # an unclosed <tool_call> before another: its own text as raw, its format from its body
     ('<tool_call>{"name": "a"}<tool_call>{"name": "b"}</tool_call>',
      [_call("b", {}, TC('{"name": "b"}'), J)],
@@ -726,3 +730,89 @@ def test_format_of_the_whole_extraction():
     assert (both.format, [c.name for c in both.calls]) == ("mixed", ["f", "g"])
     assert extract_tool_calls(TC("[1]")).format == J
     assert extract_tool_calls(bytearray(TC('{"name": "f"}').encode())).calls[0].name == "f"
+
+
+def test_deeply_nested_json_is_refused_not_raised():
+    body = "[" * 100_000
+    assert [m.to_dict() for m in extract_tool_calls(TC(body)).malformed] == [
+        _mal("invalid_json", TC(body), J, "maximum recursion depth exceeded while decoding a JSON array from a unicode string")]
+
+
+def test_two_bare_functions_and_the_text_around_them():
+    ex = extract_tool_calls("x <function=a></function> y <function=b>\n</function> z")
+    assert [(c.name, c.raw) for c in ex.calls] == [("a", "<function=a></function>"), ("b", "<function=b>\n</function>")]
+    assert ex.content == "x  z"  # text between bare functions belongs to neither call nor content
+
+
+def test_openai_sdk_types_whole_or_listed():
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    call = ChatCompletionMessageToolCall(id="c1", type="function", function={"name": "f", "arguments": '{"a": 1}'})
+    raw = '{"function": {"arguments": "{\\"a\\": 1}", "name": "f"}, "id": "c1", "type": "function"}'
+    # a pydantic model iterates as (field, value) pairs: one passed alone is one call, not several
+    for value in (call, [call]):
+        assert extract_tool_calls(openai_tool_calls=value).to_dict()["calls"] == [_call("f", {"a": 1}, raw, O)]
+
+
+def test_extraction_of_other_inputs_and_its_empty_fields():
+    ex = extract_tool_calls(openai_tool_calls=[{"name": "f"}])
+    assert (ex.content, ex.reasoning) == ("", None)  # no text: nothing visible, no thinking
+    ex = extract_tool_calls(b"<function=g></function>\xff")
+    assert ([c.name for c in ex.calls], ex.content) == (["g"], "\ufffd")  # bytes decoded, bad bytes replaced
+
+    class Text:
+        def __str__(self):
+            return "<think>r</think>" + TC('{"name": "h"}')
+
+    ex = extract_tool_calls(Text())
+    assert ([c.name for c in ex.calls], ex.content, ex.reasoning) == (["h"], "", "r")
+
+
+def test_a_parser_bug_becomes_a_malformed_entry(monkeypatch):
+    import tensorverse.analysis.toolcalls as toolcalls
+
+    def broken(text):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(toolcalls, "_extract_from_text", broken)
+    text = "a" * 2500
+    ex = extract_tool_calls(text, openai_tool_calls=[{"name": "f"}])
+    assert ([c.name for c in ex.calls], ex.content, ex.format) == (["f"], "", "mixed")
+    assert [m.to_dict() for m in ex.malformed] == [_mal("invalid_entry", "a" * 2000, J, "RuntimeError: bug")]
+
+
+def test_compare_accepts_every_kind_of_side():
+    from tensorverse.analysis.toolcalls import Malformed
+
+    f = ToolCall("f", {"a": 1})
+    assert compare_tool_calls(f, [f]).verdict == "match"
+    assert compare_tool_calls({"name": "f", "arguments": {"a": 1}}, f).verdict == "match"  # one dict is one call
+    v = compare_tool_calls(5, None)  # neither a call nor a list of them
+    assert [d.to_dict() for d in v.differences] == [{
+        "kind": "malformed", "path": "$", "call_index": None, "candidate_index": None, "reference": "5",
+        "detail": "reference: invalid_entry: tool call entry is a int"}]
+    bad = Malformed("invalid_json", "<tool_call>{", J, "cut")
+    v = compare_tool_calls([f], [bad, {"function": "x"}, f])
+    assert (v.verdict, v.pairs, v.n_candidate) == ("malformed", [(0, 0)], 1)
+    assert [(d.kind, d.candidate, d.detail) for d in v.differences] == [
+        ("malformed", "<tool_call>{", "candidate: invalid_json: cut"),
+        ("malformed", '{"function": "x"}', "candidate: invalid_entry: 'function' is not an object")]
+
+
+D3 = [[1, 0, 0], [0, 1, 0], [0, 0, 1]]  # two best matchings, the cycles (1, 2, 0) and (2, 0, 1)
+
+
+@pytest.mark.parametrize("cost,want", [
+    # enumerated: ties go to the lexicographically first reference -> candidate assignment...
+    (D3, [(0, 1), (1, 2), (2, 0)]),
+    ([row + [9] * 6 for row in D3], [(0, 1), (1, 2), (2, 0)]),  # 504 assignments
+    # ...or, with more references than candidates, the first candidate -> reference one
+    ([row for row in D3] + [[9, 9, 9]] * 6, [(0, 2), (1, 0), (2, 1)]),
+    # past 50,000 assignments scipy decides, and its tie differs
+    ([row + [9] * 37 for row in D3], [(0, 2), (1, 0), (2, 1)]),  # 59,280 assignments
+    ([row for row in D3] + [[9, 9, 9]] * 37, [(0, 1), (1, 2), (2, 0)]),
+])
+def test_ties_in_the_assignment_go_where_the_docstring_says(cost, want):
+    from tensorverse.analysis.toolcalls import _assign
+
+    assert _assign(cost, len(cost), len(cost[0])) == want
