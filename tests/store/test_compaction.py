@@ -559,3 +559,150 @@ def test_no_deltas_when_the_policy_says_so_and_deltas_are_not_recompacted(store)
     twin, ref = t1.run_ids[("twin", "forced")], t1.run_ids[("secondary", "forced")]
     store.write_rows(twin, [(0, encode_row(originals[twin][0], ref=originals[ref][0]))]).result()
     assert compact_turn(store, "t1", POLICY).why == f"row {twin}@0 is a delta already"
+
+
+# -- issue 27, the second store run: survivors of compact.py and compaction.py -------------------
+
+def test_reasons_of_reads_the_record_by_mode():
+    from tensorverse.store.compaction import reasons_of
+
+    rec = {"runs": {"f": {"mode": "forced"}, "r": {"mode": "free"}},
+           "reasons": {"3": ["close", "flip"], "7": ["sample"]},
+           "free_reasons": {"r": {"3": ["divergence"], "9": ["close"]}}}
+    assert reasons_of(rec, "f", 3) == ["close", "flip"] and reasons_of(rec, "f", 7) == ["sample"]
+    assert reasons_of(rec, "f", 9) == [] and reasons_of(rec, "zz", 7) == ["sample"]  # unknown: forced
+    assert reasons_of(rec, "r", 3) == ["divergence"] and reasons_of(rec, "r", 9) == ["close"]
+    assert reasons_of(rec, "r", 7) == []
+    assert reasons_of({"runs": {"r": {"mode": "free"}}}, "r", 3) == []
+    assert reasons_of({"runs": {"r": {"mode": "free"}}, "free_reasons": {"q": {"3": ["x"]}}}, "r", 3) == []
+    assert reasons_of({}, "f", 3) == [] and reasons_of({"runs": None, "reasons": None}, "f", 3) == []
+    got = reasons_of(rec, "f", 3)
+    got.append("mine")  # a copy, not the record's list
+    assert rec["reasons"]["3"] == ["close", "flip"]
+
+
+def test_compact_row_lookups_and_lse_edges():
+    import math
+
+    from tensorverse.store.compact import CompactRow, log_sum_exp
+
+    x = np.array([0.5, 3.0, 2.0, -1.0, 1.0], np.float32)
+    c = compact_row(x, k=3, extra=[3])
+    lse = math.log(sum(math.exp(float(v)) for v in x))
+    assert list(c.ids) == [1, 2, 4, 3]
+    got = c.logp([1, 3, 0, np.int64(4)])
+    assert got[2] is None and len(got) == 4
+    for g, v in zip([got[0], got[1], got[3]], [3.0, -1.0, 1.0]):
+        assert abs(g - (v - lse)) < 1e-12
+    assert c.rank([1, 2, 4, 3, 0]) == [0, 1, 2, None, None]  # the k-th itself has a rank
+    assert compact_row(x, k=1).rank([1, 2]) == [0, None]
+    tie = compact_row(np.array([3.0, 3.0, 1.0], np.float32), k=1, extra=[1])
+    assert list(tie.ids) == [0, 1] and tie.rank([1, 0]) == [0, 0]  # at the k-th's logit: ranked
+    none = CompactRow(vocab=3, dtype="float32", fingerprint=0, lse=0.0, k=0, ids=np.array([1], np.int32),
+                      logits=np.array([2.0], np.float32))
+    assert none.rank([1, 2]) == [None, None]
+    assert math.isnan(log_sum_exp(np.zeros(0))) and math.isnan(log_sum_exp(np.array([0.0, -np.inf])))
+    assert math.isnan(compact_row(np.array([1.0, -np.inf], np.float32), k=1).lse)
+    assert log_sum_exp(np.array([[0.0, 1.0], [2.0, 3.0]])) == pytest.approx(
+        math.log(sum(math.exp(v) for v in (0.0, 1.0, 2.0, 3.0))), abs=1e-12)
+
+
+def test_top_ids_tie_at_the_kth_value_one_of_many_and_the_stable_fallback():
+    x = np.array([5.0, 3.0, 3.0, 3.0, 1.0], np.float32)
+    c = compact_row(x, k=3)
+    assert list(c.ids) == [0, 1, 2] and c.k == 3
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal(1000).astype(np.float32)
+    assert list(compact_row(big, k=1).ids) == [max(range(1000), key=lambda i: (big[i], -i))]
+    flat = rng.integers(0, 4, 3000).astype(np.float32)  # k = the whole row: many ties, by id
+    want = sorted(range(3000), key=lambda i: (-float(flat[i]), i))
+    assert compact_row(flat, k=3000).ids.tolist() == want
+
+
+def test_compact_row_casts_checks_and_messages():
+    x64 = np.array([0.1, 0.2, 0.3], np.float64)
+    c = compact_row(x64, k=3)
+    f32 = x64.astype(np.float32)
+    assert c.logits.dtype == np.float32 and c.logits.tolist() == [f32[2], f32[1], f32[0]]
+    assert c.fingerprint == blob_info(encode_row(f32))["crc32"]
+    with pytest.raises(ValueError, match="^an empty row has no compact form$"):
+        compact_row(np.zeros(0, np.float32))
+    wide = np.arange(65536, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"^k must be in 1\.\.65535, got 65536$"):
+        compact_row(wide, k=65536)
+    many = compact_row(wide, k=1, extra=range(65536))  # 65535 extras: the most a blob holds
+    assert many.k == 1 and len(many.ids) == 65536 and many.ids[0] == 65535
+    with pytest.raises(ValueError, match="^too many extra ids$"):
+        compact_row(np.arange(65537, dtype=np.float32), k=1, extra=range(65537))
+
+
+def test_encode_compact_layout_whatever_the_array_dtypes_and_decode_dtypes():
+    import struct
+    import zlib
+
+    from tensorverse.store.compact import CompactRow
+
+    c = CompactRow(vocab=9, dtype="float16", fingerprint=0x12345678, lse=1.25, k=2,
+                   ids=np.array([4, 1, 7], np.int64), logits=np.array([2.5, 1.5, -0.5], np.float64))
+    body = struct.pack("<4sBBHHIId", b"TVCR", 1, 3, 2, 1, 9, 0x12345678, 1.25) + struct.pack("<3i", 4, 1, 7) + \
+        struct.pack("<3f", 2.5, 1.5, -0.5)
+    assert encode_compact(c) == body + struct.pack("<I", zlib.crc32(body))
+    back = decode_compact(encode_compact(c))
+    assert back.ids.dtype == np.int32 and back.logits.dtype == np.float32
+    assert back.ids.tolist() == [4, 1, 7] and back.logits.tolist() == [2.5, 1.5, -0.5]
+    empty = struct.pack("<4sBBHHIId", b"TVCR", 1, 1, 1, 0, 4, 0, 0.0)  # 30 bytes: not truncated
+    with pytest.raises(CodecError, match="^compact row: 30 bytes for 1 entries$"):
+        decode_compact(empty + struct.pack("<I", zlib.crc32(empty)))
+    bad = bytearray(encode_compact(c))
+    bad[27] ^= 1
+    with pytest.raises(CodecError, match=r"^compact row 'r': checksum mismatch \(corrupt or truncated\)$"):
+        decode_compact(bytes(bad), record="r")
+
+
+def test_policy_messages_whole():
+    for bad, msg in (({"topk": 0}, r"^topk must be in 1\.\.4096$"),
+                     ({"top_kl": -1}, "^close_nats, top_kl and after_s must be >= 0$"),
+                     ({"sample": 2.0}, r"^sample and close_share must be in \[0, 1\]$")):
+        with pytest.raises(ValueError, match=msg):
+            EvidencePolicy(**bad)
+
+
+def test_sample_boundary_closest_cap_and_ties_and_delta_refs():
+    import zlib
+
+    from tensorverse.store.compaction import _closest, _delta_refs, _gap
+
+    crc = zlib.crc32(b"0:T:0")
+    assert not sampled(0, "T", 0, crc / 2**32) and sampled(0, "T", 0, (crc + 1) / 2**32)  # strictly under
+    gaps = {5: 0.0, 2: 0.0, 9: 0.05}
+    assert _closest(gaps, 0.0, 100) == [] and _closest(gaps, 0.01, 100) == [2]
+    assert _closest(gaps, 0.02, 100) == [2, 5] and _closest({9: 0.05, 5: 0.01}, 0.01, 100) == [5]
+    assert _gap(np.array([1.0, 3.0], np.float32)) == 2.0
+    runs = [run({"id": "ref", "turn_id": "T", "backend": "sec", "mode": "forced"}),
+            run({"id": "cand", "turn_id": "T", "backend": "cand", "mode": "forced"}),
+            run({"id": "cfree", "turn_id": "T", "backend": "cand", "mode": "free"}),
+            run({"id": "lone", "turn_id": "T", "backend": "x", "mode": "free"})]
+    assert _delta_refs(runs, "ref") == {"cand": "ref", "cfree": "cand"}
+    assert _delta_refs(runs, None) == {"cfree": "cand"}
+
+
+def test_plan_close_calls_take_the_smallest_gap_of_a_position_and_free_gaps_by_value():
+    runs = [run({"id": "f", "turn_id": "T", "backend": "c", "mode": "forced", "token_ids": list(range(100))}),
+            run({"id": "g", "turn_id": "T", "backend": "d", "mode": "forced", "token_ids": list(range(100))}),
+            run({"id": "r", "turn_id": "T", "backend": "c", "mode": "free", "token_ids": list(range(100))})]
+    facts = [RowFacts("f", 4, 0.01), RowFacts("g", 4, 0.09), RowFacts("f", 8, 0.05),
+             RowFacts("r", 5, 0.09), RowFacts("r", 6, 0.01)]
+    pol = EvidencePolicy(close_nats=0.1, close_share=0.01, top_kl=0, sample=0.0)
+    plan = plan_evidence("T", runs, [], facts, pol, 100)
+    assert plan.forced == {4: {"close"}} and plan.free == {"r": {6: {"close"}}}
+
+
+def test_plan_kl_ties_on_a_long_column_go_to_the_first_positions():
+    rng = np.random.default_rng(8)
+    kl = [float(v) for v in rng.integers(1, 4, 3000)]
+    runs = [run({"id": "f", "turn_id": "T", "backend": "c", "mode": "forced", "token_ids": list(range(3000))})]
+    comps = [comparison({"run_id": "f", "ref_run_id": "x", "mode": "forced", "metrics": {"kl": kl}})]
+    pol = EvidencePolicy(close_nats=0.0, top_kl=5, sample=0.0)
+    plan = plan_evidence("T", runs, comps, [], pol, 3000)
+    want = sorted(range(3000), key=lambda p: (-kl[p], p))[:5]  # the highest, ties in position order
+    assert plan.forced == {p: {"kl"} for p in want}
