@@ -706,3 +706,245 @@ def test_plan_kl_ties_on_a_long_column_go_to_the_first_positions():
     plan = plan_evidence("T", runs, comps, [], pol, 3000)
     want = sorted(range(3000), key=lambda p: (-kl[p], p))[:5]  # the highest, ties in position order
     assert plan.forced == {p: {"kl"} for p in want}
+
+
+# -- issue 27, the third store run: compact_turn's skips, due_turns' cutoff, compact_store ---------
+
+class _Spy:
+    """A store that counts ``note_space_freed``, loses the turns in ``gone`` (``get_turn`` raises
+    KeyError) and, with ``conflict``, has every ``apply_compaction`` raise CompactionConflict."""
+
+    def __init__(self, st, gone=(), conflict=None):
+        self._st, self.gone, self.conflict, self.freed = st, set(gone), conflict, 0
+
+    def __getattr__(self, name):
+        return getattr(self._st, name)
+
+    def note_space_freed(self):
+        self.freed += 1
+        self._st.note_space_freed()
+
+    def get_turn(self, tid):
+        if tid in self.gone:
+            raise KeyError(tid)
+        return self._st.get_turn(tid)
+
+    def apply_compaction(self, *a, **k):
+        if self.conflict is not None:
+            from tensorverse.store.store import CompactionConflict
+            raise CompactionConflict(self.conflict)
+        return self._st.apply_compaction(*a, **k)
+
+
+def _rowless_sessions(store):
+    """now 5 s, after_s 2 s: the cutoff is 3 s. sp (1 s) pinned; sa (2 s) old; sb exactly at the
+    cutoff (due), its turn recorded at 4 s (recent); sc one ns after the cutoff (not due)."""
+    for sid, tid, s_ns, t_ns in (("sp", "tp", 10**9, 10**9), ("sa", "ta", 2 * 10**9, 2 * 10**9),
+                                 ("sb", "tb", 3 * 10**9, 4 * 10**9), ("sc", "tc", 3 * 10**9 + 1, 3 * 10**9 + 1)):
+        store.put_session({"id": sid, "created_ns": s_ns}).result()
+        store.put_turn({"id": tid, "session_id": sid, "index": 0, "created_ns": t_ns}).result()
+    store.pin_session("sp").result()
+    return 5 * 10**9, EvidencePolicy(after_s=2.0)
+
+
+def test_due_turns_cutoff_is_inclusive_pins_are_skipped_and_compact_store_passes_now(store):
+    from tensorverse.store.compaction import CompactionResult, due_turns
+
+    now, pol = _rowless_sessions(store)
+    assert list(due_turns(store, pol, now_ns=now)) == ["ta", "tb"]
+    assert compact_store(store, pol, now_ns=now) == [CompactionResult("ta", "skipped", "no rows"),
+                                                     CompactionResult("tb", "skipped", "recent")]
+
+
+def test_compact_store_reports_a_gone_turn_and_frees_space_only_after_compacting(store):
+    from tensorverse.store.compaction import CompactionResult
+
+    now, pol = _rowless_sessions(store)
+    spy = _Spy(store, gone={"ta"})
+    assert compact_store(spy, pol, now_ns=now) == [CompactionResult("ta", "skipped", "gone: 'ta'"),
+                                                   CompactionResult("tb", "skipped", "recent")]
+    assert spy.freed == 0  # nothing compacted
+
+
+def test_compact_store_frees_space_once_when_it_compacted_and_never_on_a_dry_run(store):
+    workload(store, turns=1)
+    spy = _Spy(store)
+    assert [r.status for r in compact_store(spy, POLICY, dry_run=True)] == ["compacted"]
+    assert spy.freed == 0 and store.compaction("t0") is None
+    assert [r.status for r in compact_store(spy, POLICY)] == ["compacted"]
+    assert spy.freed == 1
+    assert compact_store(spy, POLICY) == [] and spy.freed == 1  # nothing left to do
+
+
+def test_compact_turn_age_boundary_and_runs_without_rows(store):
+    from tensorverse.store.compaction import CompactionResult
+
+    store.put_session({"id": "s0", "created_ns": 0}).result()
+    store.put_turn({"id": "t", "session_id": "s0", "index": 0, "created_ns": 0}).result()
+    store.put_run({"id": "t.rec", "turn_id": "t", "backend": "p", "mode": "recorded", "token_ids": [1]}).result()
+    store.put_run({"id": "t.f", "turn_id": "t", "backend": "c", "mode": "forced", "token_ids": [1]}).result()
+    pol = EvidencePolicy(after_s=1.0)
+    assert compact_turn(store, "t", pol, now_ns=10**9 - 1) == CompactionResult("t", "skipped", "recent")
+    # exactly after_s old: due; the forced run has no rows, so there is nothing to compact
+    assert compact_turn(store, "t", pol, now_ns=10**9) == CompactionResult("t", "skipped", "no rows")
+
+
+def test_compact_turn_not_compared_yet_with_and_without_a_primary(store):
+    from tensorverse.store.compaction import CompactionResult
+
+    store.put_session({"id": "s0", "created_ns": 1}).result()
+    for tid, with_primary in (("ta", True), ("tb", False)):
+        store.put_turn({"id": tid, "session_id": "s0", "index": 0 if with_primary else 1, "created_ns": 1}).result()
+        if with_primary:
+            store.put_run({"id": f"{tid}.rec", "turn_id": tid, "backend": "p", "mode": "recorded",
+                           "token_ids": [1]}).result()
+        store.put_run({"id": f"{tid}.f", "turn_id": tid, "backend": "c", "mode": "forced", "token_ids": [1]}).result()
+        store.write_rows(f"{tid}.f", [(0, encode_row(np.array([1.0, 2.0, 3.0], np.float32)))]).result()
+        assert compact_turn(store, tid, POLICY) == CompactionResult(tid, "skipped", "not compared yet")
+
+
+def test_compact_turn_delta_already_and_conflict_whole(store):
+    from tensorverse.store.compaction import CompactionResult
+
+    turns, originals = workload(store, turns=2)
+    t0 = turns[0]
+    twin, ref = t0.run_ids[("twin", "forced")], t0.run_ids[("secondary", "forced")]
+    store.write_rows(twin, [(0, encode_row(originals[twin][0], ref=originals[ref][0]))]).result()
+    assert compact_turn(store, "t0", POLICY) == CompactionResult("t0", "skipped", f"row {twin}@0 is a delta already")
+    assert compact_turn(_Spy(store, conflict="moved"), "t1", POLICY) == CompactionResult("t1", "conflict", "moved")
+    assert store.compaction("t1") is None
+
+
+def test_compact_turn_float16_rows_topk_and_extras_at_the_ends_of_the_token_lists(store):
+    """Nothing is evidence (no flips, KL, close calls or sample): every row is compacted, with
+    top-4 ids, the run's token and the primary's where the row's position has one, the stored
+    dtype (float16) and the stored blob's checksum."""
+    from tensorverse.store.compact import decode_compact
+    from tensorverse.store.compaction import CompactionResult
+
+    store.put_session({"id": "s0", "created_ns": 1}).result()
+    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
+    for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
+                                     ("th.cand", "forced", "cand", [3])):
+        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
+    x = np.arange(8, dtype=np.float16)  # top 4: ids 7, 6, 5, 4
+    blobs = {("th.ref", p): encode_row(x) for p in (0, 1, 2)} | {("th.cand", p): encode_row(x) for p in (0, 1)}
+    for rid in ("th.ref", "th.cand"):
+        store.write_rows(rid, [(p, b) for (r, p), b in blobs.items() if r == rid]).result()
+    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
+    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
+    r = compact_turn(store, "th", pol)
+    got = {(rid, p): b for rid in ("th.ref", "th.cand") for p, b in store.read_compact_rows(rid)}
+    assert set(got) == set(blobs)
+    before = sum(len(b) for b in blobs.values())
+    assert r == CompactionResult("th", "compacted", "", 0, 0, 5, before, sum(len(b) for b in got.values()))
+    want_ids = {("th.ref", 0): [7, 6, 5, 4, 1], ("th.ref", 1): [7, 6, 5, 4, 2], ("th.ref", 2): [7, 6, 5, 4, 0],
+                ("th.cand", 0): [7, 6, 5, 4, 1, 3], ("th.cand", 1): [7, 6, 5, 4, 2]}
+    for key, blob in got.items():
+        c = decode_compact(blob)
+        assert (c.k, c.vocab, c.dtype, c.fingerprint) == (4, 8, "float16", blob_info(blobs[key])["crc32"])
+        assert c.ids.tolist() == want_ids[key], key
+    rec = store.compaction("th")
+    assert rec["reference_run"] == "th.ref" and rec["reasons"] == {} and rec["free_reasons"] == {}
+    assert rec["runs"] == {"th.ref": {"backend": "sec", "mode": "forced", "full": [], "delta": [], "delta_ref": None,
+                                      "compact": 3, "topk": 4},
+                           "th.cand": {"backend": "cand", "mode": "forced", "full": [], "delta": [],
+                                       "delta_ref": None, "compact": 2, "topk": 4}}
+
+
+def _hand_turn(store, *, corrupt: bool = False) -> None:
+    """Turn th: primary th.rec (tokens 1, 2), forced th.ref (rows 0-2) and th.cand (rows 0-1),
+    th.cand compared with th.ref; every row is 0..7 in float16 (top-2 gap 1 nat)."""
+    store.put_session({"id": "s0", "created_ns": 1}).result()
+    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
+    for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
+                                     ("th.cand", "forced", "cand", [3])):
+        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
+    blob = encode_row(np.arange(8, dtype=np.float16))
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x10
+    store.write_rows("th.ref", [(0, bytes(bad) if corrupt else blob), (1, blob), (2, blob)]).result()
+    store.write_rows("th.cand", [(0, blob), (1, blob)]).result()
+    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
+
+
+def test_compact_turn_names_a_corrupt_row(store):
+    _hand_turn(store, corrupt=True)
+    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
+    with pytest.raises(CodecError, match=r"^logits record 'th\.ref@0': blob checksum mismatch"):
+        compact_turn(store, "th", pol)
+    assert store.compaction("th") is None
+
+
+def test_compact_turn_close_calls_are_the_runs_rows(store):
+    # gap 1 < 2 nats everywhere; close_share 1.0 of the primary's 2 positions: positions 0 and 1
+    _hand_turn(store)
+    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
+    r = compact_turn(store, "th", pol)
+    rec = store.compaction("th")
+    assert rec["reasons"] == {"0": ["close"], "1": ["close"]} and rec["free_reasons"] == {}
+    assert rec["runs"]["th.ref"]["full"] == [0, 1] and rec["runs"]["th.ref"]["compact"] == 1
+    assert rec["runs"]["th.cand"]["full"] == [0, 1] and rec["runs"]["th.cand"]["compact"] == 0
+    assert (r.rows_full + r.rows_delta, r.rows_compact) == (4, 1)
+
+
+def test_compact_turn_samples_by_the_turn_id(store):
+    # crc32("0:th:0") / 2**32 = 0.9990, crc32("0:th:1") / 2**32 = 0.5343: only position 1 is under 0.6
+    _hand_turn(store)
+    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.6, after_s=0.0)
+    compact_turn(store, "th", pol)
+    rec = store.compaction("th")
+    assert rec["reasons"] == {"1": ["sample"]}
+    assert rec["runs"]["th.ref"]["full"] == [1] and rec["runs"]["th.cand"]["full"] == [1]
+
+
+def test_compact_turn_without_a_full_reference_and_a_two_dimensional_row(store):
+    # only top-k comparisons: no reference run; th.ref's row 1 stored as shape (1, 8): flattened
+    from tensorverse.store.compact import decode_compact
+
+    _hand_turn(store)
+    store.write_rows("th.ref", [(1, encode_row(np.arange(8, dtype=np.float16).reshape(1, 8)))]).result()
+    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
+    store.put_comparison("th.ref", "th.rec", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
+    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
+    r = compact_turn(store, "th", pol)
+    assert (r.status, r.rows_full, r.rows_delta, r.rows_compact) == ("compacted", 0, 0, 5)
+    assert store.compaction("th")["reference_run"] is None
+    c = decode_compact(dict(store.read_compact_rows("th.ref"))[1])
+    assert (c.vocab, c.k, c.ids.tolist()) == (8, 4, [7, 6, 5, 4, 2])
+
+
+def test_compact_turn_an_older_retry_of_a_backend_is_compacted_whole_and_a_tie_goes_to_the_later_id(store):
+    _hand_turn(store)  # runs are read in id order: th.cand0 after th.cand
+    blob = encode_row(np.arange(8, dtype=np.float16))
+    store.put_run({"id": "th.cand0", "turn_id": "th", "backend": "cand", "mode": "forced", "token_ids": [3],
+                   "created_ns": 0}).result()
+    store.write_rows("th.cand0", [(0, blob), (1, blob)]).result()
+    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
+    r = compact_turn(store, "th", pol, dry_run=True)  # th.cand (newer, compared) is the evidence
+    assert (r.status, r.rows_full + r.rows_delta, r.rows_compact) == ("compacted", 4, 3)
+    compact_turn(store, "th", pol)
+    rec = store.compaction("th")
+    assert rec["runs"]["th.cand0"]["full"] == [] and rec["runs"]["th.cand0"]["compact"] == 2
+    assert rec["runs"]["th.cand"]["full"] == [0, 1]
+
+
+def test_compact_turn_a_retry_as_old_as_the_compared_run_is_the_latest(store):
+    from tensorverse.store.compaction import CompactionResult
+
+    _hand_turn(store)
+    same = store.get_run("th.cand")["created_ns"]
+    store.put_run({"id": "th.cand0", "turn_id": "th", "backend": "cand", "mode": "forced", "token_ids": [3],
+                   "created_ns": same}).result()
+    store.write_rows("th.cand0", [(0, encode_row(np.arange(8, dtype=np.float16)))]).result()
+    assert compact_turn(store, "th", POLICY) == CompactionResult("th", "skipped", "not compared yet")
+
+
+def test_compact_turn_no_delta_against_a_row_of_another_shape(store):
+    _hand_turn(store)
+    store.write_rows("th.cand", [(0, encode_row(np.arange(9, dtype=np.float16)))]).result()  # 9 ids, not 8
+    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
+    assert compact_turn(store, "th", pol).status == "compacted"
+    cand = store.compaction("th")["runs"]["th.cand"]
+    assert cand["full"] == [0, 1] and 0 not in cand["delta"]
+    assert decode_row(store.read_row("th.cand", 0)).tolist() == list(range(9))
