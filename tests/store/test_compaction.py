@@ -815,6 +815,27 @@ def test_compact_turn_delta_already_and_conflict_whole(store):
     assert store.compaction("t1") is None
 
 
+def _hand_turn(store, *, corrupt: bool = False) -> None:
+    """Turn th: primary th.rec (tokens 1, 2), forced th.ref (rows 0-2) and th.cand (rows 0-1),
+    th.cand compared with th.ref; every row is 0..7 in float16 (top-2 gap 1 nat)."""
+    store.put_session({"id": "s0", "created_ns": 1}).result()
+    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
+    for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
+                                     ("th.cand", "forced", "cand", [3])):
+        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
+    blob = encode_row(np.arange(8, dtype=np.float16))
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x10
+    store.write_rows("th.ref", [(0, bytes(bad) if corrupt else blob), (1, blob), (2, blob)]).result()
+    store.write_rows("th.cand", [(0, blob), (1, blob)]).result()
+    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
+
+
+# the hand turn's policies: nothing is evidence / every position is a close call (gap 1 < 2 nats)
+HAND = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
+HAND_CLOSE = replace(HAND, close_nats=2.0, close_share=1.0)
+
+
 def test_compact_turn_float16_rows_topk_and_extras_at_the_ends_of_the_token_lists(store):
     """Nothing is evidence (no flips, KL, close calls or sample): every row is compacted, with
     top-4 ids, the run's token and the primary's where the row's position has one, the stored
@@ -822,18 +843,10 @@ def test_compact_turn_float16_rows_topk_and_extras_at_the_ends_of_the_token_list
     from tensorverse.store.compact import decode_compact
     from tensorverse.store.compaction import CompactionResult
 
-    store.put_session({"id": "s0", "created_ns": 1}).result()
-    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
-    for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
-                                     ("th.cand", "forced", "cand", [3])):
-        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
-    x = np.arange(8, dtype=np.float16)  # top 4: ids 7, 6, 5, 4
-    blobs = {("th.ref", p): encode_row(x) for p in (0, 1, 2)} | {("th.cand", p): encode_row(x) for p in (0, 1)}
-    for rid in ("th.ref", "th.cand"):
-        store.write_rows(rid, [(p, b) for (r, p), b in blobs.items() if r == rid]).result()
-    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
-    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
-    r = compact_turn(store, "th", pol)
+    _hand_turn(store)
+    x = encode_row(np.arange(8, dtype=np.float16))  # top 4: ids 7, 6, 5, 4
+    blobs = {("th.ref", p): x for p in (0, 1, 2)} | {("th.cand", p): x for p in (0, 1)}
+    r = compact_turn(store, "th", HAND)
     got = {(rid, p): b for rid in ("th.ref", "th.cand") for p, b in store.read_compact_rows(rid)}
     assert set(got) == set(blobs)
     before = sum(len(b) for b in blobs.values())
@@ -852,35 +865,17 @@ def test_compact_turn_float16_rows_topk_and_extras_at_the_ends_of_the_token_list
                                        "delta_ref": None, "compact": 2, "topk": 4}}
 
 
-def _hand_turn(store, *, corrupt: bool = False) -> None:
-    """Turn th: primary th.rec (tokens 1, 2), forced th.ref (rows 0-2) and th.cand (rows 0-1),
-    th.cand compared with th.ref; every row is 0..7 in float16 (top-2 gap 1 nat)."""
-    store.put_session({"id": "s0", "created_ns": 1}).result()
-    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
-    for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
-                                     ("th.cand", "forced", "cand", [3])):
-        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
-    blob = encode_row(np.arange(8, dtype=np.float16))
-    bad = bytearray(blob)
-    bad[len(bad) // 2] ^= 0x10
-    store.write_rows("th.ref", [(0, bytes(bad) if corrupt else blob), (1, blob), (2, blob)]).result()
-    store.write_rows("th.cand", [(0, blob), (1, blob)]).result()
-    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
-
-
 def test_compact_turn_names_a_corrupt_row(store):
     _hand_turn(store, corrupt=True)
-    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
     with pytest.raises(CodecError, match=r"^logits record 'th\.ref@0': blob checksum mismatch"):
-        compact_turn(store, "th", pol)
+        compact_turn(store, "th", HAND)
     assert store.compaction("th") is None
 
 
 def test_compact_turn_close_calls_are_the_runs_rows(store):
     # gap 1 < 2 nats everywhere; close_share 1.0 of the primary's 2 positions: positions 0 and 1
     _hand_turn(store)
-    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
-    r = compact_turn(store, "th", pol)
+    r = compact_turn(store, "th", HAND_CLOSE)
     rec = store.compaction("th")
     assert rec["reasons"] == {"0": ["close"], "1": ["close"]} and rec["free_reasons"] == {}
     assert rec["runs"]["th.ref"]["full"] == [0, 1] and rec["runs"]["th.ref"]["compact"] == 1
@@ -891,8 +886,7 @@ def test_compact_turn_close_calls_are_the_runs_rows(store):
 def test_compact_turn_samples_by_the_turn_id(store):
     # crc32("0:th:0") / 2**32 = 0.9990, crc32("0:th:1") / 2**32 = 0.5343: only position 1 is under 0.6
     _hand_turn(store)
-    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.6, after_s=0.0)
-    compact_turn(store, "th", pol)
+    compact_turn(store, "th", replace(HAND, sample=0.6))
     rec = store.compaction("th")
     assert rec["reasons"] == {"1": ["sample"]}
     assert rec["runs"]["th.ref"]["full"] == [1] and rec["runs"]["th.cand"]["full"] == [1]
@@ -906,8 +900,7 @@ def test_compact_turn_without_a_full_reference_and_a_two_dimensional_row(store):
     store.write_rows("th.ref", [(1, encode_row(np.arange(8, dtype=np.float16).reshape(1, 8)))]).result()
     store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
     store.put_comparison("th.ref", "th.rec", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
-    pol = EvidencePolicy(topk=4, close_nats=0.0, top_kl=0, sample=0.0, after_s=0.0)
-    r = compact_turn(store, "th", pol)
+    r = compact_turn(store, "th", HAND)
     assert (r.status, r.rows_full, r.rows_delta, r.rows_compact) == ("compacted", 0, 0, 5)
     assert store.compaction("th")["reference_run"] is None
     c = decode_compact(dict(store.read_compact_rows("th.ref"))[1])
@@ -920,7 +913,7 @@ def test_compact_turn_an_older_retry_of_a_backend_is_compacted_whole_and_a_tie_g
     store.put_run({"id": "th.cand0", "turn_id": "th", "backend": "cand", "mode": "forced", "token_ids": [3],
                    "created_ns": 0}).result()
     store.write_rows("th.cand0", [(0, blob), (1, blob)]).result()
-    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
+    pol = HAND_CLOSE
     r = compact_turn(store, "th", pol, dry_run=True)  # th.cand (newer, compared) is the evidence
     assert (r.status, r.rows_full + r.rows_delta, r.rows_compact) == ("compacted", 4, 3)
     compact_turn(store, "th", pol)
@@ -943,8 +936,7 @@ def test_compact_turn_a_retry_as_old_as_the_compared_run_is_the_latest(store):
 def test_compact_turn_no_delta_against_a_row_of_another_shape(store):
     _hand_turn(store)
     store.write_rows("th.cand", [(0, encode_row(np.arange(9, dtype=np.float16)))]).result()  # 9 ids, not 8
-    pol = EvidencePolicy(topk=4, close_nats=2.0, close_share=1.0, top_kl=0, sample=0.0, after_s=0.0)
-    assert compact_turn(store, "th", pol).status == "compacted"
+    assert compact_turn(store, "th", HAND_CLOSE).status == "compacted"
     cand = store.compaction("th")["runs"]["th.cand"]
     assert cand["full"] == [0, 1] and 0 not in cand["delta"]
     assert decode_row(store.read_row("th.cand", 0)).tolist() == list(range(9))
