@@ -24,10 +24,14 @@ How a row is stored
       reference runtime) the planes hold the zigzag-coded integer difference of the bit patterns
       (``row_bits - ref_bits``, wrapping): runtimes that agree produce rows whose entries are
       equal or an ulp apart, so the planes are mostly zero and a bit-identical row costs a few
-      dozen bytes (mode ``delta`` / ``delta_bf16``). When the difference does not compress
-      better than the row itself, the row is stored standalone instead; ``blob_info`` tells
-      which (``needs_ref``). Decoding a delta blob needs the same ref; a missing or different
-      ref raises :class:`CodecError`.
+      dozen bytes (mode ``delta`` / ``delta_bf16``). A delta of at most one byte per 16 bits
+      of the row is kept without encoding the row alone (the usual case, and the fast one);
+      a larger delta is kept only when it is smaller than the row encoded alone, else the row
+      is stored standalone. So a delta can be larger than the standalone blob would have been
+      when both are small (a constant row against a noisy ref): a caller that must never grow
+      a row compares sizes itself, as compaction does. ``blob_info`` tells which
+      (``needs_ref``). Decoding a delta blob needs the same ref; a missing or different ref
+      raises :class:`CodecError`.
 
 Blob layout (version 1, little-endian)::
 

@@ -940,3 +940,132 @@ def test_compact_turn_no_delta_against_a_row_of_another_shape(store):
     cand = store.compaction("th")["runs"]["th.cand"]
     assert cand["full"] == [0, 1] and 0 not in cand["delta"]
     assert decode_row(store.read_row("th.cand", 0)).tolist() == list(range(9))
+
+
+# ---- issue 27: compaction's last six survivors
+
+
+def _f16_blob(bits, *, crc_row: int | None = None, planes=None) -> bytes:
+    """A float16 'plain' blob built by hand from the layout in codec.py's docstring: head
+    ``<4sBBBBII`` (magic, version 1, dtype 3, mode 0, ndim 1, row crc, ref crc 0), the shape
+    (uint64), 2 planes, each ``<BI`` (method 0 raw / 2 zero, length), the payloads, and the
+    crc32 of all that. ``planes`` replaces the two plane payloads (raw) as given."""
+    import struct
+    import zlib
+
+    pk = np.asarray(bits, dtype="<u2")
+    crc = zlib.crc32(pk.tobytes()) if crc_row is None else crc_row
+    if planes is None:
+        planes = [(pk & 0xFF).astype(np.uint8).tobytes(), (pk >> 8).astype(np.uint8).tobytes()]
+        table = b"".join(struct.pack("<BI", 2, 0) if not any(p) else struct.pack("<BI", 0, len(p)) for p in planes)
+        payload = b"".join(p for p in planes if any(p))
+    else:
+        table = b"".join(struct.pack("<BI", 0, len(p)) for p in planes)
+        payload = b"".join(planes)
+    body = struct.pack("<4sBBBBII", b"TVLG", 1, 3, 0, 1, crc, 0) + struct.pack("<Q", pk.size) + bytes([2]) + \
+        table + payload
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+F16_ONE = 0x3C00  # 1.0 in float16
+F16_ARANGE8 = [0x0000, 0x3C00, 0x4000, 0x4200, 0x4400, 0x4500, 0x4600, 0x4700]  # 0.0 .. 7.0
+
+
+def test_gap_is_the_top_two_whatever_order_numpys_partition_leaves_the_tail_in():
+    """``np.partition(x, size - 2)`` puts the largest entry last; a partition at ``size - 3``
+    only puts the largest two in the last two places, in any order. numpy's scalar introselect
+    leaves [0, 2, 1] as it is there: the gap must still be 2 - 1 = 1. numpy uses that select for
+    long double on every CPU, and for float32 on a CPU without its SIMD select (without AVX2 or
+    AVX-512); this machine's SIMD select happens to leave the last two in order, so the test
+    reads long-double rows."""
+    from tensorverse.store.compaction import _gap
+
+    cases = [[0.0, 2.0, 1.0], [0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 2.0, 4.0, 3.0], [0.0, 1.0, 3.0, 2.0, 5.0, 4.0]]
+    for c in cases:
+        assert _gap(np.array(c, np.longdouble)) == 1.0, c
+        assert _gap(np.array(c, np.float32)) == 1.0, c
+
+
+def test_compact_turn_names_a_row_that_passes_the_blob_checksum_but_does_not_decode(store):
+    """th.ref@0 is a well-framed blob (its trailing crc32 is right, so ``blob_info`` reads it)
+    whose row checksum is wrong, or whose raw planes are 7 and 9 bytes for 8 entries: the
+    decoding's error names the record."""
+    import zlib
+
+    _hand_turn(store)
+    good = np.array(F16_ARANGE8, np.uint16)
+    planes = (good & 0xFF).astype(np.uint8).tobytes() + (good >> 8).astype(np.uint8).tobytes()
+    crc = zlib.crc32(good.astype("<u2").tobytes())
+    assert decode_row(_f16_blob(good)).tolist() == list(range(8))  # the helper builds real blobs
+    cases = {_f16_blob(good, crc_row=crc ^ 1): "decoded row checksum mismatch",
+             _f16_blob(good, planes=[planes[:7], planes[7:]]): "plane 0: raw data of 7 bytes, expected 8"}
+    for blob, what in cases.items():
+        assert blob_info(blob)["mode"] == "plain"  # passes the framing and the blob checksum
+        store.write_rows("th.ref", [(0, blob)]).result()
+        with pytest.raises(CodecError) as e:
+            compact_turn(store, "th", HAND)
+        assert str(e.value) == f"logits record 'th.ref@0': {what}"
+        assert store.compaction("th") is None
+
+
+def test_compact_turn_a_free_close_call_not_kept_in_the_forced_run_stays_full(store):
+    """th.free (backend cand, like the forced th.cand) has a close call at 0 (gap 0.5 < 0.75)
+    where every forced row's gap is 1: only th.free keeps position 0. Its delta reference's
+    row 0 (th.cand@0) is compacted, so th.free@0 must stay full, not become a delta against it
+    (a delta would cost 47 bytes against its 55)."""
+    _hand_turn(store)
+    close = F16_ARANGE8[:7] + [0x4680]  # 0 .. 6, 6.5
+    free0, free1 = _f16_blob(close), _f16_blob(F16_ARANGE8)
+    store.put_run({"id": "th.free", "turn_id": "th", "backend": "cand", "mode": "free", "token_ids": [1, 2]}).result()
+    store.write_rows("th.free", [(0, free0), (1, free1)]).result()
+    store.put_comparison("th.free", "th.rec", {"mode": "free", "kind": "full", "status": "ok"}).result()
+    r = compact_turn(store, "th", replace(HAND, close_nats=0.75, close_share=1.0))
+    rec = store.compaction("th")
+    assert rec["reasons"] == {} and rec["free_reasons"] == {"th.free": {"0": ["close"]}}
+    assert rec["runs"]["th.free"] == {"backend": "cand", "mode": "free", "full": [0], "delta": [],
+                                      "delta_ref": None, "compact": 1, "topk": 4}
+    assert rec["runs"]["th.cand"]["full"] == [] and rec["runs"]["th.cand"]["compact"] == 2
+    assert store.read_row("th.free", 0) == free0 and not blob_info(store.read_row("th.free", 0))["needs_ref"]
+    assert (r.rows_full, r.rows_delta, r.rows_compact) == (1, 0, 6)
+
+
+def test_compact_turn_a_delta_as_long_as_the_stored_row_is_not_taken(store):
+    """th.cand@0 is 1.0 eight times (plane 0 zero, plane 1 raw: 16 + 8 + 1 + 10 + 8 + 4 = 47
+    bytes); th.ref@0 is the same but one ulp up in its first entry. The delta (zigzag 1 in one
+    entry: plane 0 raw, plane 1 zero) is 47 bytes too: not smaller, so the row stays as stored.
+    Row 1 (0..7 in both runs) is a delta: its difference is all zero."""
+    _hand_turn(store)
+    row = [F16_ONE] * 8
+    ref = [F16_ONE + 1] + [F16_ONE] * 7
+    cand0 = _f16_blob(row)
+    assert len(cand0) == 47
+    enc = encode_row(np.array(row, np.uint16).view(np.float16), ref=np.array(ref, np.uint16).view(np.float16))
+    assert blob_info(enc)["needs_ref"] and len(enc) == 47  # the premise: a delta exactly as long
+    store.write_rows("th.ref", [(0, _f16_blob(ref))]).result()
+    store.write_rows("th.cand", [(0, cand0)]).result()
+    r = compact_turn(store, "th", HAND_CLOSE)
+    cand = store.compaction("th")["runs"]["th.cand"]
+    assert (cand["full"], cand["delta"], cand["delta_ref"]) == ([0, 1], [1], "th.ref")
+    assert store.read_row("th.cand", 0) == cand0
+    assert blob_info(store.read_row("th.cand", 1))["needs_ref"]
+    assert (r.rows_full, r.rows_delta) == (3, 1)
+
+
+def test_compact_turn_a_delta_longer_than_the_stored_row_is_not_taken(store):
+    """th.cand@0 is 1.0 4096 times (zstd makes it a few dozen bytes); th.ref@0 is 1.0 one ulp
+    up or down at random in every entry: the delta is a dense plane of 1s and 2s, hundreds of
+    bytes, which the codec still writes as a delta (under 1 byte an entry). It is longer than
+    the stored row: the row stays as stored."""
+    _hand_turn(store)
+    rng = np.random.default_rng(27)
+    row = np.full(4096, F16_ONE, np.uint16).view(np.float16)
+    ref = (F16_ONE + rng.choice(np.array([-1, 1]), 4096)).astype(np.uint16).view(np.float16)
+    cand0 = encode_row(row)
+    enc = encode_row(row, ref=ref)
+    assert blob_info(enc)["needs_ref"] and len(enc) > len(cand0) + 100  # the premise
+    store.write_rows("th.ref", [(0, encode_row(ref))]).result()
+    store.write_rows("th.cand", [(0, cand0)]).result()
+    compact_turn(store, "th", HAND_CLOSE)
+    cand = store.compaction("th")["runs"]["th.cand"]
+    assert (cand["full"], cand["delta"], cand["delta_ref"]) == ([0, 1], [1], "th.ref")
+    assert store.read_row("th.cand", 0) == cand0
