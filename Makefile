@@ -51,11 +51,12 @@ clean:
 
 ## Mutation testing (issue 27; the report is docs/mutants.md): mutmut over the modules that decide
 ## numbers and sessions, in a scratch copy (build/mutants: the working tree is never touched), with
-## a bounded test selection; prints the score per module last. MUTANTS_PATHS, MUTANTS_TESTS and
-## MUTANTS_JOBS override the defaults; a survivor's diff:
+## a bounded test selection; prints the score per module last. MUTANTS_PATHS, MUTANTS_TESTS,
+## MUTANTS_DESELECT (test ids left out) and MUTANTS_JOBS override the defaults; a survivor's diff:
 ## `cd build/mutants && ../../.venv/bin/python -m mutmut show NAME`.
 MUTANTS_PATHS ?= tensorverse/analysis/attribution.py tensorverse/proxy/grouping.py
 MUTANTS_TESTS ?= tests/analysis/test_attribution.py tests/proxy/test_grouping.py tests/shadow/test_shadow_compare.py
+MUTANTS_DESELECT ?=
 MUTANTS_JOBS ?= 2
 MUTANTS_DIR := build/mutants
 .PHONY: mutants
@@ -69,6 +70,7 @@ mutants: setup
 	  echo 'pytest_add_cli_args_test_selection='; for t in $(MUTANTS_TESTS); do echo "    $$t"; done; \
 	  echo 'pytest_add_cli_args='; echo '    -p'; echo '    no:cacheprovider'; echo '    -m'; \
 	  echo '    not vllm and not browser and not prometheus and not soak and not turnstone and not ray'; \
+	  for d in $(MUTANTS_DESELECT); do echo '    --deselect'; echo "    $$d"; done; \
 	} > $(MUTANTS_DIR)/setup.cfg
 	cd $(MUTANTS_DIR) && $(abspath $(PY)) -m mutmut run --max-children $(MUTANTS_JOBS) > mutmut-run.log 2>&1 \
 	  || { tail -c 2000 mutmut-run.log; exit 1; }
