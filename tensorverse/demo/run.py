@@ -80,7 +80,10 @@ class DemoOptions:
 
 
 class Progress:
-    def __init__(self, stream=sys.stdout) -> None:
+    """The demo's progress lines, timed from its start. ``stream`` None: whatever ``sys.stdout``
+    is when a line is printed (never the one of import time, which a test runner may have closed)."""
+
+    def __init__(self, stream=None) -> None:
         self.t0 = time.monotonic()
         self.stream = stream
         self.steps: dict[str, float] = {}
@@ -88,7 +91,7 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         el = time.monotonic() - self.t0
-        print(f"[demo {int(el) // 60:d}:{int(el) % 60:02d}] {msg}", file=self.stream, flush=True)
+        print(f"[demo {int(el) // 60:d}:{int(el) % 60:02d}] {msg}", file=self.stream or sys.stdout, flush=True)
 
     def mark(self, name: str) -> None:
         now = time.monotonic()

@@ -1,9 +1,9 @@
 """LMDB capture store: schema, single writer, readers, and the lossless logits codec."""
 
-from tensorverse.store.store import RecordNotFound, Store, StoreVersionError
+from tensorverse.store.store import RecordNotFound, Store, StoreNotReadyError, StoreVersionError
 from tensorverse.store.writer import StoreClosedError, StoreFullError
 
-__all__ = ["Store", "StoreFullError", "StoreClosedError", "StoreVersionError", "RecordNotFound", "store_path"]
+__all__ = ["Store", "StoreFullError", "StoreClosedError", "StoreVersionError", "StoreNotReadyError", "RecordNotFound", "store_path"]
 
 
 def store_path(arg: str | None) -> str:

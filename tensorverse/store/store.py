@@ -40,6 +40,10 @@ class StoreVersionError(RuntimeError):
     """The store was written by a newer Tensorverse, or a migration is missing."""
 
 
+class StoreNotReadyError(StoreVersionError):
+    """Read-only open of a store that its writer is still creating (no format version yet)."""
+
+
 class RecordNotFound(KeyError):
     """No record with that id."""
 
@@ -87,6 +91,7 @@ class Store:
         max_size: int | None = None,
         readonly: bool = False,
         durable: bool = True,
+        ready_timeout_s: float = 10.0,
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
@@ -97,37 +102,63 @@ class Store:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         elif not (self.path / "data.mdb").exists():
             raise FileNotFoundError(f"no Tensorverse store at {self.path}")
-        self._env = lmdb.open(
-            str(self.path),
-            map_size=map_size,
-            max_dbs=len(schema.ALL_DBS) + 2,
-            readonly=readonly,
-            mode=0o600,
-            sync=durable,
-            metasync=durable,
-            lock=True,
-        )
+        self._map_size = map_size
+        self._durable = durable
+        self._env = self._open_env()
+        self._resize_lock = ResizeLock()
+        self._refused_sessions: OrderedDict[str, None] = OrderedDict()
+        self._writer: Writer | None = None
         if not readonly:
             # The map may have been grown by an earlier run: never shrink below the file.
             used = (self.path / "data.mdb").stat().st_size
             if used > self._env.info()["map_size"]:
                 self._env.set_mapsize(used)
-        self._dbs = {name: self._env.open_db(name, create=not readonly) for name in self._named()}
-        self._resize_lock = ResizeLock()
-        self._refused_sessions: OrderedDict[str, None] = OrderedDict()
-        self._writer: Writer | None = None
-        if not readonly:
+            self._create()
             self._migrate()
             self._writer = Writer(self._env, self._resize_lock, max_size=max_size)
         else:
+            self._wait_created(ready_timeout_s)
             self._check_version()
 
-    def _named(self) -> Sequence[bytes]:
-        if not self.readonly:
-            return schema.ALL_DBS
-        with self._env.begin() as txn:
-            present = {k for k, _ in txn.cursor()}
-        return [name for name in schema.ALL_DBS if name in present]
+    def _open_env(self) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.path),
+            map_size=self._map_size,
+            max_dbs=len(schema.ALL_DBS) + 2,
+            readonly=self.readonly,
+            mode=0o600,
+            sync=self._durable,
+            metasync=self._durable,
+            lock=True,
+        )
+
+    def _create(self) -> None:
+        """Every named database and, in a new store, the format version: one transaction, so a
+        reader sees either no store yet or a whole one (never databases without a version)."""
+        with self._env.begin(write=True) as txn:
+            self._dbs = {name: self._env.open_db(name, txn=txn, create=True) for name in schema.ALL_DBS}
+            if self._version(txn) is None:
+                txn.put(b"format_version", str(schema.FORMAT_VERSION).encode(), db=self._dbs[schema.META])
+
+    def _wait_created(self, timeout_s: float) -> None:
+        """Read-only: a store whose writer has created ``data.mdb`` but not yet committed its
+        first transaction (a reader started beside a new proxy) is waited for, up to
+        ``timeout_s``, then refused with :class:`StoreNotReadyError`."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            with self._env.begin() as txn:
+                present = {k for k, _ in txn.cursor()}
+            if schema.META in present:
+                self._dbs = {name: self._env.open_db(name, create=False) for name in schema.ALL_DBS
+                             if name in present}
+                with self._env.begin() as txn:
+                    if self._version(txn) is not None:
+                        return
+            if time.monotonic() >= deadline:
+                self._env.close()
+                raise StoreNotReadyError(f"store {self.path} is being created by its writer (no format version "
+                                         f"after {timeout_s:g} s); open it again once the writer is up")
+            time.sleep(0.05)
 
     @classmethod
     def open(cls, path: str | os.PathLike, **kwargs: Any) -> "Store":
@@ -152,11 +183,9 @@ class Store:
         return None if raw is None else int(raw)
 
     def _migrate(self) -> None:
-        with self._env.begin(write=True) as txn:
+        with self._env.begin() as txn:
             version = self._version(txn)
-            if version is None:
-                txn.put(b"format_version", str(schema.FORMAT_VERSION).encode(), db=self._dbs[schema.META])
-                return
+        assert version is not None  # stamped by _create
         if version > schema.FORMAT_VERSION:
             raise StoreVersionError(
                 f"store {self.path} has format {version}, newer than this Tensorverse "

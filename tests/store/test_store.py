@@ -18,7 +18,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreVersionError
+from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreNotReadyError, StoreVersionError
 from tensorverse.store import schema as S
 
 
@@ -203,6 +203,44 @@ def test_readonly_open_and_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     env.close()
     with pytest.raises(StoreVersionError, match="newer than this Tensorverse"):
         Store.open(tmp_path / "s")
+
+
+def test_readonly_open_of_a_store_being_created_waits_for_its_writer(tmp_path: Path) -> None:
+    """A reader started beside a new proxy finds ``data.mdb`` before the writer's first commit:
+    it waits for the format version instead of refusing the store as format ``None``."""
+    path = tmp_path / "s"
+    path.mkdir()
+    lmdb.open(str(path), max_dbs=16).close()  # the file exists, nothing committed yet
+    opened: list[Store] = []
+
+    def writer() -> None:
+        time.sleep(0.3)
+        with Store.open(path) as w:
+            w.put_session({"id": "s", "created_ns": 3}).result()
+            time.sleep(0.5)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        ro = Store.open(path, readonly=True, ready_timeout_s=10)
+        opened.append(ro)
+        assert ro.format_version == S.FORMAT_VERSION
+    finally:
+        t.join()
+        for ro in opened:
+            ro.close()
+    with Store.open(path, readonly=True) as ro:
+        assert ro.get_session("s")["id"] == "s"
+
+
+def test_readonly_open_of_a_store_never_created_is_refused_as_not_ready(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    path.mkdir()
+    lmdb.open(str(path), max_dbs=16).close()
+    t0 = time.monotonic()
+    with pytest.raises(StoreNotReadyError):
+        Store.open(path, readonly=True, ready_timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
 
 
 def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
