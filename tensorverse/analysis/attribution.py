@@ -43,7 +43,10 @@ from typing import Any, Collection, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.intervals import wilson
 from tensorverse.analysis.metrics import AnalysisInputError, widen_bf16
+
+
 
 __all__ = [
     "FlipClass",
@@ -407,13 +410,6 @@ class ExcessFlipRate:
         return asdict(self)
 
 
-def _wilson(k: int, n: int, confidence: float) -> tuple[float, float]:
-    from scipy.stats import binomtest
-
-    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson")
-    return float(ci.low), float(ci.high)
-
-
 def excess_flip_rate(runtime_flips: int, n: int, noise_flips: int, noise_n: int, *,
                      confidence: float = 0.95) -> ExcessFlipRate:
     """Excess flip rate p1 - p2 of a backend (``runtime`` flips over compared positions) over
@@ -427,8 +423,8 @@ def excess_flip_rate(runtime_flips: int, n: int, noise_flips: int, noise_n: int,
         raise AnalysisInputError(f"confidence must lie in (0, 1), got {confidence}")
     x1, n1, x2, n2 = int(runtime_flips), int(n), int(noise_flips), int(noise_n)
     p1, p2 = x1 / n1, x2 / n2
-    l1, u1 = _wilson(x1, n1, confidence)
-    l2, u2 = _wilson(x2, n2, confidence)
+    l1, u1 = wilson(x1, n1, confidence)  # type: ignore[misc]  # n > 0: an interval, never None
+    l2, u2 = wilson(x2, n2, confidence)  # type: ignore[misc]
     d = p1 - p2
     low = d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
     high = d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)

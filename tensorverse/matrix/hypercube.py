@@ -7,6 +7,13 @@ token flip under FP8 KV") and ``mean_point_flip_rate`` averages the points' own 
 configuration weighs the same: a full grid's classic marginal). ``effect`` is a value's pooled
 flip rate minus the axis's first (base) value's. Points that failed, and the reference point
 itself (which is compared with nothing), are left out.
+
+``flip_rate_ci`` is turn-clustered (:func:`tensorverse.analysis.intervals.cluster_bootstrap`):
+each (case, turn) of the corpus is one cluster, its positions and flips summed over the value's
+points (the same turn under two configurations is no independent trial), from the points'
+``turn_counts``. For a value run by one point it is the interval the replay report gives that
+point and the hypercube site gives the same turns. ``effect`` has no interval here: the
+hypercube site's paired ``vs_reference`` interval is the one to compare settings by.
 """
 
 from __future__ import annotations
@@ -14,13 +21,26 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from tensorverse.replay.report import wilson
+from tensorverse.analysis.intervals import cluster_bootstrap
 
-__all__ = ["marginals", "wilson"]
+__all__ = ["marginals", "turn_clusters"]
 
 
 def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def turn_clusters(points: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
+    """Flips and positions per (case, turn), summed over ``points`` (their summaries'
+    ``turn_counts``), in a fixed order."""
+    by: dict[tuple[str, int], list[int]] = {}
+    for p in points:
+        for c in p["summary"].get("turn_counts") or ():
+            e = by.setdefault((str(c["case"]), int(c["turn"])), [0, 0])
+            e[0] += int(c["flips"])
+            e[1] += int(c["positions"])
+    keys = sorted(by)
+    return [by[k][0] for k in keys], [by[k][1] for k in keys]
 
 
 def marginals(points: Sequence[Mapping[str, Any]], axes: Mapping[str, Sequence[Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -47,7 +67,7 @@ def marginals(points: Sequence[Mapping[str, Any]], axes: Mapping[str, Sequence[A
                 base_rate = rate
             rows.append({
                 "value": v, "points": [p["name"] for p in sel], "positions": pos, "flips": flips,
-                "flip_rate": rate, "flip_rate_ci": wilson(flips, pos),
+                "flip_rate": rate, "flip_rate_ci": cluster_bootstrap(*turn_clusters(sel)).bounds(),
                 "mean_point_flip_rate": sum(rates) / len(rates) if rates else None,
                 "kl_mean": klw / pos if pos else None,
                 "toolcall_mismatch_rate": mism / free if free else None,

@@ -18,15 +18,20 @@ No prompt or output text is written unless ``--include-text``.
 
 Summary per backend (vs the reference's forced run for forced metrics, vs the basis for free
 ones; the reference's own free row is vs the recorded output, see
-:mod:`tensorverse.replay.runner`): ``positions``, ``flips``, ``flip_rate`` with a 95 % Wilson
-interval (``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over
-positions), ``first_flip`` (median over turns with one), ``departures`` (forced top-1 != the basis
-token) and
-``departure_rate``, ``flips_by_class`` (forced and free flips by class: tie, near_tie, noise, parser,
-runtime; docs/attribution.md), ``runtime_flip_rate`` (forced runtime-class flips per position) with
-its Wilson interval, free ``turns``, ``diverged``, ``verdicts`` (counts), ``toolcall_mismatch_rate``
-(free turns whose verdict is not ``match``), branch outcomes (``completed``/``diverged``/
-``simulated``), ``errors`` and ``error_rate``.
+:mod:`tensorverse.replay.runner`): ``positions``, ``flips``, ``flip_rate`` with its 95 % interval
+(``flip_rate_ci``), ``same_top_p`` (p, se), ``kl`` (mean, max, percentiles over positions),
+``first_flip`` (median over turns with one), ``departures`` (forced top-1 != the basis token) and
+``departure_rate``, ``flips_by_class`` (forced and free flips by class: tie, near_tie, noise,
+parser, runtime; docs/attribution.md), ``runtime_flip_rate`` (forced runtime-class flips per
+position) with its interval, free ``turns``, ``diverged``, ``verdicts`` (counts),
+``toolcall_mismatch_rate`` (free turns whose verdict is not ``match``), branch outcomes
+(``completed``/``diverged``/``simulated``), ``errors`` and ``error_rate``, and ``turn_counts``
+(per forced turn: positions, flips, runtime flips, departures).
+
+Intervals (:mod:`tensorverse.analysis.intervals`): the per-position rates (flip, runtime flip,
+departure) have the turn-clustered bootstrap interval, the turn being the unit (None with fewer
+than two turns); the tool-call mismatch rate, counted per free turn, has the Wilson interval.
+The matrix report's marginals and the hypercube site give the same interval for the same turns.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tensorverse.analysis.intervals import cluster_bootstrap, wilson
+
 RESULTS_FORMAT = "tensorverse.replay-results"  # the results file (format_version RESULTS_VERSION)
 RESULTS_VERSION = 1
 
@@ -55,15 +62,35 @@ _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le
 _PCTS = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
-    """95 % Wilson score interval of k successes in n trials (flip rates, mismatch rates)."""
-    if n <= 0:
-        return None
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return [round(max(0.0, c - h), 6), round(min(1.0, c + h), 6)]
+def turn_counts(name: str, cases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (case, turn) whose forced run of ``name`` compared: ``positions``, ``flips``,
+    ``runtime_flips``, ``departures`` and ``departure_positions``: the clusters of every
+    per-position rate's interval (the turn is the unit, :mod:`tensorverse.analysis.intervals`)."""
+    out = []
+    for c in cases:
+        for t in c.get("turns") or ():
+            f = ((t.get("backends") or {}).get(name) or {}).get("forced")
+            if not f or f.get("status") != "ok" or f.get("n") is None:
+                continue
+            classes = f.get("flip_classes") or ()
+            dep = f.get("departures")
+            out.append({"case": c.get("id"), "turn": t.get("index"), "positions": int(f["n"]),
+                        "flips": len(f.get("flips") or ()), "runtime_flips": sum(k == "runtime" for k in classes),
+                        "departures": len(dep) if dep is not None else 0,
+                        "departure_positions": (t.get("positions") or 0) if dep is not None else 0})
+    return out
+
+
+def clustered_ci(counts: Sequence[Mapping[str, Any]], numerator: str, denominator: str = "positions") -> list[float] | None:
+    """The turn-clustered 95 % interval of ``sum(numerator) / sum(denominator)`` over
+    :func:`turn_counts` entries, as ``[low, high]`` (None with fewer than two turns)."""
+    rows = [c for c in counts if c[denominator]]
+    return cluster_bootstrap([c[numerator] for c in rows], [c[denominator] for c in rows]).bounds()
+
+
+def _wilson(k: int, n: int) -> list[float] | None:
+    ci = wilson(k, n)
+    return None if ci is None else [round(ci[0], 6), round(ci[1], 6)]
 
 
 def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_reference: bool) -> dict[str, Any]:
@@ -119,12 +146,13 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
                         by_class[fr["flip_class"]] = by_class.get(fr["flip_class"], 0) + 1
     out: dict[str, Any] = {"backend": name, "reference": is_reference, "positions": positions,
                            "flips": flips}
+    counts = turn_counts(name, cases)
     if positions:
         p = agree / positions
         out["flip_rate"] = flips / positions
-        out["flip_rate_ci"] = wilson(flips, positions)
+        out["flip_rate_ci"] = clustered_ci(counts, "flips")
         out["runtime_flip_rate"] = runtime / positions
-        out["runtime_flip_rate_ci"] = wilson(runtime, positions)
+        out["runtime_flip_rate_ci"] = clustered_ci(counts, "runtime_flips")
         out["same_top_p"] = {"p": p, "se": math.sqrt(p * (1 - p) / (positions - 1)) if positions > 1 else None}
     else:
         out.update(flip_rate=None, flip_rate_ci=None, runtime_flip_rate=None, runtime_flip_rate_ci=None,
@@ -144,14 +172,15 @@ def summarize_backend(name: str, cases: Sequence[Mapping[str, Any]], *, is_refer
     out["turns_with_flips"] = len(first)
     out["departures"] = dep
     out["departure_rate"] = dep / dep_n if dep_n else None
-    out["departure_rate_ci"] = wilson(dep, dep_n)
+    out["departure_rate_ci"] = clustered_ci(counts, "departures", "departure_positions")
     out["free_turns"] = free_turns
     out["diverged"] = diverged
     out["diverged_rate"] = diverged / free_turns if free_turns else None
     out["verdicts"] = dict(sorted(verdicts.items()))
     mism = sum(v for k, v in verdicts.items() if k != "match")
     out["toolcall_mismatch_rate"] = mism / free_turns if free_turns else None
-    out["toolcall_mismatch_rate_ci"] = wilson(mism, free_turns)
+    out["toolcall_mismatch_rate_ci"] = _wilson(mism, free_turns)  # free turns: independent trials
+    out["turn_counts"] = counts
     out["branches"] = branches
     out["errors"] = errors
     out["error_rate"] = errors / runs if runs else None
@@ -349,7 +378,12 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
             binfo = ((r.get("rig") or {}).get("backends") or {}).get(name) or {}
             # ``reference``: this backend was the file's reference (the summary's flag);
             # ``reference_backend``: the file's reference backend's name
-            rows.append({**s, "file": str(p), "rig": rig, "backend": name, "vllm": binfo.get("version"),
+            # turn counts: the summary's, or (a results file older than them) from its cases
+            counts = s.get("turn_counts")
+            if counts is None:
+                counts = turn_counts(name, r.get("cases") or ())
+            rows.append({**s, "turn_counts": counts, "file": str(p), "rig": rig, "backend": name,
+                         "vllm": binfo.get("version"),
                          "model": binfo.get("model"), "reference": name == r.get("reference"),
                          "reference_backend": r.get("reference"),
                          "corpus": (r.get("corpus") or {}).get("manifest_sha256"),
@@ -357,8 +391,9 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     totals: dict[str, dict[str, Any]] = {}
     for row in rows:
         t = totals.setdefault(row["backend"], {"backend": row["backend"], "rigs": 0, "verdicts": {},
-                                               **{k: 0 for k in _SUMS}, "_klw": 0.0, "kl_max": None})
+                                               **{k: 0 for k in _SUMS}, "_klw": 0.0, "kl_max": None, "_turns": []})
         t["rigs"] += 1
+        t["_turns"].extend(row["turn_counts"])  # each (file, case, turn) one cluster
         for k in _SUMS:
             t[k] += row.get(k) or 0
         for v, n in (row.get("verdicts") or {}).items():
@@ -372,7 +407,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     for t in totals.values():
         n = t["positions"]
         t["flip_rate"] = t["flips"] / n if n else None
-        t["flip_rate_ci"] = wilson(t["flips"], n)
+        t["flip_rate_ci"] = clustered_ci(t.pop("_turns"), "flips")
         t["runtime_flip_rate"] = t["runtime_flips"] / n if n else None
         t["kl_mean"] = t.pop("_klw") / n if n else None
         mism = sum(v for k, v in t["verdicts"].items() if k != "match")

@@ -180,14 +180,34 @@ def test_intervals_are_wider_when_flips_cluster_in_few_turns():
     assert ms["few"]["ref"].vs_reference is None and ms["few"]["x"].flip_rate.estimate == a.estimate
 
 
-def test_cluster_bootstrap_edges():
-    assert cluster_bootstrap([], []).estimate is None
-    one = cluster_bootstrap([3], [10])
-    assert one.estimate == 0.3 and one.low is None  # one cluster: no interval
-    same = cluster_bootstrap([0] * 50, [10] * 50)
-    assert (same.estimate, same.low, same.high) == (0.0, 0.0, 0.0)
-    iv = cluster_bootstrap([1, 0, 0, 0, 5, 0], [10] * 6)
-    assert iv.low <= iv.estimate <= iv.high and 0 <= iv.low and iv.high <= 0.5
+def test_matrix_replay_and_hypercube_give_one_interval_for_the_same_turns(checked):
+    """The same turns, read by the three reports that show a flip rate per setting: the hypercube
+    site (one rig), the matrix report's marginal of a value run by one point, and the replay
+    report's per-backend summary give the same turn-clustered interval."""
+    from tensorverse.matrix.hypercube import marginals as matrix_marginals
+    from tensorverse.replay.report import summarize_backend
+
+    one = merge_bundles(checked[:1])
+    site = {m.setting: m for m in marginals(one)}
+    for setting in ("dtype_fp16", "quant_fp8"):
+        counts = [t for t in one.turn_counts if t.setting == setting]
+        assert len(counts) >= 2 and sum(t.flips for t in counts) > 0
+        # the replay report reads forced runs per case and turn: the same turns as results cases
+        cases = {}
+        for t in counts:
+            cases.setdefault(t.case, {"id": t.case, "turns": []})["turns"].append(
+                {"index": t.turn, "positions": t.positions,
+                 "backends": {setting: {"forced": {"status": "ok", "n": t.positions, "flips": list(range(t.flips)),
+                                                   "flip_classes": ["runtime"] * t.flips}}}})
+        summary = summarize_backend(setting, list(cases.values()), is_reference=False)
+        point = {"name": setting, "status": "ok", "reference": False, "effective": {"axis": setting},
+                 "summary": summary}
+        matrix = matrix_marginals([point], {"axis": [setting]})["axis"][0]
+        rate = site[setting].flip_rate
+        want = [round(rate.low, 6), round(rate.high, 6)]
+        assert summary["flip_rate_ci"] == want
+        assert matrix["flip_rate_ci"] == want
+        assert matrix["flip_rate"] == pytest.approx(rate.estimate)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,9 +99,15 @@ def test_ddmin_unresolved_runs_count_as_passing():
 
 
 def _pt(name, eff, flips, positions, ref=False, status="ok"):
+    """A point whose flips sit in the first turns of ten turns of positions/10 each (as replay's
+    summary counts them: ``turn_counts``)."""
+    per = positions // 10
+    counts = [{"case": f"c{t % 2}", "turn": t // 2, "positions": per, "flips": min(per, max(0, flips - t * per))}
+              for t in range(10)] if positions else []
     return {"name": name, "effective": eff, "reference": ref, "status": status,
             "summary": {"positions": positions, "flips": flips, "flip_rate": flips / positions if positions else None,
-                        "kl": {"mean": 1e-6}, "free_turns": 2, "verdicts": {"match": 1, "value_mismatch": 1}}}
+                        "kl": {"mean": 1e-6}, "free_turns": 2, "verdicts": {"match": 1, "value_mismatch": 1},
+                        "turn_counts": counts}}
 
 
 def test_marginals_pool_positions_and_average_points():
@@ -116,7 +122,20 @@ def test_marginals_pool_positions_and_average_points():
     assert fp["points"] == ["b", "c"] and fp["flip_rate"] == pytest.approx(40 / 400)
     assert fp["mean_point_flip_rate"] == pytest.approx((0.1 + 0.1) / 2)
     assert fp["effect"] == pytest.approx(0.1) and fp["flip_rate_ci"][0] < 0.1 < fp["flip_rate_ci"][1]
+    assert bf["flip_rate_ci"] == [0.0, 0.0]
     assert m["p"][1]["flips"] == 30 and m["p"][1]["toolcall_mismatch_rate"] == 0.5
+
+
+def test_marginal_interval_clusters_the_same_turn_across_points():
+    """Two points of one value flip in the same turn: that turn is one cluster of 2 x its
+    positions (not two independent ones), so the interval is the cluster bootstrap of the
+    summed turns."""
+    from tensorverse.analysis.intervals import cluster_bootstrap
+
+    pts = [_pt("ref", {"d": "bf16"}, 0, 0, ref=True), _pt("b", {"d": "fp32"}, 10, 100), _pt("c", {"d": "fp32"}, 10, 100)]
+    fp = marginals(pts, {"d": ["bf16", "fp32"]})["d"][1]
+    want = cluster_bootstrap([20] + [0] * 9, [20] * 10).bounds()
+    assert fp["flip_rate_ci"] == want and fp["flip_rate"] == pytest.approx(0.1)
 
 
 def test_html_heat_map_escapes_and_colours():
