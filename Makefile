@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tensorverse-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system test test-fast audit bench demo clean
+.PHONY: setup setup-system lint test test-fast audit bench demo clean
 
 setup: $(STAMP)
 
@@ -21,12 +21,19 @@ setup-system:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)  # viewer browser tests
 	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)  # rules tests, real Prometheus
 
-## The whole suite, real vLLM-CPU servers, browser, Prometheus and soak included.
-test: setup setup-system
-	$(PY) -m pytest $(PYTEST_ARGS)
+## Lint, types and the package layers of docs/architecture.md (pyproject.toml says which rules and why).
+lint: setup
+	$(VENV)/bin/ruff check tensorverse tests benchmarks
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+## The whole suite, real vLLM-CPU servers, browser, Prometheus and soak included; the slowest
+## tests last (--durations), so the next engineer sees where the time goes.
+test: setup setup-system lint
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 ## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak, no turnstone, no Ray cluster.
-test-fast: setup
+test-fast: setup lint
 	$(PY) -m pytest -m 'not vllm and not browser and not prometheus and not soak and not turnstone and not ray' $(PYTEST_ARGS)
 
 ## The dependency audit against PyPI's advisories (asks the package index: not part of `make test`).

@@ -212,7 +212,7 @@ class AsgiApp:
 
 async def serve(core: Any, host: str, port: int) -> uvicorn.Server:
     """Start ``core`` behind uvicorn on host:port (its startup, then uvicorn's)."""
-    await core._on_startup()  # noqa: SLF001 - what ProxyCore.start does before its own server
+    await core._on_startup()
     config = uvicorn.Config(AsgiApp(core), host=host, port=port, http="httptools", lifespan="off",
                             access_log=False, log_level="warning", timeout_keep_alive=75, backlog=1024)
     config.load()

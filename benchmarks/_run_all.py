@@ -215,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", help="targets file (default benchmarks/targets.toml or $TENSORVERSE_BENCH_TARGETS)")
     a = ap.parse_args(argv)
     load_targets(a.targets)  # a broken targets file fails before anything runs
-    split = (lambda s: [x for x in s.split(",") if x] if s else None)
+
+    def split(s: str | None) -> list[str] | None:
+        return [x for x in s.split(",") if x] if s else None
+
     paths = benchmarks(split(a.only), split(a.skip))
     a.logs.mkdir(parents=True, exist_ok=True)
     a.table.parent.mkdir(parents=True, exist_ok=True)

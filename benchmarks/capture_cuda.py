@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tensorverse.capture.sink import MemorySink  # noqa: E402
-from tensorverse.capture.tap import Tap, force_tokens  # noqa: E402
-from tensorverse.store.codec import decode_row  # noqa: E402
+from tensorverse.capture.sink import MemorySink
+from tensorverse.capture.tap import Tap, force_tokens
+from tensorverse.store.codec import decode_row
 
 VOCAB = 151_936
 HIDDEN = 4096

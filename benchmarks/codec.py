@@ -34,9 +34,9 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._logits import QWEN3_VOCAB, SOURCE, synthetic_rows  # noqa: E402
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.store.codec import blob_info, decode_row, encode_row  # noqa: E402
+from benchmarks._logits import QWEN3_VOCAB, SOURCE, synthetic_rows
+from benchmarks._targets import finish
+from tensorverse.store.codec import blob_info, decode_row, encode_row
 
 try:
     import orjson

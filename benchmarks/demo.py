@@ -21,7 +21,6 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -31,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.demo.agent import MAX_TASKS  # noqa: E402
-from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, DemoOptions, run_demo  # noqa: E402
+from benchmarks._targets import finish
+from tensorverse.demo.agent import MAX_TASKS
+from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, DemoOptions, run_demo
 
 
 def main() -> int:

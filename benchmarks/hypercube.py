@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._targets import finish  # noqa: E402
+from benchmarks._targets import finish
 
 SCALES = {"bf16": 0, "bf16_noise": 0.05, "dtype_fp32": 0.02, "dtype_fp16": 0.1, "kv_fp8e4m3": 0.6,
           "kv_fp8e5m2": 0.9, "quant_fp8": 0.4, "threads_2": 0.03}
@@ -133,7 +133,7 @@ def first_render(index: Path, loads: int = 3) -> tuple[list[float], list[float]]
                 ctx = b.new_context(viewport={"width": 1400, "height": 1000})
                 page = ctx.new_page()
                 errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("pageerror", lambda e: errors.append(str(e)))  # noqa: B023 - called in this iteration
                 page.goto(index.resolve().as_uri())
                 page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
                 t = page.evaluate("window.__hcTiming")

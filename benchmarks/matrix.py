@@ -104,7 +104,8 @@ def main() -> int:
     for e in executors:
         ex, init_s = None, 0.0
         if e == "ray":
-            from tensorverse.matrix.executor import ExecutorOptions, make_executor
+            from tensorverse.cluster.options import ExecutorOptions
+            from tensorverse.matrix.executor import make_executor
 
             t0 = time.monotonic()
             ex = make_executor(ExecutorOptions(name="ray", ray_address="local", cpus_per_point=2))

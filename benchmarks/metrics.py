@@ -14,7 +14,6 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,12 +24,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prometheus_client import generate_latest  # noqa: E402
+from prometheus_client import generate_latest
 
-from benchmarks._targets import finish  # noqa: E402
+from benchmarks._targets import finish
 
-from tensorverse.config import parse_config  # noqa: E402
-from tensorverse.exporters.metrics import REGIONS, Metrics  # noqa: E402
+from tensorverse.config import parse_config
+from tensorverse.exporters.metrics import REGIONS, Metrics
 
 BACKENDS = ["flashinfer", "fp8-kv", "nvfp4", "tp2", "secondary"]
 
@@ -77,7 +76,7 @@ def bench_updates(turns: int, n: int) -> float:
     def baseline() -> float:
         t0 = time.perf_counter()
         for t in data:
-            for r in t:  # what the tee does without metrics: nothing per result
+            for _r in t:  # what the tee does without metrics: nothing per result
                 pass
         return time.perf_counter() - t0
 

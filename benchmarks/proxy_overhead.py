@@ -360,7 +360,7 @@ def main() -> int:
                 acc["invalid"] += r["invalid"]
                 acc["why"] += r["why"]
                 acc["wall"] += r["n"] / r["rps"] if r["rps"] else 0.0
-        for name, (url, pid) in targets.items():
+        for name, (_url, pid) in targets.items():
             c1 = pooled(c1_runs[name])
             acc = done[name]
             c200 = {"n": acc["n"], "errors": acc["errors"], "invalid": acc["invalid"], "why": acc["why"][:3],

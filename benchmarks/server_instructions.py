@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from proxy_overhead import PROXY, ROOT, UPSTREAM, load, spawn  # noqa: E402
+from proxy_overhead import PROXY, ROOT, UPSTREAM, load, spawn
 
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.ports import free_port  # noqa: E402
+from benchmarks._targets import finish
+from tensorverse.ports import free_port
 
 
 def _total(dump: Path) -> int:

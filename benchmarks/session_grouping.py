@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import subprocess
 import sys
 import tempfile

@@ -12,7 +12,6 @@ row back in position order and decodes it. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -26,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._logits import SOURCE, synthetic_rows  # noqa: E402
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.store import Store  # noqa: E402
-from tensorverse.store.codec import decode_row, encode_row  # noqa: E402
+from benchmarks._logits import SOURCE, synthetic_rows
+from benchmarks._targets import finish
+from tensorverse.store import Store
+from tensorverse.store.codec import decode_row, encode_row
 
 ROWS_PER_RECORD = 8  # a capture frame batch: rows of one run committed in one transaction
 

@@ -45,14 +45,14 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._logits import QWEN3_VOCAB, SOURCE, synthetic_rows  # noqa: E402
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.analysis.metrics import position_metrics, widen_bf16  # noqa: E402
-from tensorverse.config import RetentionSection  # noqa: E402
-from tensorverse.store import Store  # noqa: E402
-from tensorverse.store.compaction import compact_store  # noqa: E402
-from tensorverse.store.stored_rows import RowCompacted, StoredRows  # noqa: E402
-from tensorverse.testing.shadow_workload import write_turn  # noqa: E402
+from benchmarks._logits import QWEN3_VOCAB, SOURCE, synthetic_rows
+from benchmarks._targets import finish
+from tensorverse.analysis.metrics import position_metrics, widen_bf16
+from tensorverse.config import RetentionSection
+from tensorverse.store import Store
+from tensorverse.store.compaction import compact_store
+from tensorverse.store.stored_rows import RowCompacted, StoredRows
+from tensorverse.testing.shadow_workload import write_turn
 
 
 def _live(store: Store) -> int:

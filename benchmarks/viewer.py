@@ -230,7 +230,7 @@ def _wait_bench(page: Any, keys: list[str], timeout_s: float = 30.0) -> dict:
             raise RuntimeError(b["error"])
 
         def has(k: str) -> bool:
-            cur: Any = b
+            cur: Any = b  # noqa: B023 - called in this iteration
             for part in k.split("."):
                 if not isinstance(cur, dict) or cur.get(part) is None:
                     return False

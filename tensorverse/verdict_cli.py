@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import orjson
 

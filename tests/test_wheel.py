@@ -123,7 +123,7 @@ def test_viewer_serves_its_app_from_the_wheel(installed, tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"viewer did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
+                    raise AssertionError(f"viewer did not come up: {proc.stdout.read() if proc.poll() is not None else ''}") from None
                 time.sleep(0.3)
         assert len(body) > 1000
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:

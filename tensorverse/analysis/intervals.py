@@ -38,9 +38,12 @@ where that cost is paid once per decision, not per axis value and setting).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
+import numpy.typing as npt
+
+Counts = Union[Sequence[float], npt.NDArray[np.floating]]  # one entry per cluster
 
 __all__ = ["Interval", "wilson", "cluster_bootstrap", "REPLICATES", "SEED", "CONFIDENCE", "CLUSTER_METHOD"]
 
@@ -85,7 +88,7 @@ def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float
     return float(ci.low), float(ci.high)
 
 
-def cluster_bootstrap(numerator: Sequence[float], positions: Sequence[float], *, replicates: int = REPLICATES,
+def cluster_bootstrap(numerator: Counts, positions: Counts, *, replicates: int = REPLICATES,
                       confidence: float = CONFIDENCE, seed: int = SEED) -> Interval:
     """``sum(numerator) / sum(positions)`` over clusters (one entry per turn), with the percentile
     interval of a cluster bootstrap (clusters drawn with replacement, ``replicates`` times,

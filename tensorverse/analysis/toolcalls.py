@@ -480,7 +480,7 @@ def _openai_item(item: Any) -> ToolCall | Malformed:
         if arguments is None:
             return Malformed("invalid_arguments", raw, fmt, err)
         return ToolCall(name, arguments, raw, fmt)
-    except Exception as exc:  # never raise on model output
+    except Exception as exc:  # noqa: BLE001 - never raise on model output
         return Malformed("invalid_entry", repr(item)[:200], fmt, f"{type(exc).__name__}: {exc}")
 
 
@@ -525,7 +525,7 @@ def extract_tool_calls(text: str | None = None, *, openai_tool_calls: Any = None
         try:
             visible, reasoning = _split_thinking(text)
             items, content = _extract_from_text(visible)
-        except Exception as exc:  # a parser bug must not raise on model output either
+        except Exception as exc:  # noqa: BLE001 - a parser bug must not raise on model output either
             items, content = [Malformed("invalid_entry", text[:2000], "qwen3_json", f"{type(exc).__name__}: {exc}")], ""
         for item in items:
             if isinstance(item, ToolCall):

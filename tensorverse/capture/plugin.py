@@ -66,18 +66,18 @@ class CaptureLogitsProcessor(*_BASES):  # type: ignore[misc]
         validate_params(sampling_params)
 
     # Class-level definitions satisfy both ABCs; instances use the bound adapter methods above.
-    def apply(self, logits, ctx=None):  # type: ignore[override]  # noqa: D102
+    def apply(self, logits, ctx=None):  # type: ignore[override]
         return self.impl.apply(logits) if self.runner == "v1" else self.impl.apply(logits, ctx)
 
-    def is_argmax_invariant(self) -> bool:  # noqa: D102
+    def is_argmax_invariant(self) -> bool:
         return self.impl.is_argmax_invariant()
 
-    def update_state(self, batch_update) -> None:  # noqa: D102
+    def update_state(self, batch_update) -> None:
         if self.runner == "v1":
             self.impl.update_state(batch_update)
 
-    def add_request(self, req_idx: int, sampling_params: Any) -> bool:  # noqa: D102
+    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
         return self.impl.add_request(req_idx, sampling_params) if self.runner == "v2" else False
 
-    def apply_staged_writes(self) -> None:  # noqa: D102
+    def apply_staged_writes(self) -> None:
         pass

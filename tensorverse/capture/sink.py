@@ -109,7 +109,7 @@ class Sink:
                             dropped=len(frames))
         try:
             self._ship(frames)
-        except Exception as e:  # noqa: BLE001 - every failure is counted by the caller
+        except Exception as e:
             self._failures += 1
             delay = min(self.retry_max_s, self.retry_min_s * 2 ** (self._failures - 1))
             self._retry_at = now + delay

@@ -2,7 +2,7 @@
 
 import sys
 
-from tensorverse.cli import main
+from tensorverse.demo.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["demo", *sys.argv[1:]]))
+    sys.exit(main())

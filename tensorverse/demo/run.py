@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tensorverse.ports import free_port
 from tensorverse.proxy.loop import LoopThread
 from tensorverse.store import records
 
@@ -170,8 +171,11 @@ def _token_text(tok: Any, tid: int | None) -> str:
 
 
 @dataclass(frozen=True)
-class ShadowVerdict:
-    """The verdict on the shadow under test (the FP8-KV cache), against the noise floor."""
+class ShadowDepartures:
+    """What the shadow under test did in this session that the noise floor did not: counts of
+    flips, divergences and broken tool calls, and their excess over the floor. Not a decision:
+    the verdict (ship or not) is :class:`tensorverse.analysis.verdict.ShadowVerdict`, which the
+    summary carries beside it (``under_test["verdict"]``)."""
 
     backend: str
     positions: int  # forced positions compared with the primary
@@ -205,8 +209,8 @@ def _broken(verdicts: dict[str, int]) -> int:
     return sum(n for v, n in verdicts.items() if v not in ("match", "none"))
 
 
-def shadow_verdict(summary: dict[str, Any], backend: str) -> ShadowVerdict | None:
-    """The verdict on ``backend`` from a :func:`summarize_session` summary (None if it did not run)."""
+def shadow_departures(summary: dict[str, Any], backend: str) -> ShadowDepartures | None:
+    """The departures of ``backend`` from a :func:`summarize_session` summary (None if it did not run)."""
     b = summary["backends"].get(backend)
     if b is None:
         return None
@@ -219,7 +223,7 @@ def shadow_verdict(summary: dict[str, Any], backend: str) -> ShadowVerdict | Non
             return None
         return mine - (_broken(floor["verdicts"]) if key == "broken" else int(floor[key]))
 
-    return ShadowVerdict(
+    return ShadowDepartures(
         backend=backend, positions=b["positions"], flips=b["flips"], flips_by_region=dict(b["flips_by_region"]),
         kl_mean=b["kl_mean"], free_turns=b["free_turns"], diverged_turns=b["diverged_turns"],
         broken_tool_calls=broken, verdicts=dict(b["verdicts"]),
@@ -371,7 +375,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
         "broken_tool_call_by_backend": broken_by,
     }
     summary["verdict"] = session_verdicts(store, session_id)
-    v = shadow_verdict(summary, under_test)
+    v = shadow_departures(summary, under_test)
     decision = next((x for x in summary["verdict"]["shadows"] if x["backend"] == under_test), None)
     summary["under_test"] = dataclasses.asdict(v) | {"departs": v.departs, "verdict": decision} \
         if v is not None else None
@@ -568,7 +572,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         avail = _mem_available_gib()
         if avail < need:
             say(f"warning: {avail:.1f} GiB of memory available, the {len(names)} servers need about {need:.0f} GiB")
-        admin_port = srv.free_port()
+        admin_port = free_port()
         token = secrets.token_urlsafe(24)
         env = {"TENSORVERSE_CAPTURE_SINK": f"http://127.0.0.1:{admin_port}/ingest",
                "TENSORVERSE_CAPTURE_TOKEN": token}
@@ -731,7 +735,7 @@ def serve_viewer(store_path: Path, host: str, port: int, session_id: str, say: C
 
     if not _port_free(host, port):
         _, srv = _rig()
-        port = srv.free_port()
+        port = free_port()
     store = Store.open(store_path, readonly=True)
     try:
         app = create_app(store, host=host)

@@ -304,7 +304,7 @@ def position_rows(c: Comparison, turn_id: str | None, session_id: str | None) ->
 class _JsonlWriter:
     def __init__(self, path: Path, table: str) -> None:
         self.path = path
-        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f = open(path, "wb")
         self.rows = 0
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -406,7 +406,7 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
         raise ExportError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt == "parquet":
         try:
-            import pyarrow  # noqa: F401
+            import pyarrow
             import pyarrow.parquet  # noqa: F401
         except ImportError:
             raise ExportError("Parquet export needs pyarrow: pip install 'tensorverse[export]' "

@@ -665,7 +665,7 @@ class MetricsCollector:
         self.store = store
         self.verdict = verdict
 
-    def collect(self) -> Iterator[Any]:  # noqa: C901 - one family after another
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         if self.metrics is not None:

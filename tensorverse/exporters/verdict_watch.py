@@ -36,11 +36,11 @@ class VerdictSnapshot:
 
 
 class VerdictWatch:
-    def __init__(self, store: Any, policy: VerdictPolicy = VerdictPolicy(), refresh_s: float = 60.0,
+    def __init__(self, store: Any, policy: VerdictPolicy | None = None, refresh_s: float = 60.0,
                  backends: Mapping[str, str] | None = None) -> None:
         self.store = store
         self.backends = dict(backends or {})  # the configured shadows: judged from their first turn
-        self.policy = policy
+        self.policy = policy if policy is not None else VerdictPolicy()
         self.refresh_s = float(refresh_s)
         self._lock = threading.Lock()
         self._busy = threading.Lock()

@@ -85,9 +85,9 @@ def marginals(cube: Hypercube, *, replicates: int = REPLICATES, seed: int = SEED
         rate = cluster_bootstrap(k, n, replicates=replicates, seed=seed)
 
         def vs(other: str | None) -> Interval | None:
-            if other is None or other == s.name:
+            if other is None or other == s.name:  # noqa: B023 - called in this iteration
                 return None
-            d, nn = paired_clusters(cube, s.name, other)
+            d, nn = paired_clusters(cube, s.name, other)  # noqa: B023 - called in this iteration
             return cluster_bootstrap(d, nn, replicates=replicates, seed=seed)
 
         out.append(Marginal(setting=s.name, axis=s.axis, rigs=rigs, positions=positions, flips=flips,

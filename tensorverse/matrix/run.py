@@ -155,7 +155,7 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                     free = None
                     if "free" in modes or req.basis is None:
                         t = TurnInput.from_dict(rec)
-                        free = await with_retries(lambda: runner.run_free(t, backend), spec.replay.retries, 0.5)
+                        free = await with_retries(lambda: runner.run_free(t, backend), spec.replay.retries, 0.5)  # noqa: B023 - called in this iteration
                         ent["free"] = _entry(free)
                     if req.basis is None:
                         tokens = list(free.get("token_ids") or []) if free and free.get("status") == "ok" \
@@ -164,10 +164,10 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                         tokens = list(req.basis[case["id"]][str(turn["index"])])
                     tf = TurnInput.from_dict(dict(rec, output_token_ids=tokens))
                     if batch:
-                        forced = await with_retries(lambda: forced_in_batch(runner, backend, tf, int(batch)),
+                        forced = await with_retries(lambda: forced_in_batch(runner, backend, tf, int(batch)),  # noqa: B023 - called in this iteration
                                                     spec.replay.retries, 0.5)
                     else:
-                        forced = await with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries, 0.5)
+                        forced = await with_retries(lambda: runner.run_forced(tf, backend), spec.replay.retries, 0.5)  # noqa: B023 - called in this iteration
                     ent["forced"] = _entry(forced, tokens)
                     per[str(turn["index"])] = ent
                 index[case["id"]] = per

@@ -201,7 +201,7 @@ class ProxyCore:
         for a in reversed(self.addons):
             try:
                 await a.stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("addon %s failed to stop", a.name)
         if self._client is not None:
             await self._client.close()

@@ -605,7 +605,7 @@ class _Connection(asyncio.Protocol):
         except ConnectionResetError:
             self._abort()
             return None
-        except Exception:  # noqa: BLE001 - one bad request never stops the server
+        except Exception:
             log.exception("%s %s: the handler failed", req.method, req.raw_path)
             if self.gone() or self.responding:  # a response began: cut it, never append a second
                 self._abort()

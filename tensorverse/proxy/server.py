@@ -157,7 +157,7 @@ class Proxy:
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, c.admin.host, c.admin.port)
             await site.start()
-            server = site._server  # noqa: SLF001
+            server = site._server
             self.admin_port = server.sockets[0].getsockname()[1] if server and server.sockets else c.admin.port
         if c.admin.resolved_token() is None:
             log.info("admin token not set: the capture ingest endpoint is disabled")

@@ -279,7 +279,7 @@ class Sessions(Addon):
     def _submit(self, call: Callable[[], Any]) -> Any:
         try:
             return call()
-        except Exception:  # noqa: BLE001 - a closed or broken store never breaks proxying
+        except Exception:
             self.counters["store_errors"] += 1
             log.exception("store write refused")
             return None

@@ -160,7 +160,7 @@ class ShadowTee(Addon):
         if close is not None:
             try:
                 await close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("shadow runner failed to close")
 
     async def drain(self, timeout: float = 30.0) -> bool:
@@ -203,7 +203,7 @@ class ShadowTee(Addon):
                 await self._process(turn, fut)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a worker never dies
+            except Exception:
                 log.exception("shadow tee: turn %s failed", turn.get("id"))
             finally:
                 self._queue.task_done()
@@ -229,7 +229,7 @@ class ShadowTee(Addon):
                 if self.metrics is not None and isinstance(results, list):
                     try:  # the comparisons, stored by now
                         self.metrics.observe_comparisons(r for r in results if isinstance(r, dict))
-                    except Exception:  # noqa: BLE001 - metrics never break shadowing
+                    except Exception:
                         log.exception("shadow tee: metrics of turn %s", turn.get("id"))
         self.counters["turns_done"] += 1
 
@@ -246,7 +246,7 @@ class ShadowTee(Addon):
                 if self.metrics is not None and isinstance(runs, list):
                     try:
                         self.metrics.observe_runs(r for r in runs if isinstance(r, dict))
-                    except Exception:  # noqa: BLE001 - metrics never break shadowing
+                    except Exception:
                         log.exception("shadow tee: metrics of %s runs", b.name)
             except asyncio.TimeoutError:
                 c["timed_out"] += 1

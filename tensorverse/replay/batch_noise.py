@@ -185,7 +185,7 @@ async def probe_noise(store: Any, turns: Sequence[ProbeTurn], opts: NoiseOptions
     """Run the probe (see the module docstring); return the results dict."""
     import aiohttp
 
-    from tensorverse.matrix.compare import forced_turn
+    from tensorverse.replay.entries import forced_turn
     from tensorverse.replay.report import summarize_backend
     from tensorverse.shadow.compare import load_rows
     from tensorverse.shadow.runner import ShadowRunner

@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from tensorverse.matrix.executor import ExecutorOptions, ExecutorUnavailable, RAY_MISSING
-from tensorverse.matrix.transfer import pack_dir, unpack_dir
+from tensorverse.cluster.options import RAY_MISSING, ExecutorOptions, ExecutorUnavailable
+from tensorverse.cluster.transfer import pack_dir, unpack_dir
 
 __all__ = ["run_replay_on_ray", "replay_task"]
 

@@ -139,7 +139,7 @@ class _Replay:
         (the shadow runner then fetches them itself)."""
         from tensorverse.shadow.client import BackendError
 
-        client = self.runner._client(backend)  # noqa: SLF001 - the runner's pooled client
+        client = self.runner._client(backend)
         sem = asyncio.Semaphore(8)
 
         async def fetch(tid: int) -> str:

@@ -15,11 +15,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction, *,
+             default_model: Callable[[Callable[[str], None]], Path] | None = None) -> None:
+    """``tensorverse rig run|suites``; ``default_model`` gives the model when ``--model`` is not
+    given (the composition root, :mod:`tensorverse.cli`, passes the demo model's build)."""
     p = sub.add_parser("rig", help="run the standard suite on this rig and write a results bundle (docs/rigs.md)",
                        description="Run a standard suite (settings x corpus, forced against the corpus's "
                        "recorded tokens) on this machine's vLLM and write one results bundle to send "
@@ -38,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--label", default=None, help="how the rig is shown (default: its GPU or CPU model)")
     r.add_argument("--no-noise", action="store_true", help="skip the same-config noise point (no 'noise' class)")
     r.add_argument("--json", action="store_true", help="print the summaries as one JSON object")
-    r.set_defaults(func=_run)
+    r.set_defaults(func=lambda a: _run(a, default_model))
     s = acts.add_parser("suites", help="list the suites with their settings and corpora")
     s.set_defaults(func=_suites)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
@@ -58,7 +62,7 @@ def _suites(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, default_model: Callable[[Callable[[str], None]], Path] | None = None) -> int:
     from tensorverse.bundle.format import missing_packages
     from tensorverse.rig.run import RigRunError, RigRunOptions, rig_run
     from tensorverse.rig.suite import suite
@@ -71,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         su = suite(args.suite)
         names = [x.strip() for x in args.settings.split(",") if x.strip()] if args.settings else None
         opts = RigRunOptions(out=args.out, suite=su, settings=names, work=args.work, model_dir=args.model,
+                             default_model=default_model,
                              label=args.label, noise=not args.no_noise)
         res = rig_run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (KeyError, RigRunError) as e:

@@ -45,7 +45,10 @@ class RigRunOptions:
     suite: Suite
     settings: Sequence[str] | None = None  # a subset (the reference is always run)
     work: Path | None = None  # cached point runs (default: OUT.work)
-    model_dir: Path | None = None  # default: the shipped demo model
+    model_dir: Path | None = None  # default: default_model's
+    # where the model comes from without model_dir (``tensorverse rig run``: the demo model, wired
+    # by tensorverse/cli.py; rig imports no demo): called with a log function, returns a directory
+    default_model: Callable[[Callable[[str], None]], Path] | None = None
     label: str | None = None
     noise: bool = True
     ready_timeout_s: float = 900.0
@@ -109,7 +112,7 @@ def _tail(text: str | None, lines: int = 12) -> str | None:
 
 def _free_row(setting: str, cid: str, turn: int, rec_tokens: list[int], rec_text: str,
               run: dict[str, Any] | None) -> dict[str, Any]:
-    from tensorverse.matrix.compare import free_turn
+    from tensorverse.replay.entries import free_turn
 
     f = free_turn(rec_tokens, rec_text, run, "recorded")
     if f is None or f.get("status") != "ok":
@@ -126,10 +129,10 @@ def _model(opts: RigRunOptions, corpus: Any, log: Callable[[str], None]) -> Path
 
     if opts.model_dir is not None:
         mdir = Path(opts.model_dir)
+    elif opts.default_model is not None:
+        mdir = Path(opts.default_model(lambda m: log("  " + m)))
     else:
-        from tensorverse.demo import model as demo_model
-
-        mdir = demo_model.build(log=lambda m: log("  " + m))
+        raise RigRunError("no model: give its directory (--model DIR)")
     want = corpus.model["content_hash"]
     log(f"hashing the weights of {mdir} ...")
     try:

@@ -6,9 +6,10 @@
         s.wait_ready(600)
         ... s.url ...   # http://127.0.0.1:PORT/v1
 
-Each server is ``python -m vllm.entrypoints.openai.api_server`` in its own process group (so
-``stop()`` reaches the engine-core and worker processes too), on a free loopback port, with its
-output in ``log_path``. The environment keeps several servers on a 2-core machine from fighting:
+Each server is started by the project's one launcher (:mod:`tensorverse.matrix.launcher`, which
+``tensorverse matrix`` and ``rig run`` use too): ``python -m vllm.entrypoints.openai.api_server``
+in its own process group (so ``stop()`` reaches the engine-core and worker processes too), on a
+free loopback port, with its output in ``log_path``. The environment keeps several servers on a 2-core machine from fighting:
 
 * ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=1``: vLLM's default ("auto") pins
   every server's worker to the same core (core 0; it reserves the last core for the engine
@@ -34,20 +35,18 @@ started it ends.
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tensorverse.matrix.launcher import Launch, ServerProcess, StartError, build_env, group_pids
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = 8
@@ -82,12 +81,6 @@ def _log_dir() -> Path:
     return p
 
 
-# The product's launcher (tensorverse matrix) starts servers the same way: one implementation.
-from tensorverse.matrix.launcher import group_pids as _pgroup_pids  # noqa: E402
-from tensorverse.matrix.launcher import reap_group  # noqa: E402
-from tensorverse.matrix.launcher import set_pdeathsig as _set_pdeathsig  # noqa: E402
-from tensorverse.ports import free_port  # noqa: E402
-
 
 def _mem_kib(pid: int, key: str) -> int:
     src = "smaps_rollup" if key == "Pss" else "status"
@@ -110,13 +103,13 @@ def stop_many(servers, grace: float = 8.0) -> None:
     for s in servers:
         try:
             s._terminate()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort
             pass
     deadline = time.monotonic() + grace
     for s in servers:
         try:
             s._reap(deadline)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort
             pass
 
 
@@ -128,8 +121,35 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
+def parse_options(argv: Sequence[str]) -> dict[str, Any]:
+    """vLLM command-line options as launcher settings: ``--x v`` -> ``{"--x": "v"}``, ``--x=v``
+    likewise, ``--flag`` -> ``True``, ``--x a b`` -> ``["a", "b"]``. Tokens before the first
+    option are refused."""
+    out: dict[str, Any] = {}
+    key: str | None = None
+    for tok in argv:
+        tok = str(tok)
+        if tok.startswith("--"):
+            name, eq, val = tok.partition("=")
+            key = name
+            out[key] = val if eq else True
+        elif key is None:
+            raise ValueError(f"vLLM argument {tok!r} before any --option")
+        elif out[key] is True:
+            out[key] = tok
+        elif isinstance(out[key], list):
+            out[key].append(tok)
+        else:
+            out[key] = [out[key], tok]
+    return out
+
+
 class VLLMServer:
-    """One ``vllm.entrypoints.openai.api_server`` process group."""
+    """One ``vllm.entrypoints.openai.api_server`` process group, started by the project's one
+    launcher (:class:`tensorverse.matrix.launcher.ServerProcess`: the command line, the
+    environment, readiness and stopping): this class only says what the rig's servers run with
+    (the options and environment above), so a rig server and a matrix point with the same settings
+    start with the same argv."""
 
     def __init__(
         self,
@@ -137,7 +157,7 @@ class VLLMServer:
         model_dir: str | os.PathLike,
         dtype: str,
         extra_args: tuple[str, ...] | list[str] = (),
-        env: dict[str, str | None] | None = None,
+        env: Mapping[str, str | None] | None = None,
         *,
         served_model_name: str | None = None,
         port: int | None = None,
@@ -154,7 +174,6 @@ class VLLMServer:
         self.extra_args = tuple(extra_args)
         self.extra_env = dict(env or {})
         self.model = served_model_name or self.model_dir.name
-        self.port = port or free_port()
         self.host = "127.0.0.1"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -162,11 +181,32 @@ class VLLMServer:
         self.kv_cache_bytes = kv_cache_bytes
         self.python = python or sys.executable
         self.log_path = Path(log_dir or _log_dir()) / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-        self.started_at: float | None = None
+        self._server = ServerProcess(self._launch(), port=port)
         self.ready_after_s: float | None = None
 
+    # -- what the server runs with ----------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The launcher's settings: options (sorted by name, as a matrix point's) then the
+        environment (``BASE_ENV`` and this server's variables; None removes one)."""
+        opts: dict[str, Any] = {"--dtype": self.dtype, "--max-model-len": self.max_model_len, "--max-logprobs": -1,
+                                "--max-num-seqs": self.max_num_seqs, "--seed": 0}
+        if self.enforce_eager:
+            opts["--enforce-eager"] = True
+        if self.kv_cache_bytes is not None:
+            opts["--kv-cache-memory-bytes"] = self.kv_cache_bytes
+        opts.update(parse_options(self.extra_args))
+        env = {**BASE_ENV, **{k: ("" if v is None else v) for k, v in self.extra_env.items()}}
+        return {**dict(sorted(opts.items())), **env}
+
+    def _launch(self) -> Launch:
+        return Launch(model=str(self.model_dir), served_name=self.model, settings=self.settings(),
+                      log_path=self.log_path, python=self.python)
+
     # -- addresses -------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._server.port
+
     @property
     def base(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -176,102 +216,43 @@ class VLLMServer:
         """OpenAI base URL (``.../v1``)."""
         return self.base + "/v1"
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self._server.proc
+
+    @property
+    def started_at(self) -> float | None:
+        return self._server.started_at
+
     def command(self) -> list[str]:
-        cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--served-model-name", self.model,
-            "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
-            "--max-logprobs", "-1",
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--seed", "0",
-            "--host", self.host,
-            "--port", str(self.port),
-        ]  # fmt: skip
-        if self.enforce_eager:
-            cmd.append("--enforce-eager")
-        if self.kv_cache_bytes is not None:
-            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
-        return cmd + list(self.extra_args)
+        self._server.launch = self._launch()
+        return self._server.command()
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.kv_cache_bytes is not None:
-            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-        env.update(BASE_ENV)
-        for k, v in self.extra_env.items():  # a value of None removes the variable
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = v
-        return env
+        return build_env(self.settings(), None)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "VLLMServer":
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running():
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"$ {' '.join(self.command())}\n".encode())
-        log.flush()
-        in_main = threading.current_thread() is threading.main_thread()
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.environment(),
-            start_new_session=True,  # own process group: stop() reaches engine + workers
-            preexec_fn=_set_pdeathsig if in_main else None,
-        )
-        log.close()
-        self.started_at = time.monotonic()
+        self._server.launch = self._launch()  # extra_env may have changed since construction
+        self._server.start()
         _live.add(self)
         return self
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, b""
-        except (urllib.error.URLError, OSError):
-            return 0, b""
+        return self._server.running()
 
     def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT) -> "VLLMServer":
-        """Poll ``/health`` then ``/v1/models``; raise with the log tail if the process exits."""
+        """Poll ``/health`` then ``/v1/models``; raise with the log tail if the process exits
+        first or ``timeout`` passes (the server is then stopped)."""
         if self.proc is None:
             raise RigError(f"{self.name}: not started")
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                raise RigError(
-                    f"vLLM server {self.name!r} exited with {rc} before it was ready; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            status, _ = self._get("/health")
-            if status == 200:
-                status, body = self._get("/v1/models")
-                if status == 200:
-                    try:
-                        ids = [m["id"] for m in json.loads(body)["data"]]
-                    except (ValueError, KeyError, TypeError):
-                        ids = []
-                    if self.model in ids:
-                        self.ready_after_s = time.monotonic() - (self.started_at or 0)
-                        return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RigError(
-                    f"vLLM server {self.name!r} not ready after {timeout:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(1.0)
+        try:
+            self.ready_after_s = self._server.wait_ready(timeout)
+        except StartError as e:
+            raise RigError(f"vLLM server {self.name!r}: {e}; log {self.log_path}:\n{e.log_tail}") from None
+        return self
 
     def stop(self, grace: float = 8.0) -> None:
         """SIGTERM the process group, SIGKILL whatever is left after ``grace`` seconds."""
@@ -279,17 +260,10 @@ class VLLMServer:
         self._reap(time.monotonic() + grace)
 
     def _terminate(self) -> None:
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        self._server.terminate()
 
     def _reap(self, deadline: float) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        reap_group(proc, deadline)
+        self._server.reap(deadline)
         _live.discard(self)
 
     def __enter__(self) -> "VLLMServer":
@@ -300,19 +274,12 @@ class VLLMServer:
         self.stop()
 
     # -- diagnostics -----------------------------------------------------------------------
-    _NOISE = ("GET /health", "GET /v1/models", "[launcher.py:195] Route:")
-
     def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the log, without health polls and the route listing."""
-        try:
-            data = self.log_path.read_bytes()[-256 * 1024 :]
-        except OSError:
-            return "(no log)"
-        text = data.decode("utf-8", "replace").splitlines()
-        return "\n".join([ln for ln in text if not any(n in ln for n in self._NOISE)][-lines:])
+        return self._server.log_tail(lines)
 
     def pids(self) -> list[int]:
-        return _pgroup_pids(self.proc.pid) if self.proc is not None else []
+        return group_pids(self.proc.pid) if self.proc is not None else []
 
     def memory(self) -> dict[str, int]:
         """RSS and PSS (bytes) summed over the server's processes (PSS splits shared pages)."""

@@ -165,7 +165,7 @@ class Writer:
                     return
                 self._refuse(live[0][1])
                 return
-            except Exception as exc:  # a bad operation: isolate it from the rest of the batch
+            except Exception as exc:  # noqa: BLE001 - a bad operation: isolate it from the rest of the batch
                 if self._is_disk_full(exc):
                     for _, fut in live:
                         self._refuse_disk_full(fut, exc)
@@ -191,7 +191,7 @@ class Writer:
                     continue
                 self._refuse(fut)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - best effort
                 if self._is_disk_full(exc):
                     self._refuse_disk_full(fut, exc)
                 else:

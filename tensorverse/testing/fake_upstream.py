@@ -121,7 +121,7 @@ class FakeUpstream:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port, backlog=1024)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
 
     async def close(self) -> None:

@@ -50,7 +50,7 @@ def row_with(a: float, b: float, dtype=np.float32) -> np.ndarray:
     return r
 
 
-def forced_class(ref_row: np.ndarray, rule: TieRule = TieRule(), noise=None) -> FlipClass:
+def forced_class(ref_row: np.ndarray, rule: TieRule = TieRule(), noise=None) -> FlipClass:  # noqa: B008 - frozen
     """Classify the flip of a candidate that prefers token 7 over the reference's top-1."""
     ref = ref_row.reshape(1, -1)
     r1 = np.argmax(ref.astype(np.float64) if ref.dtype != np.uint16 else
@@ -304,7 +304,7 @@ def test_analyze_classes_every_flip(tmp_path):
     assert "Flips by class: tie 1, near_tie 1, noise 0, parser 0, runtime 2" in r.stdout
 
 
-# --------------------------------------------------------------------------- edges (docs/mutants.md)
+# --------------------------------------------------------------------------- edges: refused inputs, every record's fields
 
 
 def test_rule_validation_and_records():

@@ -115,7 +115,7 @@ def test_first_difference(a, b, want):
     assert first_difference(b, a) == want
 
 
-# --------------------------------------------------------------------------- make mutants (issue 27)
+# --------------------------------------------------------------------------- records, token checks and dtypes exactly
 
 
 def test_free_divergence_records_every_field_on_each_path():

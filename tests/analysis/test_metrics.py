@@ -430,9 +430,9 @@ def test_widen_bf16_is_exact_and_leaves_other_rows_alone():
     assert widen_bf16(x) is x
 
 
-# --------------------------------------------------------------------------- mutation-testing gaps
-# (issue 27: each test below kills mutants of metrics.py that survived the suite above; expected
-# values come from the longdouble reference `ref_row`, plain Python loops or the definitions.)
+# --------------------------------------------------------------------------- dtypes, messages, edge rows, summaries
+# (each test below checks values, dtypes or messages exactly; expected values come from the
+# longdouble reference `ref_row`, plain Python loops or the definitions.)
 
 
 def test_second_max_next_to_the_top1_inside_a_tile(monkeypatch):

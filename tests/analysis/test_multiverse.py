@@ -159,7 +159,7 @@ def test_round_trip_and_invariants(branches):
 
 
 # ------------------------------------------------------------------------------------------
-# Exact trees, records and messages (issue 27, mutation testing)
+# Exact trees, records and messages
 # ------------------------------------------------------------------------------------------
 
 # p and s agree, q goes on past them, r stops after the first token:

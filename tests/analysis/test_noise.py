@@ -123,7 +123,7 @@ def test_compare_kl_means():
     assert compare_kl_means(rng.exponential(1e-4, 500), sec).verdict == WITHIN_NOISE
 
 
-# --- exact checks of each rule (the survivors of the mutation run, docs/mutants.md) ---------
+# --- exact checks of each rule: refusals and messages, the method, p-values, every field ----------
 
 def _msg(text: str) -> str:
     return "^" + re.escape(text) + "$"

@@ -188,9 +188,9 @@ def test_regions_do_not_depend_on_tokenization(pieces):
 
 
 # ------------------------------------------------------------------------------------------
-# Exact labels of every character (issue 27, mutation testing). Each case is written as
-# (segment, region) pairs labelled by hand from the rules in the module docstring; the text is
-# their concatenation and the expected label of every character is its segment's.
+# Exact labels of every character. Each case is written as (segment, region) pairs labelled by
+# hand from the rules in the module docstring; the text is their concatenation and the expected
+# label of every character is its segment's.
 # ------------------------------------------------------------------------------------------
 
 S, A, N, C, T = "tool_syntax", "tool_args", "tool_name", "content", "thinking"

@@ -1,5 +1,5 @@
 """`tensorverse.analysis.report` in-process: the result fields, the table exactly, the loaders
-and the CLI entry (issue 27, mutation testing; `test_analyze_cli.py` runs it as a subprocess)."""
+and the CLI entry (`test_analyze_cli.py` runs it as a subprocess)."""
 
 from __future__ import annotations
 

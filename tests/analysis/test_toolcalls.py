@@ -390,9 +390,9 @@ def test_exact_assignment_matches_enumeration(cost):
     assert len(exact) == min(n, m) and total(exact) == total(_assign(cost, n, m))
 
 
-# ------------------------------------------------------------------------------ mutation-testing gaps
-# (issue 27: each test below kills mutants of toolcalls.py that survived the suite above; the
-# expected records are written out from the module's documented format.)
+# ------------------------------------------------------------------------------ exact records and details
+# (each test below checks a record, a difference or a detail exactly; the expected records are
+# written out from the module's documented format.)
 
 
 def test_extraction_record_exactly():

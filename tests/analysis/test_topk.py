@@ -129,7 +129,7 @@ def test_length_mismatch_and_empty():
         topk_position_metrics([{}], [{1: -0.1}], [1])
 
 
-# --- exact checks of each rule (the survivors of the mutation run, docs/mutants.md) ---------
+# --- exact checks of each rule: parse errors, KL and entropy tails, margins, ranks, dtypes --------
 
 
 def _msg(text: str) -> str:

@@ -79,7 +79,7 @@ async def _with_relay(fault, fn, *, status: int = 200):
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+    port = site._server.sockets[0].getsockname()[1]
     try:
         return await fn(f"http://127.0.0.1:{port}"), up
     finally:

@@ -32,7 +32,7 @@ RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS",
                                   Path(__file__).resolve().parents[2] / "out" / "reliability"))
 
 
-def refused(path: Path, corpora, limits: Limits = DEFAULT_LIMITS) -> BundleRefused:  # noqa: F811
+def refused(path: Path, corpora, limits: Limits = DEFAULT_LIMITS) -> BundleRefused:
     with pytest.raises(BundleRefused) as e:
         check_bundle(str(path), corpora, limits)
     assert e.value.reason in REASONS
@@ -64,14 +64,14 @@ def _with(good: Path, tmp: Path, replace: dict[str, tuple[tarfile.TarInfo, bytes
 
 
 @pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "a/b", "./manifest.json", "positions.parquet/"])
-def test_member_with_a_path_is_unsafe(good, tmp_path, corpora, name):  # noqa: F811
+def test_member_with_a_path_is_unsafe(good, tmp_path, corpora, name):
     p = _with(good, tmp_path, {PROVENANCE: _reg(name, b"{}\n")})
     e = refused(p, corpora)
     assert e.reason == "unsafe_member" and "is not one of" in e.detail, e.detail
 
 
 @pytest.mark.parametrize("kind,target", [(tarfile.SYMTYPE, "/etc/passwd"), (tarfile.LNKTYPE, MANIFEST)])
-def test_link_member_is_unsafe(good, tmp_path, corpora, kind, target):  # noqa: F811
+def test_link_member_is_unsafe(good, tmp_path, corpora, kind, target):
     ti = tarfile.TarInfo(POSITIONS)
     ti.type, ti.linkname = kind, target
     p = _with(good, tmp_path, {POSITIONS: (ti, None)})
@@ -79,7 +79,7 @@ def test_link_member_is_unsafe(good, tmp_path, corpora, kind, target):  # noqa: 
     assert e.reason == "unsafe_member" and "is not a regular file" in e.detail, e.detail
 
 
-def test_directory_member_is_unsafe(good, tmp_path, corpora):  # noqa: F811
+def test_directory_member_is_unsafe(good, tmp_path, corpora):
     ti = tarfile.TarInfo(FREE)
     ti.type = tarfile.DIRTYPE
     e = refused(_with(good, tmp_path, {FREE: (ti, None)}), corpora)
@@ -87,7 +87,7 @@ def test_directory_member_is_unsafe(good, tmp_path, corpora):  # noqa: F811
 
 
 @pytest.mark.parametrize("kind", [tarfile.CHRTYPE, tarfile.FIFOTYPE])
-def test_device_and_fifo_members_are_unsafe(good, tmp_path, corpora, kind):  # noqa: F811
+def test_device_and_fifo_members_are_unsafe(good, tmp_path, corpora, kind):
     ti = tarfile.TarInfo(SUMMARIES)
     ti.type = kind
     assert refused(_with(good, tmp_path, {SUMMARIES: (ti, None)}), corpora).reason == "unsafe_member"
@@ -117,12 +117,12 @@ def _tar_of(good: Path, tmp: Path, fmt: int, **change) -> Path:
     (tarfile.PAX_FORMAT, {"pax_headers": {"size": str(10**15)}}, "unreadable", ""),  # seeks past any file
     (tarfile.PAX_FORMAT, {"pax_headers": {"size": str(10**6)}}, "unreadable", ""),  # past the end of this one
 ])
-def test_hostile_tar_headers(good, tmp_path, corpora, fmt, change, reason, said):  # noqa: F811
+def test_hostile_tar_headers(good, tmp_path, corpora, fmt, change, reason, said):
     e = refused(_tar_of(good, tmp_path, fmt, member=PROVENANCE, **change), corpora)
     assert e.reason == reason and said in e.detail, e.detail
 
 
-def test_duplicate_member_is_unsafe(good, tmp_path, corpora):  # noqa: F811
+def test_duplicate_member_is_unsafe(good, tmp_path, corpora):
     ms = dict(members_of(good))
     p = write_tar(tmp_path / "dup.tvbundle", [(MANIFEST, ms[MANIFEST]), (POSITIONS, ms[POSITIONS]),
                                               (POSITIONS, ms[POSITIONS]), (FREE, ms[FREE]),
@@ -131,18 +131,18 @@ def test_duplicate_member_is_unsafe(good, tmp_path, corpora):  # noqa: F811
     assert e.reason == "unsafe_member" and e.detail == "member 'positions.parquet' appears twice", e.detail
 
 
-def test_extra_unknown_member_is_unsafe(good, tmp_path, corpora):  # noqa: F811
+def test_extra_unknown_member_is_unsafe(good, tmp_path, corpora):
     e = refused(_with(good, tmp_path, extra=[_reg("README.txt", b"hello\n")]), corpora)
     assert e.reason == "unsafe_member" and e.detail == f"more than {len(MEMBERS)} members", e.detail
 
 
-def test_missing_member(good, tmp_path, corpora):  # noqa: F811
+def test_missing_member(good, tmp_path, corpora):
     p = write_tar(tmp_path / "four.tvbundle", [m for m in members_of(good) if m[0] != FREE])
     e = refused(p, corpora)
     assert e.reason == "missing_member" and e.detail.endswith("has no free.parquet"), e.detail
 
 
-def test_member_over_the_limit_is_too_large_before_it_is_read(good, corpora):  # noqa: F811
+def test_member_over_the_limit_is_too_large_before_it_is_read(good, corpora):
     biggest = max(members_of(good), key=lambda m: len(m[1]))
     e = refused(good, corpora, Limits(member_bytes=len(biggest[1]) - 1))
     assert e.reason == "too_large" and e.detail.startswith(f"member {biggest[0]} is "), e.detail
@@ -152,7 +152,7 @@ def test_member_over_the_limit_is_too_large_before_it_is_read(good, corpora):  #
     assert e.reason == "too_large" and e.detail.startswith("manifest.json is "), e.detail
 
 
-def test_gzip_compressed_tar_is_unreadable(good, tmp_path, corpora):  # noqa: F811
+def test_gzip_compressed_tar_is_unreadable(good, tmp_path, corpora):
     p = tmp_path / "b.tvbundle.gz"
     p.write_bytes(gzip.compress(good.read_bytes()))
     e = refused(p, corpora)
@@ -161,13 +161,13 @@ def test_gzip_compressed_tar_is_unreadable(good, tmp_path, corpora):  # noqa: F8
 
 @pytest.mark.parametrize("data,reason", [(b"", "unreadable"), (b"not a tar at all\n" * 100, "unreadable"),
                                          (b"\0" * 10240, "missing_member")])  # the last: an empty tar
-def test_not_a_tar_is_unreadable(tmp_path, corpora, data, reason):  # noqa: F811
+def test_not_a_tar_is_unreadable(tmp_path, corpora, data, reason):
     p = tmp_path / "x.tvbundle"
     p.write_bytes(data)
     assert refused(p, corpora).reason == reason
 
 
-def test_directory_instead_of_a_file_is_unreadable(tmp_path, corpora):  # noqa: F811
+def test_directory_instead_of_a_file_is_unreadable(tmp_path, corpora):
     e = refused(tmp_path, corpora)
     assert e.reason == "unreadable" and e.detail.endswith("is not a file"), e.detail
 
@@ -209,7 +209,7 @@ def bomb_bundle(tmp_path_factory, good) -> Path:
 
 @pytest.mark.parametrize("limits,said", [(Limits(table_rows=100_000), "has 2000000 rows (limit 100000)"),
                                          (Limits(table_uncompressed_bytes=16 * 1024 * 1024), "decompresses to ")])
-def test_parquet_footer_over_the_limits_is_refused_before_reading(bomb_bundle, corpora, monkeypatch,  # noqa: F811
+def test_parquet_footer_over_the_limits_is_refused_before_reading(bomb_bundle, corpora, monkeypatch,
                                                                   limits, said):
     import pyarrow.parquet as pq
 
@@ -244,7 +244,7 @@ def test_parquet_footer_over_the_limits_is_refused_before_reading(bomb_bundle, c
     (b"\x00" * 64, "schema", "manifest.json is not JSON"),
     (b"[]", "schema", "manifest.json at (top)"),
 ])
-def test_hostile_manifest_json(bundle, corpora, data, reason, said):  # noqa: F811
+def test_hostile_manifest_json(bundle, corpora, data, reason, said):
     rewrite_member(bundle, MANIFEST, data)
     e = refused(bundle, corpora)
     assert e.reason == reason and said in e.detail, e.detail
@@ -253,19 +253,19 @@ def test_hostile_manifest_json(bundle, corpora, data, reason, said):  # noqa: F8
 @pytest.mark.parametrize("member", [SUMMARIES, PROVENANCE])
 @pytest.mark.parametrize("data", [b"\xff", b"[" * 100_000, b'{"x": NaN}', b'{"a": ' * 40 + b"1" + b"}" * 40, b"7",
                                   b'["' + b"x" * 5000 + b'"]'])
-def test_hostile_data_json(bundle, corpora, member, data):  # noqa: F811
+def test_hostile_data_json(bundle, corpora, member, data):
     rewrite_member(bundle, member, data)
     e = refused(bundle, corpora)
     assert e.reason == ("too_large" if b"x" * 5000 in data else "schema"), e
 
 
-def test_ten_thousand_character_rig_label(bundle, corpora):  # noqa: F811
+def test_ten_thousand_character_rig_label(bundle, corpora):
     edit_json(bundle, MANIFEST, lambda m: {**m, "rig": {**m["rig"], "label": "x" * 10_000}})
     e = refused(bundle, corpora)
     assert e.reason == "too_large" and e.detail == "a string of 10000 characters in manifest.json (limit 4096)"
 
 
-def test_fingerprint_nested_deep_is_schema(bundle, corpora):  # noqa: F811
+def test_fingerprint_nested_deep_is_schema(bundle, corpora):
     deep: dict = {}
     for _ in range(200):
         deep = {"x": deep}
@@ -274,7 +274,7 @@ def test_fingerprint_nested_deep_is_schema(bundle, corpora):  # noqa: F811
     assert e.reason == "schema" and "nested more than 32 levels" in e.detail
 
 
-def test_too_many_settings_or_unknown_fields_are_schema(good, tmp_path, corpora):  # noqa: F811
+def test_too_many_settings_or_unknown_fields_are_schema(good, tmp_path, corpora):
     def many(m):
         extra = [{**m["settings"][-1], "name": f"extra{i}"} for i in range(DEFAULT_LIMITS.settings)]
         return {**m, "settings": m["settings"] + extra}
@@ -314,7 +314,7 @@ def _edit_first(setting: str, flip: bool, **change):
     (_edit_first("fp8", True, topk_logits=[1.0, 2.0, 3.0, 4.0, 5.0]), "descending"),
     (_edit_first("fp8", False, top1=-3), "top1 -3"),
 ])
-def test_absurd_position_values_are_impossible(bundle, corpora, fn, said):  # noqa: F811
+def test_absurd_position_values_are_impossible(bundle, corpora, fn, said):
     edit_rows(bundle, POSITIONS, fn)
     e = refused(bundle, corpora)
     assert e.reason == "impossible_value" and said in e.detail, e.detail
@@ -329,7 +329,7 @@ def test_absurd_position_values_are_impossible(bundle, corpora, fn, said):  # no
     ({"tokens": -1}, "tokens -1"),
     ({"status": "../../x"}, "status '../../x'"),
 ])
-def test_absurd_free_values_are_impossible(bundle, corpora, change, said):  # noqa: F811
+def test_absurd_free_values_are_impossible(bundle, corpora, change, said):
     def fn(rows):
         rows[0].update(change)
         return rows
@@ -339,13 +339,13 @@ def test_absurd_free_values_are_impossible(bundle, corpora, change, said):  # no
     assert e.reason == "impossible_value" and said in e.detail, e.detail
 
 
-def test_table_row_names_must_be_plain(bundle, corpora):  # noqa: F811
+def test_table_row_names_must_be_plain(bundle, corpora):
     edit_rows(bundle, POSITIONS, _edit_first("fp8", False, case="<script>"))
     e = refused(bundle, corpora)
     assert e.reason == "schema" and "is not a plain name" in e.detail
 
 
-def test_table_with_other_columns_is_schema(bundle, corpora):  # noqa: F811
+def test_table_with_other_columns_is_schema(bundle, corpora):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -357,7 +357,7 @@ def test_table_with_other_columns_is_schema(bundle, corpora):  # noqa: F811
 
 
 @pytest.mark.parametrize("data", [b"", b"PAR1", b"PAR1" + b"\0" * 100 + b"PAR1", b"garbage" * 50])
-def test_not_parquet_is_schema(bundle, corpora, data):  # noqa: F811
+def test_not_parquet_is_schema(bundle, corpora, data):
     rewrite_member(bundle, FREE, data)
     e = refused(bundle, corpora)
     assert e.reason == "schema" and "is not a Parquet file" in e.detail, e.detail
@@ -465,7 +465,7 @@ _ops = st.one_of(
 )
 
 
-def test_fuzz_mutated_bundles_are_refused_or_say_the_same(tmp_path_factory, good, corpora):  # noqa: F811
+def test_fuzz_mutated_bundles_are_refused_or_say_the_same(tmp_path_factory, good, corpora):
     tmp = tmp_path_factory.mktemp("fuzz")
     raw = good.read_bytes()
     members = members_of(good)

@@ -302,5 +302,5 @@ def test_http_sink_from_inside_vllm_survives_the_recorder_restarting():
         s.stop()
         try:
             rec.stop()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort
             pass

@@ -7,7 +7,7 @@ import pytest
 from tensorverse.capture.frames import CONTENT_TYPE, Frame
 from tensorverse.capture.sink import HttpSink, MemorySink, SinkError, StoreSink, sink_from_env
 
-from tests.capture._receiver import Recorder  # noqa: E402
+from tests.capture._receiver import Recorder
 
 
 def _frame(i, cid="run-a"):
@@ -88,7 +88,7 @@ def test_http_sink_survives_the_recorder_going_away_and_coming_back():
     finally:
         try:
             rec2.stop()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort
             pass
 
 

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-import vllm  # noqa: E402,F401  (installed by `make setup`)
+import vllm  # noqa: F401  (installed by `make setup`)
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
-from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from tensorverse.capture import optin, runtime  # noqa: E402
-from tensorverse.capture.plugin import CaptureLogitsProcessor  # noqa: E402
-from tensorverse.capture.sink import MemorySink  # noqa: E402
-from tensorverse.capture.tap import Tap  # noqa: E402
-from tensorverse.store.codec import decode_row  # noqa: E402
+from tensorverse.capture import optin, runtime
+from tensorverse.capture.plugin import CaptureLogitsProcessor
+from tensorverse.capture.sink import MemorySink
+from tensorverse.capture.tap import Tap
+from tensorverse.store.codec import decode_row
 
 V = 97
 CPU = torch.device("cpu")

@@ -10,23 +10,23 @@ import numpy as np
 import pytest
 import torch
 
-import vllm  # noqa: E402,F401  (installed by `make setup`)
+import vllm  # noqa: F401  (installed by `make setup`)
 
-import vllm.v1.worker.gpu.buffer_utils as buffer_utils  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.worker.gpu.sample.logits_processor import (  # noqa: E402
+import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+from vllm import SamplingParams
+from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsContext,
     LogitsProcessor,
     build_custom_logits_processors,
 )
-from vllm.v1.worker.gpu.sample.logits_processor import loader as v2_loader  # noqa: E402
+from vllm.v1.worker.gpu.sample.logits_processor import loader as v2_loader
 
-from tensorverse.capture import runtime  # noqa: E402
-from tensorverse.capture.plugin import CaptureLogitsProcessor  # noqa: E402
-from tensorverse.capture.sink import MemorySink  # noqa: E402
-from tensorverse.capture.tap import Tap  # noqa: E402
-from tensorverse.capture.v2 import V2CaptureProcessor  # noqa: E402
-from tensorverse.store.codec import decode_row  # noqa: E402
+from tensorverse.capture import runtime
+from tensorverse.capture.plugin import CaptureLogitsProcessor
+from tensorverse.capture.sink import MemorySink
+from tensorverse.capture.tap import Tap
+from tensorverse.capture.v2 import V2CaptureProcessor
+from tensorverse.store.codec import decode_row
 
 V = 89
 PROMPT = [1, 2, 3, 4, 5]

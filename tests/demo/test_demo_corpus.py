@@ -233,7 +233,7 @@ def _backend(role, flips, regions, diverged, verdicts, n=100, turns=4):
 
 
 def test_fp8_kv_verdict_against_the_noise_floor():
-    from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, format_summary, shadow_verdict
+    from tensorverse.demo.run import DEFAULT_RUNTIMES, RUNTIMES, format_summary, shadow_departures
 
     assert DEFAULT_RUNTIMES[0] == "fp8_kv" and "secondary" in DEFAULT_RUNTIMES
     fp8 = RUNTIMES["fp8_kv"]
@@ -250,12 +250,12 @@ def test_fp8_kv_verdict_against_the_noise_floor():
                                          {"match": 3, "value_mismatch": 1}),
                       "secondary": _backend("secondary", 1, {"content": 1}, 1, {"match": 4})},
          "first_flip_by_backend": {"fp8_kv": first}, "broken_tool_call_by_backend": {"fp8_kv": broken}}
-    v = shadow_verdict(s, "fp8_kv")
+    v = shadow_departures(s, "fp8_kv")
     assert (v.flips, v.floor_flips, v.excess_flips) == (5, 1, 4)
     assert (v.diverged_turns, v.excess_diverged_turns) == (2, 1)
     assert (v.broken_tool_calls, v.floor_broken_tool_calls, v.excess_broken_tool_calls) == (1, 0, 1)
     assert v.first_broken_tool_call == broken and v.first_flip == first and v.departs
-    assert shadow_verdict(s, "fp16") is None
+    assert shadow_departures(s, "fp16") is None
     from tensorverse.analysis.verdict import TurnEvidence, VerdictPolicy, decide, verdicts_json
 
     ev = [TurnEvidence(turn_id=f"t{i}", session_id="s", created_ns=i, positions=25, flips=[5, 0, 0, 0][i],
@@ -280,9 +280,9 @@ def test_fp8_kv_verdict_against_the_noise_floor():
     assert text.index("FP8-KV verdict") < text.index("backend    role")
     # as many flips as its own noise floor: within it
     s["backends"]["fp8_kv"] = _backend("shadow", 1, {"content": 1}, 1, {"match": 4})
-    v = shadow_verdict(s, "fp8_kv")
+    v = shadow_departures(s, "fp8_kv")
     assert v.excess_flips == 0 and not v.departs
     # no secondary: no floor, any flip departs
     del s["backends"]["secondary"]
-    v = shadow_verdict(s, "fp8_kv")
+    v = shadow_departures(s, "fp8_kv")
     assert v.floor_backend is None and v.excess_flips is None and v.departs

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 
-from tests.exporters.exporters_support import Pipeline  # noqa: E402
+from tests.exporters.exporters_support import Pipeline
 
-from tensorverse.proxy.loop import LoopThread  # noqa: E402
+from tensorverse.proxy.loop import LoopThread
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ class Prometheus:
             "scrape_configs:\n  - job_name: tensorverse\n"
             f"    static_configs:\n      - targets: ['{target}']\n"
         )
-        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115
+        self.log = open(tmp / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],

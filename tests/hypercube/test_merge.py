@@ -20,7 +20,7 @@ from tensorverse.bundle.summary import summarize
 from tensorverse.hypercube import cli
 from tensorverse.hypercube.merge import MergeError, hardware_of, merge_bundles, totals
 from tensorverse.hypercube.site import site_data
-from tensorverse.hypercube.stats import cluster_bootstrap, marginals, paired_clusters
+from tensorverse.hypercube.stats import marginals, paired_clusters
 from tensorverse.testing.rig_bundles import make_corpus, synth_bundle
 
 SCALES = {"bf16": 0, "bf16_noise": 0.05, "dtype_fp16": 0.15, "kv_fp8e4m3": 0.6, "quant_fp8": 0.4}

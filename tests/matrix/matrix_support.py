@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 
-from tensorverse.rig.models import build_model  # noqa: E402
-from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES  # noqa: E402
+from tensorverse.rig.models import build_model
+from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES
 
 SYSTEM = "You are a network automation agent. Devices: host1, host2. Use the tools."
 ASKS = [

@@ -75,7 +75,7 @@ def test_ddmin_finds_the_one_culprit_in_fewer_calls_than_the_grid():
             calls = []
 
             def oracle(c, culprit=culprit):
-                calls.append(c)
+                calls.append(c)  # noqa: B023 - called in this iteration
                 return culprit in c
 
             r = ddmin(changes, oracle)
@@ -153,7 +153,7 @@ def test_html_heat_map_escapes_and_colours():
 def test_forced_turn_flips_margin_and_kl_on_rows():
     import numpy as np
 
-    from tensorverse.matrix.compare import forced_turn, free_turn
+    from tensorverse.replay.entries import forced_turn, free_turn
 
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(6, 50)).astype(np.float32)
@@ -233,7 +233,7 @@ def test_forced_turn_classes_every_flip():
     """Issue 19: matrix points carry a class per flip (ties judged on the reference's rows)."""
     import numpy as np
 
-    from tensorverse.matrix.compare import forced_turn
+    from tensorverse.replay.entries import forced_turn
 
     ref = np.full((3, 16), -2.0, np.float32)
     ref[:, 4] = 1.0

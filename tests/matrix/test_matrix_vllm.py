@@ -180,7 +180,6 @@ def test_rerun_resumes_from_the_cache(grid, capsys):
 def test_bisect_finds_the_one_setting(grid, capsys):
     """good = the grid's reference; bad differs in three settings, of which only --dtype changes
     numerics. The bisection shares the grid's cache."""
-    rep = grid["report"]
     cand = "dtype=float32,block-size=128"
     res = json.loads((grid["out"] / "replay-results.json").read_text())
     case = next(c["id"] for c in res["cases"] if c["turns"][0]["backends"][cand]["forced"]["flips"])

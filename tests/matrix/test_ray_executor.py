@@ -18,10 +18,10 @@ import pytest
 from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 from tensorverse.matrix.cluster_progress import ClusterProgress, PointState
-from tensorverse.matrix.executor import RAY_MISSING, ExecutorOptions, parse_resources
+from tensorverse.cluster.options import RAY_MISSING, ExecutorOptions, parse_resources
 from tensorverse.matrix.outlock import OutputBusy, output_lock
 from tensorverse.matrix.ray_executor import fits_a_node, point_resources
-from tensorverse.matrix.transfer import install_run_dir, pack_dir, unpack_dir
+from tensorverse.cluster.transfer import install_run_dir, pack_dir, unpack_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -348,7 +348,7 @@ def test_one_shared_assistant_message_is_not_a_tail():
     assert G.continuation(prev2, G.history(dropped, TOOLS)) == G.Match(2, G.TAIL)
 
 
-# -- the rule's edges (found by `make mutants`, docs/mutants.md) ---------------------------------
+# -- the rule's edges: extends, another anchor, compaction, tails; the keys and the text helpers ---
 
 U1 = {"role": "user", "content": "check the uplinks of edge-1"}
 U_OTHER = {"role": "user", "content": "what changed on core-7 last night?"}

@@ -297,7 +297,7 @@ def test_rejected_injection_falls_back_to_the_clients_body(make_proxy, loop, set
 
                 return web.json_response({"error": {"message": "extra fields not permitted: return_token_ids",
                                                     "type": "BadRequestError", "param": None, "code": 400}}, status=400)
-            request._read_bytes = raw  # noqa: SLF001 - let the parent read it again
+            request._read_bytes = raw
             return await super().chat(request)
 
     strict = loop.run(Strict().start())

@@ -16,7 +16,9 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_the_proxy_prunes_old_sessions_and_says_so(fake, make_proxy, settle):
-    proxy = make_proxy(fake.url, retention={"max_age": "30d", "interval_s": 0.2})
+    # the keeper's pass every 2 s, not faster: a pass between fill_store's session and its turns
+    # (a loaded machine) would prune the session first and refuse the turns
+    proxy = make_proxy(fake.url, retention={"max_age": "30d", "interval_s": 2.0})
     fill_store(proxy.store, turns=5)  # a session from 2023: past max_age
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})

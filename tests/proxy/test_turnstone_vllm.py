@@ -25,7 +25,8 @@ import aiohttp
 import pytest
 
 from tensorverse.rig.models import build_model
-from tensorverse.rig.servers import VLLMServer, free_port, start_many, stop_many
+from tensorverse.ports import free_port
+from tensorverse.rig.servers import VLLMServer, start_many, stop_many
 from tensorverse.viz.server import create_app
 from tests.turnstone_kit import turnstone
 from tests.turnstone_kit.hop import Exchange, RecordingHop
@@ -118,7 +119,7 @@ def _check_sessions(proxy, loop, conversations: int, system_of, *, chat: bool = 
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{base}/api/sessions") as r:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 
-from tests.reliability import harness as H  # noqa: E402
+from tests.reliability import harness as H
 
 
 @pytest.fixture

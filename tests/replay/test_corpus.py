@@ -13,7 +13,7 @@ from tensorverse.cli import main as cli_main
 from tensorverse.replay.corpus import CorpusError, load_corpus, schema, write_corpus
 from tensorverse.store import Store
 
-from tensorverse.rig.models import tokenizer_dir  # noqa: E402
+from tensorverse.rig.models import tokenizer_dir
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_cli", "description": "Run a show command on a device.",

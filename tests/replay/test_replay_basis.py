@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from tests.replay.test_replay_runner import N, _replay, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.replay.test_replay_runner import N, _replay, greedy, make_case  # type: ignore[import-not-found]
 
-from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
+from tensorverse.replay.corpus import load_corpus, write_corpus
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
 

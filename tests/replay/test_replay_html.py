@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from tests.replay.test_replay_runner import corpus_dir, _replay  # type: ignore[import-not-found]  # noqa: E402,F401
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.replay.test_replay_runner import corpus_dir, _replay  # type: ignore[import-not-found]  # noqa: F401
 
-from tensorverse.cli import main as cli_main  # noqa: E402
-from tensorverse.replay.html import case_page_name, diverging  # noqa: E402
+from tensorverse.cli import main as cli_main
+from tensorverse.replay.html import case_page_name, diverging
 
 CHROMIUM = os.environ.get("TENSORVERSE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -30,7 +30,7 @@ def _data(page: str) -> dict:
 
 
 @pytest.fixture
-def report(corpus_dir, tmp_path):
+def report(corpus_dir, tmp_path):  # noqa: F811 - the imported fixture, used
     """One replay of the 3-case corpus: ``ref`` and ``cand`` (another runtime: flips), kept store."""
     fakes = {"ref": FakeVLLM(), "cand": FakeVLLM(perturb=2.0)}
     out, store, html_dir = tmp_path / "res.json", tmp_path / "store", tmp_path / "report"

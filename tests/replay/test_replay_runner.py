@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
 
-from tensorverse.replay.corpus import load_corpus, write_corpus  # noqa: E402
-from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary  # noqa: E402
+from tensorverse.replay.corpus import load_corpus, write_corpus
+from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary
 from tensorverse.replay.options import ReplayOptions
-from tensorverse.replay.runner import replay, run_replay  # noqa: E402
-from tensorverse.shadow import Backend  # noqa: E402
+from tensorverse.replay.runner import replay, run_replay
+from tensorverse.shadow import Backend
 
 N = 8
 

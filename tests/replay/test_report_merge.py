@@ -9,15 +9,15 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
-from tests.replay.test_replay_runner import _replay, corpus_dir, greedy, make_case  # type: ignore[import-not-found]  # noqa: E402,F401
+from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tests.replay.test_replay_runner import _replay, corpus_dir, greedy, make_case  # type: ignore[import-not-found]  # noqa: F401
 
-from tensorverse.cli import main as cli_main  # noqa: E402
-from tensorverse.replay.corpus import write_corpus  # noqa: E402
+from tensorverse.cli import main as cli_main
+from tensorverse.replay.corpus import write_corpus
 
 
 @pytest.fixture
-def two_rigs(corpus_dir, tmp_path):
+def two_rigs(corpus_dir, tmp_path):  # noqa: F811 - the imported fixture, used
     """Two replays of one corpus: a mild and a strong candidate runtime."""
     paths = []
     for i, perturb in enumerate((0.5, 2.0)):

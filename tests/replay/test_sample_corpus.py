@@ -11,10 +11,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.replay.test_scrub import leaks  # type: ignore[import-not-found]  # noqa: E402
+from tests.replay.test_scrub import leaks  # type: ignore[import-not-found]
 
-from tensorverse.replay.corpus import load_corpus  # noqa: E402
-from tensorverse.replay.sample import DEFAULT_OUT, SENSITIVE, differences, generate, tokenizer_dir  # noqa: E402
+from tensorverse.replay.corpus import load_corpus
+from tensorverse.replay.sample import DEFAULT_OUT, SENSITIVE, differences, generate, tokenizer_dir
 
 SAMPLE = Path(__file__).resolve().parents[2] / "corpus" / "netops-sample"
 

@@ -276,7 +276,7 @@ def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(stor
     assert early["flip_class"] == "runtime" and early["flips_by_class"]["runtime"] == 1
 
 
-# -- from `make mutants` on shadow/compare.py ---------------------------------------------------
+# -- compacted and pruned turns, the rows loaded, the comparison in chunks -------------------------
 
 def test_a_compacted_or_pruned_turn_is_refused_with_its_reason(store, turn_runs):
     import orjson
@@ -334,7 +334,7 @@ def test_chunked_comparison_equals_the_one_chunk_comparison(store, turn_runs, mo
     assert full["kind"] == "full" and len(full["metrics"]["kl"]) == N and full["flips"] == [3]
 
 
-# -- run 3 of `make mutants` on shadow/compare.py: the result fields the survivors of run 2 changed --
+# -- every field of the forced and free results, the refusals, the reference, the noise floor ------
 
 COMPLETE = {"expected": N, "present": N, "complete": True}
 RULE = {"ulps": 1, "nats": 0.0}  # DEFAULT_RULE.as_dict()

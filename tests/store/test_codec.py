@@ -397,7 +397,7 @@ def test_threads():
                 r = rows[i]
                 assert_round_trip(near(r, seed=i), ref=r)
                 assert_round_trip(r)
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001 - pragma: no cover - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -418,7 +418,7 @@ def test_masked_and_constant_rows():
     assert_round_trip(np.full(n, np.nan, np.float32))
 
 
-# -- from `make mutants` on store/codec.py --------------------------------------------------------
+# -- refusals' messages, bfloat16 checksums, float16 and bfloat16 matrices, the entropy estimate --
 
 def test_errors_name_the_blob_when_no_record_is_given():
     from tensorverse.store.codec import CodecError, decode_row

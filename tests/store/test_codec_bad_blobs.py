@@ -5,8 +5,6 @@ meets the one under test: each header bound exactly at its edge, each plane meth
 (raw, zstd, zero, sparse), each check of a ref, and the whole message of every refusal, record
 included. Nothing is built with the codec's own packing code: the header is `struct.pack` of the
 documented fields, the planes are byte i of each little-endian entry, written out.
-
-Written against the survivors of `make mutants` on store/codec.py (docs/mutants.md).
 """
 
 from __future__ import annotations

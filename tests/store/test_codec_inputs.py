@@ -1,11 +1,11 @@
 """The logits codec's encoder: its input checks, its plane-method choices and the compressor cache.
 
-Written against the survivors of mutmut on the encode side of ``tensorverse/store/codec.py``
-(docs/mutants.md): every refused input with its exact message (and the record it names), the
-boundaries of the zstd level and of the dimension count, the inputs it accepts (lists, objects
-with ``__array__``, a numpy dtype named ``bfloat16``), how each byte plane is stored (raw, zstd,
-zero, sparse) at the edges of each rule, when a delta is kept, the header's ref checksum, the zstd
-frames themselves, and the per-thread compressor and decompressor caches.
+Checked value by value on the encode side of ``tensorverse/store/codec.py``: every refused
+input with its exact message (and the record it names), the boundaries of the zstd level and of
+the dimension count, the inputs it accepts (lists, objects with ``__array__``, a numpy dtype named
+``bfloat16``), how each byte plane is stored (raw, zstd, zero, sparse) at the edges of each rule,
+when a delta is kept, the header's ref checksum, the zstd frames themselves, and the per-thread
+compressor and decompressor caches.
 
 Expected values come from the documented blob layout (read with ``struct``), from
 ``blob_info(blob)["planes"]``, and from zstandard itself, never from the codec's own helpers.

@@ -138,7 +138,7 @@ def test_compaction_keeps_evidence_exact_and_compacts_the_rest(store):
                 assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
         twin = rec["runs"][t.run_ids[("twin", "forced")]]
         assert twin["delta"] == twin["full"] and twin["delta_ref"] == ref_id  # bit-identical: all deltas
-        for (backend, mode), rid in t.run_ids.items():
+        for (_backend, mode), rid in t.run_ids.items():
             info = rec["runs"][rid]
             kept = set(info["full"])
             assert info["compact"] == N - len(kept) if mode == "forced" else True
@@ -352,7 +352,7 @@ def test_viewer_says_where_retention_pruned_rows(store):
         compare_turn(store, "t0")
 
 
-# -- from `make mutants` on store/compact.py and store/compaction.py ------------------------------
+# -- exact values: the evidence plan's reasons, the policy, compact rows and compact_turn's record -
 
 def _sample(seed: int, turn: str, n: int, share: float) -> set[int]:
     """The documented sample, computed here: crc32 of "seed:turn:position" under share * 2**32."""
@@ -561,7 +561,7 @@ def test_no_deltas_when_the_policy_says_so_and_deltas_are_not_recompacted(store)
     assert compact_turn(store, "t1", POLICY).why == f"row {twin}@0 is a delta already"
 
 
-# -- issue 27, the second store run: survivors of compact.py and compaction.py -------------------
+# -- the record's reasons by mode, compact rows' dtypes, ties and messages, the plan's edges -------
 
 def test_reasons_of_reads_the_record_by_mode():
     from tensorverse.store.compaction import reasons_of
@@ -708,7 +708,7 @@ def test_plan_kl_ties_on_a_long_column_go_to_the_first_positions():
     assert plan.forced == {p: {"kl"} for p in want}
 
 
-# -- issue 27, the third store run: compact_turn's skips, due_turns' cutoff, compact_store ---------
+# -- compact_turn's skips and rows, due_turns' cutoff, compact_store's report and freed space ------
 
 class _Spy:
     """A store that counts ``note_space_freed``, loses the turns in ``gone`` (``get_turn`` raises
@@ -942,7 +942,7 @@ def test_compact_turn_no_delta_against_a_row_of_another_shape(store):
     assert decode_row(store.read_row("th.cand", 0)).tolist() == list(range(9))
 
 
-# ---- issue 27: compaction's last six survivors
+# -- the top-2 gap, rows that do not decode, free close calls and delta lengths in compact_turn ----
 
 
 def _f16_blob(bits, *, crc_row: int | None = None, planes=None) -> bytes:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -91,4 +90,4 @@ async def start(server: ScriptedChat) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+    return runner, site._server.sockets[0].getsockname()[1]

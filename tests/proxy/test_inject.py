@@ -1,4 +1,16 @@
-"""Direct unit tests of `tensorverse.proxy.inject` (issue 27: mutation testing).
+"""Injection and stripping (`tensorverse.proxy.inject`): the primary is asked for what recording
+needs, and the client never sees it.
+
+`Injector.plan` adds ``return_token_ids`` and ``logprobs``/``top_logprobs`` (with
+``return_tokens_as_token_ids``) to chat and completions requests only where the client asked for
+none of them; `request` writes the upstream body. What was injected is put back as ``null``, the
+way vLLM writes it for a request without it: in a whole response body (`response_body`, only for
+an injected request that succeeded) and in every streamed event (`stream_rewrite`), on the fast
+path that cuts the values out of vLLM's own chat event bytes (`splice_chat_run`, with each of its
+refusals) and on the general path, event by event (`strip_stream`, LF and CRLF), for chat and
+completions alike; the parsed events are kept for the recorder. An upstream that rejects the
+injected request while the client's own works makes the injector stop injecting
+(`response_done`). The helpers are checked one by one.
 
 Each test states the exact request body or response fields after injection or stripping, with
 the expected values written out here (not computed by the code under test)."""
@@ -519,6 +531,9 @@ def test_module_constants():
     assert inj_mod._TOKEN_IDS == b'token_ids":['
     assert inj_mod._ID_CHARS == b"0123456789,"
     assert inj_mod._dumps is orjson.dumps
+
+
+# -- completions: the choices' prompt ids are stripped too -----------------------------------------
 
 
 def test_completions_choices_lose_their_prompt_ids_in_bodies_and_streams():

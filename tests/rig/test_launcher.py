@@ -1,0 +1,48 @@
+"""One vLLM launcher (matrix/launcher.py): the rig's servers and the matrix's points build their
+command line and environment through it, so the same configuration starts the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorverse.matrix.launcher import Launch, ServerProcess
+from tensorverse.matrix.spec import MatrixSpec, ModelSection, PointSection, ReplaySection, ServerSection, server_settings
+from tensorverse.rig.servers import BASE_ENV, VLLMServer, parse_options
+
+
+def _portless(cmd):
+    return [("PORT" if i and cmd[i - 1] == "--port" else a) for i, a in enumerate(cmd)]
+
+
+def test_a_rig_server_and_a_matrix_point_of_the_same_config_start_with_the_same_argv(tmp_path):
+    rig = VLLMServer("fp8", "/models/tiny-a", "bfloat16", ("--kv-cache-dtype", "fp8"), served_model_name="tiny-a",
+                     log_dir=tmp_path)
+    opts = {"--dtype": "bfloat16", "--max-model-len": 2048, "--max-logprobs": -1, "--max-num-seqs": 8, "--seed": 0,
+            "--enforce-eager": True, "--kv-cache-memory-bytes": 64 * 1024 * 1024}
+    spec = MatrixSpec(model=ModelSection(path="/models/tiny-a", served_name="tiny-a"),
+                      points=[PointSection(name="fp8", settings={"--kv-cache-dtype": "fp8"})],
+                      server=ServerSection(options=opts, env=dict(BASE_ENV)), replay=ReplaySection())
+    point = ServerProcess(Launch(model=spec.model.path, served_name=spec.served_name,
+                                 settings=server_settings(spec.effective({"--kv-cache-dtype": "fp8"})),
+                                 log_path=tmp_path / "p.log", python=rig.python))
+    assert _portless(rig.command()) == _portless(point.command())
+    env = rig.environment()
+    assert all(env[k] == v for k, v in BASE_ENV.items())
+
+
+def test_rig_server_environment_removes_a_variable_given_none_and_follows_later_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("GONE", "1")
+    s = VLLMServer("x", "/m", "float32", env={"GONE": None}, log_dir=tmp_path)
+    s.extra_env["TENSORVERSE_CAPTURE_SINK"] = "dir:/tmp/store"  # as the on-demand rig sets it
+    env = s.environment()
+    assert "GONE" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env  # the flag's value wins
+    assert env["TENSORVERSE_CAPTURE_SINK"] == "dir:/tmp/store"
+    assert "--dtype" in s.command() and s.command()[s.command().index("--dtype") + 1] == "float32"
+
+
+def test_parse_options_reads_vllm_argv_forms():
+    assert parse_options(["--a", "1", "--flag", "--b=x", "--c", "p", "q", "--max-logprobs", "-1"]) == {
+        "--a": "1", "--flag": True, "--b": "x", "--c": ["p", "q"], "--max-logprobs": "-1"}
+    with pytest.raises(ValueError):
+        parse_options(["stray", "--a", "1"])
