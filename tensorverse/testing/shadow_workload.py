@@ -27,7 +27,7 @@ from tensorverse.shadow.compare import compare_turn
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
 
-__all__ = ["ShadowedTurn", "write_turn", "LINEUP"]
+__all__ = ["ShadowedTurn", "PreparedTurn", "prepare_turn", "store_turn", "write_turn", "LINEUP"]
 
 LINEUP = (("secondary", "secondary"), ("twin", "shadow"), ("candidate", "shadow"))
 
@@ -52,11 +52,28 @@ def _top5(x: np.ndarray) -> list[list[list[float]]]:
     return out
 
 
-def write_turn(store: Any, turn_id: str, session_id: str, index: int, ref: np.ndarray, shadow: np.ndarray,
-               other: np.ndarray, *, flip_share: float, seed: int, created_ns: int) -> ShadowedTurn:
-    """Write one shadowed turn (see the module docstring) and its comparisons. ``ref``,
-    ``shadow`` and ``other`` are (n, vocab) float32 rows: the reference's, a near-identical
-    runtime's, and rows of other contexts (the candidate's free run after it diverged)."""
+@dataclass(frozen=True)
+class PreparedTurn:
+    """What the primary and the shadows' engines hand the proxy for one shadowed turn: the
+    primary's tokens and top-5, and per (backend, mode) the run's tokens, its top-5 (forced runs)
+    and its rows already encoded (the capture plugin encodes them in the engine's process)."""
+
+    turn_id: str
+    session_id: str
+    index: int
+    created_ns: int
+    tokens: list[int]
+    flips: list[int]
+    primary_top5: list[list[list[float]]]
+    runs: dict[tuple[str, str], tuple[list[int], list[list[list[float]]] | None, list[tuple[int, bytes]]]]
+
+
+def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, shadow: np.ndarray, other: np.ndarray,
+                 *, flip_share: float, seed: int, created_ns: int) -> PreparedTurn:
+    """The engines' and the primary's side of one shadowed turn (see the module docstring):
+    ``ref``, ``shadow`` and ``other`` are (n, vocab) float32 rows: the reference's, a
+    near-identical runtime's, and rows of other contexts (the candidate's free run after it
+    diverged). Nothing here is the proxy's work."""
     rng = np.random.default_rng(seed)
     n = ref.shape[0]
     tokens = [int(t) for t in np.argmax(ref, axis=1)]
@@ -78,30 +95,48 @@ def write_turn(store: Any, turn_id: str, session_id: str, index: int, ref: np.nd
         free_tokens[first] = int(cand_top[first])
         free_rows[first + 1:] = other[first + 1:]
         free_tokens[first + 1:] = [int(t) for t in np.argmax(other[first + 1:], axis=1)]
-
-    store.put_session({"id": session_id, "created_ns": created_ns, "tags": {"agent": "workload"}}).result()
-    store.put_turn({"id": turn_id, "session_id": session_id, "index": index, "created_ns": created_ns,
-                    "endpoint": "completions", "backend": "primary", "state": "ok",
-                    "output_token_ids": tokens}).result()
-    runs: dict[tuple[str, str], str] = {}
-    primary = {"id": primary_run_id(turn_id), "turn_id": turn_id, "session_id": session_id, "backend": "primary",
-               "role": "primary", "mode": "recorded", "capture": "topk", "approximate": True,
-               "token_ids": tokens, "top_logprobs": _top5(ref), "k": 5, "text": "", "created_ns": created_ns}
-    store.put_run(primary).result()
-    complete = {"expected": n, "present": n, "complete": True}
     rows_of = {("secondary", "forced"): (ref, tokens), ("secondary", "free"): (ref, tokens),
                ("twin", "forced"): (ref, tokens), ("twin", "free"): (ref, tokens),
                ("candidate", "forced"): (cand, tokens), ("candidate", "free"): (free_rows, free_tokens)}
-    for backend, role in LINEUP:
+    runs = {}
+    for backend, _role in LINEUP:
         for mode in ("forced", "free"):
             x, toks = rows_of[(backend, mode)]
-            rid = f"{turn_id}.{backend}.{mode}"
+            runs[(backend, mode)] = (toks, _top5(x) if mode == "forced" else None,
+                                     [(p, encode_row(x[p])) for p in range(n)])
+    return PreparedTurn(turn_id, session_id, index, created_ns, tokens, real_flips, _top5(ref), runs)
+
+
+def store_turn(store: Any, t: PreparedTurn) -> ShadowedTurn:
+    """The proxy's side of one shadowed turn: the records and the rows written through the
+    store's real write path, then the real comparisons (what ``proxy_cpu`` figures measure)."""
+    store.put_session({"id": t.session_id, "created_ns": t.created_ns, "tags": {"agent": "workload"}}).result()
+    store.put_turn({"id": t.turn_id, "session_id": t.session_id, "index": t.index, "created_ns": t.created_ns,
+                    "endpoint": "completions", "backend": "primary", "state": "ok",
+                    "output_token_ids": t.tokens}).result()
+    runs: dict[tuple[str, str], str] = {}
+    primary = {"id": primary_run_id(t.turn_id), "turn_id": t.turn_id, "session_id": t.session_id,
+               "backend": "primary", "role": "primary", "mode": "recorded", "capture": "topk", "approximate": True,
+               "token_ids": t.tokens, "top_logprobs": t.primary_top5, "k": 5, "text": "", "created_ns": t.created_ns}
+    store.put_run(primary).result()
+    n = len(t.tokens)
+    complete = {"expected": n, "present": n, "complete": True}
+    for backend, role in LINEUP:
+        for mode in ("forced", "free"):
+            toks, top, blobs = t.runs[(backend, mode)]
+            rid = f"{t.turn_id}.{backend}.{mode}"
             runs[(backend, mode)] = rid
-            top = _top5(x) if mode == "forced" else None
-            store.put_run({"id": rid, "turn_id": turn_id, "session_id": session_id, "backend": backend,
+            store.put_run({"id": rid, "turn_id": t.turn_id, "session_id": t.session_id, "backend": backend,
                            "role": role, "mode": mode, "status": "ok", "capture": "full", "token_ids": toks,
                            "top_logprobs": top, "k": 5, "rows": complete, "text": "",
-                           "created_ns": created_ns}).result()
-            store.write_rows(rid, [(p, encode_row(x[p])) for p in range(n)]).result()
-    comparisons = compare_turn(store, turn_id, roles={b: r for b, r in LINEUP})
-    return ShadowedTurn(turn_id, session_id, tokens, real_flips, runs, comparisons)
+                           "created_ns": t.created_ns}).result()
+            store.write_rows(rid, blobs).result()
+    comparisons = compare_turn(store, t.turn_id, roles={b: r for b, r in LINEUP})
+    return ShadowedTurn(t.turn_id, t.session_id, t.tokens, t.flips, runs, comparisons)
+
+
+def write_turn(store: Any, turn_id: str, session_id: str, index: int, ref: np.ndarray, shadow: np.ndarray,
+               other: np.ndarray, *, flip_share: float, seed: int, created_ns: int) -> ShadowedTurn:
+    """One shadowed turn prepared (:func:`prepare_turn`) and stored (:func:`store_turn`)."""
+    return store_turn(store, prepare_turn(turn_id, session_id, index, ref, shadow, other, flip_share=flip_share,
+                                          seed=seed, created_ns=created_ns))
