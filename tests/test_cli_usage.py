@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ import orjson
 import pytest
 
 from tensorverse.cli import build_parser, main
+from tensorverse.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -598,18 +598,12 @@ def _run_analyze(form: Form, tmp: Path, capsys) -> None:
         assert f"Flips (argmax differs): {len(flips)} of 6, first at position {flips[0]}" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_view(form: Form, tmp: Path, capsys) -> None:
     if "--port" not in form.tokens:
         return  # the default port (8765) may be another process's here: this form is parsed only
     store = store_of(form, tmp)
     make_store(store)
-    port = _free_port()
+    port = free_port()
     inst = instantiate(form, {"store": store, "host": "127.0.0.1", "port": port})
     proc = subprocess.Popen([sys.executable, "-m", "tensorverse.cli", *inst.argv], cwd=os.getcwd(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
