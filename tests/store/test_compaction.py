@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import orjson
 import pytest
@@ -231,19 +230,91 @@ def test_stats_and_cli_compact(tmp_path, capsys):
     assert not (tmp_path / "none").exists()  # not created by the attempt
 
 
-def test_format_4_store_migrates_to_5(tmp_path):
-    path = tmp_path / "s"
-    with Store.open(path, durable=False) as st:
-        workload(st, turns=1)
-    env = lmdb.open(str(path), max_dbs=32)
-    with env.begin(write=True) as txn:
-        txn.put(b"format_version", b"4", db=env.open_db(S.META, txn=txn))
-    env.close()
+def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
+    """A store written by the format-4 code (fixtures/make_format4_store.py, run at commit
+    e6224c7): a read-only open of the unmigrated copy refuses it; a writable open migrates it to 5
+    (``rows_compact`` and ``compacted`` created empty); its turn reads with the upstream logprobs
+    in the canonical shape, its rows decode bit-exactly and its comparisons are those that code
+    computed. Compaction then acts on those comparisons: the flip and the divergence at position 2
+    stay full in every run, and every row reads back bit-exactly or as its compact form."""
+    import shutil
+
+    from tensorverse.store import records
+
+    def row(top: int, second: int, gap: float = 1.0, plain: bool = False) -> np.ndarray:
+        """The script's ``row()``: 32 float32 logits, ``top`` at 2.0, ``second`` ``gap`` below."""
+        x = -4.0 - 0.5 * (np.arange(32) % 7)
+        x[second] = 2.0 - gap
+        x[top] = 2.0
+        x = x.astype(np.float32)
+        if plain:
+            x[0] = np.float32(-4.001)
+        return x
+
+    tid = "18493fba64ef0000f4000000000001"
+    primary = f"{tid}~primary"
+    written = {"r4-ref-forced": [row(3, 4), row(7, 8), row(11, 12), row(5, 6, plain=True)],
+               "r4-cand-forced": [row(3, 4), row(7, 8, 0.75), row(12, 11, 0.0625), row(5, 6)],
+               "r4-cand-free": [row(3, 4), row(7, 8, 0.75), row(12, 11, 0.0625), row(9, 10)]}
+    src = Path(__file__).parent / "fixtures" / "format4-store"
+    shutil.copytree(src, tmp_path / "ro")
     with pytest.raises(StoreVersionError, match="has format 4"):
-        Store.open(path, readonly=True)
-    with Store.open(path) as st:
+        Store.open(tmp_path / "ro", readonly=True)
+    shutil.copytree(src, tmp_path / "s")
+    with Store.open(tmp_path / "s") as st:
         assert st.format_version == S.FORMAT_VERSION == 5
-        assert compact_turn(st, "t0", POLICY).status == "compacted"
+        assert {k: st.stats()["entries"][k] for k in ("rows_compact", "compacted")} == {"rows_compact": 0, "compacted": 0}
+        assert st.get_session("s4")["tags"] == {"agent": "turnstone", "case": "c4"}
+        turn = st.get_turn(tid)
+        assert (turn["backend"], turn["kind"], turn["output_token_ids"], turn["text"]) == (
+            "vllm-main", "main", [3, 7, 11, 5], "The link is up")
+        assert "upstream_logprobs" not in turn["choices"][0]
+        assert turn["choices"][0]["logprobs"] == [
+            {"token": 3, "logprob": -0.125, "top": [[3, -0.125], [4, -2.25]]},
+            {"token": 7, "logprob": -0.25, "top": [[7, -0.25], [8, -1.5]]},
+            {"token": 11, "logprob": -0.5, "top": [[11, -0.5], [12, -1.0]]},
+            {"token": 5, "logprob": -0.0625, "top": [[5, -0.0625], [6, -3.0]]}]
+        runs = {r["id"]: run(r) for r in st.iter_runs(tid)}
+        assert sorted(runs) == sorted([primary, *written])
+        assert [(r.backend, r.mode, r.token_ids) for r in map(runs.get, [primary, *written])] == [
+            ("vllm-main", "recorded", [3, 7, 11, 5]), ("ref", "forced", [3, 7, 11, 5]),
+            ("cand", "forced", [3, 7, 11, 5]), ("cand", "free", [3, 7, 12, 9])]
+        blobs = {rid: dict(st.read_rows(rid)) for rid in written}
+        for rid, xs in written.items():
+            assert sorted(blobs[rid]) == [0, 1, 2, 3]
+            for p, x in enumerate(xs):
+                assert decode_row(blobs[rid][p]).tobytes() == x.tobytes(), (rid, p)
+        assert blob_info(blobs["r4-ref-forced"][3])["mode"] == "plain"
+        assert blob_info(blobs["r4-ref-forced"][0])["mode"] == "bf16"
+        full = comparison(st.get_comparison("r4-cand-forced", "r4-ref-forced"))
+        assert (full.kind, full.status, full.flips) == ("full", "ok", [2])
+        assert comparison(st.get_comparison("r4-cand-forced", primary)).flips == [2]
+        assert comparison(st.get_comparison("r4-ref-forced", primary)).flips == []
+        free = st.get_comparison("r4-cand-free", primary)
+        assert (free["first_flip"], free["divergence"]["position"], free["confirms_forced"]) == (2, 2, True)
+        for kind, cls in records.RECORD_TYPES.items():
+            for rec in st.records(kind):
+                assert records.unknown_fields(rec, cls) == [], (kind, rec)
+                records.decode(rec, cls)
+
+        assert compact_turn(st, tid, POLICY).status == "compacted"
+        rec = st.compaction(tid)
+        assert {"flip", "divergence"} <= set(rec["reasons"]["2"])
+        assert "divergence" in rec["free_reasons"]["r4-cand-free"]["2"]
+        src_rows = StoredRows(st)
+        for rid, xs in written.items():
+            kept = rec["runs"][rid]["full"]
+            assert 2 in kept and rec["runs"][rid]["compact"] == 4 - len(kept) > 0
+            for p, x in enumerate(xs):
+                if p in kept:
+                    assert src_rows.row(rid, p).tobytes() == x.tobytes(), (rid, p)
+                    continue
+                with pytest.raises(RowCompacted) as e:
+                    src_rows.row(rid, p)
+                c = e.value.compact
+                assert c.fingerprint == blob_info(blobs[rid][p])["crc32"] and c.vocab == 32
+                assert c.top(1) == [int(np.argmax(x))] and c.k == 20
+                np.testing.assert_array_equal(c.logits[: c.k], np.sort(x)[::-1][: c.k])
 
 
 _KILLED = r"""

@@ -272,22 +272,86 @@ def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
         Store.open(tmp_path / "s")
 
 
-def test_format_1_store_opens_as_format_2_and_its_turns_read_unchanged(tmp_path: Path) -> None:
-    """Format 2 only adds ``upstream_logprobs`` to turns: a format-1 store migrates without a
-    rewrite, and a format-1 reader refuses format 2 rather than miss the logprobs."""
-    turn = {"id": "t", "session_id": "s", "index": 0, "choices": [
-        {"index": 0, "text": "a", "logprobs": [{"token": 5, "logprob": -0.5, "top": [[5, -0.5]]}]}]}
-    with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 3}).result()
-        store.put_turn(turn).result()
-    env = lmdb.open(str(tmp_path / "s"), max_dbs=16)
-    with env.begin(write=True) as txn:
-        txn.put(b"format_version", b"1", db=env.open_db(S.META, txn=txn))
+def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs(tmp_path: Path) -> None:
+    """A store written by the format-1 code (fixtures/make_format1_store.py, run at commit
+    1c87e80): its turn is plain JSON with the logprobs that recorder converted, and format 2 only
+    adds compressed turns and ``upstream_logprobs``, so after the migration to the current format
+    (through 2) the turn reads unchanged, from ``get_turn`` and ``iter_turns``; the session, runs,
+    rows (bit-exact) and the comparison that code computed read too, each record as its type. A
+    read-only open of the unmigrated copy refuses it."""
+    import shutil
+
+    import numpy as np
+
+    from tensorverse.store import records
+    from tensorverse.store.codec import blob_info, decode_row
+
+    def row(top: int, second: int, gap: float = 1.0, plain: bool = False) -> np.ndarray:
+        """The script's ``row()``: 32 float32 logits, ``top`` at 2.0, ``second`` ``gap`` below."""
+        x = -4.0 - 0.5 * (np.arange(32) % 7)
+        x[second] = 2.0 - gap
+        x[top] = 2.0
+        x = x.astype(np.float32)
+        if plain:
+            x[0] = np.float32(-4.001)
+        return x
+
+    turn_id = "1825b8c7f52e0000f1000000000001"
+    primary = f"{turn_id}~primary"
+    src = Path(__file__).parent / "fixtures" / "format1-store"
+    shutil.copytree(src, tmp_path / "ro")
+    env = lmdb.open(str(tmp_path / "ro"), max_dbs=16, readonly=True)
+    with env.begin() as txn:  # as format 1 wrote it: JSON, not a zstd frame
+        raw = bytes(txn.get(turn_id.encode(), db=env.open_db(S.TURNS, txn=txn, create=False)))
     env.close()
+    assert json.loads(raw)["choices"][0]["logprobs"][1]["top"] == [[9, -0.5], [10, -1.0]]
+    with pytest.raises(StoreVersionError, match="has format 1"):
+        Store.open(tmp_path / "ro", readonly=True)
+    shutil.copytree(src, tmp_path / "s")
     with Store.open(tmp_path / "s") as store:
         assert store.format_version == S.FORMAT_VERSION  # through 2 to the current format
-        got = store.get_turn("t")
-        assert got["choices"] == turn["choices"] and [t["id"] for t in store.iter_turns("s")] == ["t"]
+        assert store.get_session("s1") == {
+            "id": "s1", "created_ns": 1_740_000_000_000_000_000, "updated_ns": 1_740_000_000_000_000_000,
+            "tags": {"agent": "turnstone", "case": "c1"}, "grouping": "header", "endpoint": "chat.completions",
+            "turns": 1}
+        choices = [{"index": 0, "text": "up.", "reasoning": None, "tool_calls": [], "finish_reason": "stop",
+                    "stop_reason": None, "token_ids": [5, 9],
+                    "logprobs": [{"token": 5, "logprob": -0.125, "top": [[5, -0.125], [6, -2.25]]},
+                                 {"token": 9, "logprob": -0.5, "top": [[9, -0.5], [10, -1.0]]}]}]
+        turn = store.get_turn(turn_id)
+        assert [t["id"] for t in store.iter_turns("s1")] == [turn_id]
+        for got in (turn, next(store.iter_turns("s1"))):
+            assert got["choices"] == choices
+        assert (turn["backend"], turn["state"], turn["prompt_token_ids"], turn["output_token_ids"], turn["text"]) == (
+            "vllm-main", "ok", [1, 9, 4], [5, 9], "up.")
+        assert "authorization" not in turn["request_headers"]
+        assert records.turn(turn).backend == "vllm-main"
+        runs = {r["id"]: r for r in store.iter_runs(turn_id)}
+        assert sorted(runs) == [primary, "r1-fp32-forced"]
+        assert runs[primary]["mode"] == "recorded" and runs[primary]["pieces"] == ["up", "."]
+        assert runs[primary]["top_logprobs"] == [[[5, -0.125], [6, -2.25]], [[9, -0.5], [10, -1.0]]]
+        forced = runs["r1-fp32-forced"]
+        assert (forced["backend"], forced["mode"], forced["status"], forced["capture"], forced["token_ids"]) == (
+            "fp32", "forced", "ok", "full", [5, 9])
+        rows = store.read_rows("r1-fp32-forced")
+        assert [p for p, _ in rows] == [0, 1]
+        for (_, blob), want, mode in zip(rows, [row(5, 6), row(10, 9, 0.0625, plain=True)],
+                                         ["bf16", "plain"]):
+            assert decode_row(blob).tobytes() == want.tobytes() and blob_info(blob)["mode"] == mode
+        c = store.get_comparison("r1-fp32-forced", primary)
+        assert (c["kind"], c["status"], c["n"], c["flips"], c["metrics"]["top1_agree"]) == (
+            "topk", "ok", 2, [1], [True, False])
+        assert c["flip_tokens"] == [{"position": 1, "token": 9, "ref_top1": 9, "cand_top1": 10, "region": "content"}]
+        assert records.comparison(c).flips == [1]
+        for kind, cls in records.RECORD_TYPES.items():
+            for rec in store.records(kind):
+                assert records.unknown_fields(rec, cls) == [], (kind, rec)
+                records.decode(rec, cls)
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
+    with env.begin() as txn:  # migrated once through every format
+        meta = env.open_db(S.META, txn=txn, create=False)
+        assert [v for v in range(2, S.FORMAT_VERSION + 1) if txn.get(b"migrated:%d" % v, db=meta) is None] == []
+    env.close()
 
 
 def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path) -> None:
