@@ -241,15 +241,7 @@ def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
 
     from tensorverse.store import records
 
-    def row(top: int, second: int, gap: float = 1.0, plain: bool = False) -> np.ndarray:
-        """The script's ``row()``: 32 float32 logits, ``top`` at 2.0, ``second`` ``gap`` below."""
-        x = -4.0 - 0.5 * (np.arange(32) % 7)
-        x[second] = 2.0 - gap
-        x[top] = 2.0
-        x = x.astype(np.float32)
-        if plain:
-            x[0] = np.float32(-4.001)
-        return x
+    from tests.store.fixtures.fixture_rows import row
 
     tid = "18493fba64ef0000f4000000000001"
     primary = f"{tid}~primary"

@@ -281,20 +281,11 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
     read-only open of the unmigrated copy refuses it."""
     import shutil
 
-    import numpy as np
 
     from tensorverse.store import records
     from tensorverse.store.codec import blob_info, decode_row
 
-    def row(top: int, second: int, gap: float = 1.0, plain: bool = False) -> np.ndarray:
-        """The script's ``row()``: 32 float32 logits, ``top`` at 2.0, ``second`` ``gap`` below."""
-        x = -4.0 - 0.5 * (np.arange(32) % 7)
-        x[second] = 2.0 - gap
-        x[top] = 2.0
-        x = x.astype(np.float32)
-        if plain:
-            x[0] = np.float32(-4.001)
-        return x
+    from tests.store.fixtures.fixture_rows import row
 
     turn_id = "1825b8c7f52e0000f1000000000001"
     primary = f"{turn_id}~primary"
