@@ -176,9 +176,9 @@ class ServerProcess:
         self.started_at = time.monotonic()
         return self
 
-    def _get(self, path: str) -> tuple[int, bytes]:
+    def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, b""

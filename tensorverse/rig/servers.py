@@ -243,6 +243,10 @@ class VLLMServer:
     def running(self) -> bool:
         return self._server.running()
 
+    def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        """GET ``path`` on the server: (status, body); (0, b"") when nothing answers."""
+        return self._server._get(path, timeout=timeout)
+
     def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT) -> "VLLMServer":
         """Poll ``/health`` then ``/v1/models``; raise with the log tail if the process exits
         first or ``timeout`` passes (the server is then stopped)."""

@@ -48,7 +48,13 @@ def test_bundles_are_checked_and_their_positions_are_the_corpus_tokens(bundles, 
     bf_a = [r for r in ca.positions if r["setting"] == "bf16"]
     bf_b = [r for r in cb.positions if r["setting"] == "bf16"]
     assert bf_a == bf_b
-    assert ca.summaries["fp8_weights"]["flips"] > ca.summaries["bf16"]["flips"]
+    # FP8 weights change the numbers against the rig's own bf16 (KL > 0, bf16's own KL exactly 0)
+    # and flip against the corpus's tokens. How many flips each has depends on the CPU: the corpus
+    # was recorded on an AVX-512 Xeon, and on an AVX2-only CPU bf16 itself departs at one
+    # position, as often as FP8 weights do (seen on a 2-core AMD EPYC without AVX-512)
+    fp8, bf16 = ca.summaries["fp8_weights"], ca.summaries["bf16"]
+    assert fp8["kl_mean"] > 0 and bf16["kl_mean"] == 0.0 and bf16["kl_max"] == 0.0
+    assert fp8["flips"] >= 1 and fp8["flips"] >= bf16["flips"]
     for s in ca.manifest["settings"]:
         assert s["status"] == "ran" and s["vllm_args"][:2] == ["--dtype", "bfloat16"]
 
