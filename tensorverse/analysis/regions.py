@@ -321,7 +321,7 @@ def char_regions(text: str, *, start_in_thinking: bool | None = None) -> list[st
     """Region of every character of ``text`` (see the module docstring for the rules)."""
     try:
         return _char_regions(str(text) if text is not None else "", start_in_thinking)
-    except Exception:  # noqa: BLE001 - pragma: no cover - defensive: never raise on model output
+    except Exception:  # pragma: no cover - defensive: never raise on model output  # noqa: BLE001
         return [CONTENT] * len("" if text is None else str(text))
 
 

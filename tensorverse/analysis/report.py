@@ -221,7 +221,7 @@ def load_logits(path: str | os.PathLike[str], name: str = "logits") -> np.ndarra
     if not isinstance(a, np.ndarray):
         try:
             a.close()
-        except Exception:  # noqa: BLE001 - pragma: no cover - best effort
+        except Exception:  # pragma: no cover - best effort  # noqa: BLE001
             pass
         raise AnalysisInputError(f"{name}: {p} is an .npz archive, expected a single .npy array")
     return a

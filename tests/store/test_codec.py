@@ -397,7 +397,7 @@ def test_threads():
                 r = rows[i]
                 assert_round_trip(near(r, seed=i), ref=r)
                 assert_round_trip(r)
-        except Exception as e:  # noqa: BLE001 - pragma: no cover - reported below
+        except Exception as e:  # pragma: no cover - reported below  # noqa: BLE001
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]

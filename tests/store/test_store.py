@@ -132,7 +132,7 @@ def test_map_grows_without_losing_writes_under_concurrent_readers(tmp_path: Path
                 while not stop.is_set():
                     assert store.read_rows("seed")[0][1] == blob
                     list(store.read_rows("grow"))
-            except BaseException as exc:  # noqa: BLE001 - pragma: no cover - reported below
+            except BaseException as exc:  # pragma: no cover - reported below  # noqa: BLE001
                 errors.append(exc)
 
         threads = [threading.Thread(target=reader) for _ in range(3)]
