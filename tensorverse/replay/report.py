@@ -70,12 +70,14 @@ def turn_counts(name: str, cases: Sequence[Mapping[str, Any]]) -> list[dict[str,
     for c in cases:
         for t in c.get("turns") or ():
             f = ((t.get("backends") or {}).get(name) or {}).get("forced")
-            if not f or f.get("status") != "ok" or f.get("n") is None:
+            if not f or f.get("status") != "ok":
                 continue
-            classes = f.get("flip_classes") or ()
+            compared = f.get("n") is not None  # as summarize_backend counts: flips only where compared
+            classes = (f.get("flip_classes") or ()) if compared else ()
             dep = f.get("departures")
-            out.append({"case": c.get("id"), "turn": t.get("index"), "positions": int(f["n"]),
-                        "flips": len(f.get("flips") or ()), "runtime_flips": sum(k == "runtime" for k in classes),
+            out.append({"case": c.get("id"), "turn": t.get("index"), "positions": int(f["n"]) if compared else 0,
+                        "flips": len(f.get("flips") or ()) if compared else 0,
+                        "runtime_flips": sum(k == "runtime" for k in classes),
                         "departures": len(dep) if dep is not None else 0,
                         "departure_positions": (t.get("positions") or 0) if dep is not None else 0})
     return out
