@@ -9,7 +9,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from tensorverse.analysis.intervals import CONFIDENCE, Interval, cluster_bootstrap, wilson
+from tensorverse.analysis.intervals import CONFIDENCE, REPLICATES, SEED, Interval, cluster_bootstrap, wilson
 
 
 def _wilson_by_hand(k: int, n: int, confidence: float) -> tuple[float, float]:
@@ -61,6 +61,8 @@ def test_cluster_bootstrap_is_a_resampling_of_clusters():
     lo, hi = np.quantile(stats, [(1 - CONFIDENCE) / 2, 1 - (1 - CONFIDENCE) / 2])
     assert iv.estimate == pytest.approx(k.sum() / n.sum(), rel=1e-15)
     assert iv.low == pytest.approx(lo, abs=0.003) and iv.high == pytest.approx(hi, abs=0.003)
+    tol = 0.1 * stats.std()  # the 2.5 and 10 percentiles lie about 0.7 standard deviations apart
+    assert abs(iv.low - lo) < tol and abs(iv.high - hi) < tol
 
 
 def test_cluster_bootstrap_does_not_depend_on_the_order_of_the_clusters():
@@ -81,3 +83,22 @@ def test_clustered_interval_is_wider_than_the_position_level_one_when_flips_sit_
 def test_interval_bounds_round_for_the_reports():
     assert Interval(0.1, 0.01234567891, 0.2, 5, 100).bounds() == [0.012346, 0.2]
     assert Interval(None, None, None, 0, 0).bounds() is None
+
+
+def test_cluster_bootstrap_defaults_are_the_documented_ones():
+    k, n = [0, 3, 0, 1, 0, 7, 0, 0], [12, 30, 9, 14, 20, 25, 11, 16]
+    assert (REPLICATES, SEED, CONFIDENCE) == (2000, 20261202, 0.95)
+    assert cluster_bootstrap(k, n) == cluster_bootstrap(k, n, replicates=2000, seed=20261202, confidence=0.95)
+    assert cluster_bootstrap(k, n, confidence=0.5).high < cluster_bootstrap(k, n).high
+
+
+def test_clusters_without_positions_have_no_estimate():
+    iv = cluster_bootstrap([0, 0], [0, 0])
+    assert (iv.estimate, iv.low, iv.high, iv.clusters, iv.positions) == (None, None, None, 2, 0)
+
+
+def test_an_interval_missing_either_bound_has_no_bounds():
+    assert Interval(0.1, 0.0, None, 2, 10).bounds() is None
+    assert Interval(0.1, None, 0.2, 2, 10).bounds() is None
+    assert Interval(0.1, 0.05, 0.2, 2, 10).as_dict() == {"estimate": 0.1, "low": 0.05, "high": 0.2, "clusters": 2,
+                                                          "positions": 10}
