@@ -50,15 +50,20 @@ def config(upstream: str, store_path: str, **sections: Any):
 
 @pytest.fixture
 def make_proxy(loop, tmp_path):
-    """make_proxy(upstream_url, runner=None, tee_backends=None, store=True, **config sections)."""
+    """make_proxy(upstream_url, runner=None, tee_backends=None, store=True, prepare=None, **config
+    sections); `prepare(store)` writes to the store before the proxy starts (its background passes
+    then never see a half-written session)."""
     made: list[tuple[Proxy, Any]] = []
 
-    def make(upstream: str, *, runner: Any = None, tee_backends: Any = None, store: bool = True, **sections: Any) -> Proxy:
+    def make(upstream: str, *, runner: Any = None, tee_backends: Any = None, store: bool = True,
+             prepare: Any = None, **sections: Any) -> Proxy:
         from tensorverse.store import Store
 
         path = tmp_path / f"store{len(made)}"
         cfg = config(upstream, str(path), **sections)
         st = Store.open(path, durable=False) if store else False
+        if prepare is not None:
+            prepare(st)
         p = Proxy(cfg, store=st, runner=runner, tee_backends=tee_backends)
         loop.run(p.start())
         p.url = f"http://127.0.0.1:{p.port}"  # type: ignore[attr-defined]

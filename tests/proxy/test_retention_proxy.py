@@ -16,10 +16,10 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_the_proxy_prunes_old_sessions_and_says_so(fake, make_proxy, settle):
-    # the keeper's pass every 2 s, not faster: a pass between fill_store's session and its turns
-    # (a loaded machine) would prune the session first and refuse the turns
-    proxy = make_proxy(fake.url, retention={"max_age": "30d", "interval_s": 2.0})
-    fill_store(proxy.store, turns=5)  # a session from 2023: past max_age
+    # a session from 2023, past max_age, written before the keeper's first pass (a pass between
+    # the session and its turns would prune the session and refuse the turns)
+    proxy = make_proxy(fake.url, retention={"max_age": "30d", "interval_s": 0.2},
+                       prepare=lambda st: fill_store(st, turns=5))
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})
         assert r.status_code == 200
@@ -55,11 +55,16 @@ def test_the_proxy_compacts_compared_turns_and_says_so(fake, make_proxy, settle)
     from tensorverse.store.stored_rows import RowCompacted, StoredRows
     from tensorverse.testing.shadow_workload import write_turn
 
-    proxy = make_proxy(fake.url, retention={"interval_s": 0.2, "compact_after_s": 60})
     rng = np.random.default_rng(0)
     ref = (rng.standard_normal((24, 512)) * 4).astype(np.float32)
-    t = write_turn(proxy.store, "old-turn", "old-session", 0, ref, ref.copy(), ref[::-1].copy(),
-                   flip_share=0.0, seed=0, created_ns=time.time_ns() - 3600 * 10**9)
+    written = []  # the turn whole before the keeper's first pass
+
+    def prepare(st):
+        written.append(write_turn(st, "old-turn", "old-session", 0, ref, ref.copy(), ref[::-1].copy(),
+                                  flip_share=0.0, seed=0, created_ns=time.time_ns() - 3600 * 10**9))
+
+    proxy = make_proxy(fake.url, retention={"interval_s": 0.2, "compact_after_s": 60}, prepare=prepare)
+    t = written[0]
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.url + "/v1/chat/completions", json={"model": "fake", "messages": []})
         assert r.status_code == 200  # the relay unaffected
