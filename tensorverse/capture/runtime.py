@@ -47,7 +47,8 @@ from tensorverse.capture.sink import ENV_SINK, sink_from_env
 from tensorverse.capture.tap import Tap, log_once
 
 __all__ = ["ENV_ENABLE", "ENV_ENGINE_STATE", "engine_state_enabled", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "enabled",
-           "sink_configured", "get_tap", "stats", "close", "is_capture_rank", "note_error"]
+           "sink_configured", "get_tap", "stats", "close", "is_capture_rank", "note_error",
+           "parallel_layout"]
 
 log = logging.getLogger("tensorverse.capture")
 
@@ -150,6 +151,17 @@ def close(timeout: float = 5.0) -> None:
 
 
 atexit.register(close)
+
+
+def parallel_layout(vllm_config: Any) -> tuple[int, int]:
+    """The engine's (tensor-parallel, pipeline-parallel) sizes from its config, -1 for what it
+    does not say: recorded in every captured row's engine state."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    out = []
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        v = getattr(parallel, name, None)
+        out.append(int(v) if isinstance(v, int) and 0 < v < 256 else -1)
+    return out[0], out[1]
 
 
 def is_capture_rank(*, sharded_sampling: bool = False) -> bool:

@@ -284,7 +284,7 @@ class Tap:
                engine: tuple[int, ...] | None = None) -> None:
         """Hand a copied row to the encoder thread. Never blocks. ``engine``: the step's engine
         state as the tuple of :class:`~tensorverse.store.engine_state.EngineState`'s fields
-        (runner, step, batch_size, row, joined, context_tokens, prefill_reqs), built into a
+        (runner, step, batch_size, row, joined, context_tokens, prefill_reqs, tp, pp), built into a
         record on the encoder thread, or None."""
         try:
             if self._closed:

@@ -109,6 +109,7 @@ class V1CaptureProcessor(LogitsProcessor):
         self.engine_state = self.enabled and runtime.engine_state_enabled()
         self._step = 0  # engine steps seen (update_state calls), with engine state on
         self._joined = 0  # requests added by this step's BatchUpdate
+        self._tp, self._pp = runtime.parallel_layout(vllm_config)
 
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
@@ -202,7 +203,8 @@ class V1CaptureProcessor(LogitsProcessor):
                 st.slot = slot
                 st.slot_pos = pos
                 if self.engine_state:
-                    st.slot_engine = (RUNNER_V1, self._step, n_rows, index, self._joined, -1, -1)
+                    st.slot_engine = (RUNNER_V1, self._step, n_rows, index, self._joined, -1, -1,
+                                      self._tp, self._pp)
                 if slot is not None:
                     copied.append(slot)
             tok = opt.forced_token(pos)

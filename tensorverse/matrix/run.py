@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from tensorverse.matrix.launcher import Launch, ServerProcess, StartError
+from tensorverse.matrix.launcher import Launch, ServerProcess, StartError, cores_refusal
 from tensorverse.matrix.layout import run_dir
 from tensorverse.matrix.spec import MatrixSpec, server_settings, settings_key
 
@@ -208,6 +208,12 @@ def run_config(req: RunRequest, *, log: Callable[[str], None] = lambda s: None) 
                            "status": None, "timings": {}}
     server = ServerProcess(launch)
     rec["command"] = server.command()
+    why = cores_refusal(launch.settings)
+    if why:  # a recorded result like a failed start, without starting anything
+        rec.update(status="start_failed", error=why, exit_code=None, log_excerpt="", timings={"start_s": 0.0})
+        _write_json(d / "run.json", rec)
+        log(f"{req.label}: {why}")
+        return rec
     t_start = time.monotonic()
     try:
         server.start()

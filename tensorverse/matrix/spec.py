@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensorverse.config import format_validation_errors
+from tensorverse.matrix.launcher import PP, TP, parallel_ranks
 
 __all__ = ["MatrixSpec", "Point", "SpecError", "load_spec", "parse_spec", "settings_key",
            "point_label", "is_option", "render_value", "is_run_setting", "server_settings",
@@ -73,6 +74,8 @@ def server_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
 def _check_run_value(key: str, v: Any) -> None:
     if key == CONCURRENCY and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"{key}: the batch size each forced run is run in, an integer >= 1, got {v!r}")
+    if key in (TP, PP):
+        parallel_ranks({key: v})  # a whole number of ranks, or ValueError naming the option
 
 
 def _check_setting_key(key: str) -> str:

@@ -416,7 +416,7 @@ class ProxyCore:
                             up.status, detail[:300].decode("utf-8", "replace"))
                 self.counters["retried_without_injection"] += 1
                 flow.retried_without_injection = True
-                flow.meta["injection_rejected"] = detail[:2000].decode("utf-8", "replace")
+                flow.upstream_rejection = detail[:2000].decode("utf-8", "replace")
                 flow.injected = {}
                 send_body = flow.body
                 continue

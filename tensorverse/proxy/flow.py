@@ -22,6 +22,11 @@ are addons, in the manner of mitmproxy. The core calls, in this order:
 
 Only flows of LLM endpoints (``flow.kind`` set) reach the addons; everything else is relayed
 as bytes. Hooks must not raise: the core catches, logs and counts whatever they do raise.
+
+What one addon hands to the next travels in typed attributes of the flow, grouped under the addon
+that writes them (``flow.turn_kind`` from the session grouping, ``flow.turn`` and
+``flow.turn_future`` from the recorder, ...), never in a free-form dict; ``flow.meta`` is left to
+third-party addons. An addon that hands something new on adds its attribute here.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +42,7 @@ import orjson
 from multidict import CIMultiDictProxy
 
 from tensorverse.proxy.sse import SSEEvent
+from tensorverse.store.records import Session
 
 _ids = itertools.count(1)
 _prefix = os.urandom(3).hex()
@@ -95,7 +102,40 @@ class Flow:
     turn_index: int | None = None
     session_is_new: bool = False
 
-    # Free-form per-addon state (addon name -> anything)
+    # The core: what the upstream answered when it refused the body the addons changed (the
+    # client's own body was then sent: ``retried_without_injection``)
+    upstream_rejection: str | None = None
+
+    # State an addon hands to the addons after it, one typed attribute each (mitmproxy's flow
+    # attributes), named by the addon that writes it.
+    # Injector: the response fields to strip (the client did not ask for them), and a stream
+    # chunk's events it parsed already (``(chunk, events)``: the recorder reuses them)
+    strip: dict[str, Any] | None = None
+    parsed_events: tuple[bytes, list[Any]] | None = None
+    # RequestMetrics: perf_counter of the upstream send and of the upstream's last byte
+    t_upstream_send: float | None = None
+    t_upstream_last: float | None = None
+    # Sessions: main or side turn and the evidence that grouped it; a new session's record, stored
+    # once the turn is over; the conversation's messages, history and chain tip for the next turn;
+    # the session a stored side turn was linked to later; the turn is over (the recorder stores it)
+    turn_kind: str = "main"
+    grouping: dict[str, Any] | None = None
+    session_record: Session | None = None
+    messages: list[Any] | None = None
+    history: Any = None
+    chain_tip: str | None = None
+    linked_to: str | None = None
+    recorded: bool = False
+    # Recorder: the answer's accumulator, whether it was settled, events it could not parse, the
+    # turn record it stored and the store's future for it (the shadow tee waits on it)
+    acc: Any = None
+    settled: bool = False
+    unparsed_events: int = 0
+    turn: dict[str, Any] | None = None
+    turn_future: Future | None = None
+
+    # Free-form state of third-party addons (addon name -> anything); Tensorverse's own addons
+    # use the typed attributes above
     meta: dict[str, Any] = field(default_factory=dict)
     forwarded: bool = False  # the `request_forwarded` hooks have run
 

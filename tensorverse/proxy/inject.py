@@ -84,7 +84,7 @@ class Injector(Addon):
             return
         flow.upstream_body = dumps({**flow.request_json, **add})
         flow.injected = add
-        flow.meta["strip"] = strip
+        flow.strip = strip
         self.counters["injected"] += 1
 
     async def response_done(self, flow: Flow) -> None:
@@ -95,15 +95,15 @@ class Injector(Addon):
                 log.warning(
                     "the primary rejects injected recording parameters (%s); recording continues "
                     "without exact token ids/logprobs. Upstream said: %s",
-                    ", ".join(sorted(flow.meta.get("strip", {}))) or "?",
-                    flow.meta.get("injection_rejected", "")[:300],
+                    ", ".join(sorted(flow.strip or {})) or "?",
+                    (flow.upstream_rejection or "")[:300],
                 )
                 self.return_token_ids = False
                 self.top_logprobs = 0
 
     # -- response --------------------------------------------------------------------------------
     def response_body(self, flow: Flow) -> None:
-        strip = flow.meta.get("strip")
+        strip = flow.strip
         if not strip or not flow.injected or (flow.status or 500) >= 400:
             return
         body = flow.response_json
@@ -111,12 +111,12 @@ class Injector(Addon):
             flow.set_response_json(body)
 
     def stream_rewrite(self, flow: Flow, data: bytes) -> bytes:
-        strip = flow.meta.get("strip")
+        strip = flow.strip
         if not strip or not flow.injected:
             return data
         out, parsed, changed = strip_run(flow.kind, data, strip)
         self.counters["stripped_events"] += changed
-        flow.meta["parsed"] = (data, parsed)  # the recorder reuses them (`Recorder.stream_data`)
+        flow.parsed_events = (data, parsed)  # the recorder reuses them (`Recorder.stream_data`)
         return out
 
 

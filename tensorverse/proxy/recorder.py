@@ -56,28 +56,28 @@ class Recorder(Addon):
 
     def response_start(self, flow: Flow) -> None:
         if (flow.status or 500) < 400:
-            flow.meta["acc"] = ACCUMULATORS[flow.kind]()  # type: ignore[index]
+            flow.acc = ACCUMULATORS[flow.kind]()  # type: ignore[index]
 
     def stream_data(self, flow: Flow, data: bytes, t: float) -> None:
-        acc = flow.meta.get("acc")
+        acc = flow.acc
         if acc is not None:
-            parsed = flow.meta.pop("parsed", None)  # the injector parsed these events already
+            parsed, flow.parsed_events = flow.parsed_events, None  # the injector parsed these events already
             acc.feed_raw(data, t, parsed[1] if parsed is not None and parsed[0] is data else None)
             if acc.raw_bytes > self.FLUSH_BYTES:
                 acc.flush()
 
     def _settle(self, flow: Flow) -> None:
         """Parse what is left of a stream; first-token time and unparsed events from it."""
-        acc = flow.meta.get("acc")
-        if acc is None or "settled" in flow.meta:
+        acc = flow.acc
+        if acc is None or flow.settled:
             return
-        flow.meta["settled"] = True
+        flow.settled = True
         acc.flush()
         if flow.t_first_token is None and acc.first_token_t is not None:
             flow.t_first_token = acc.first_token_t
         if acc.unparsed_events:
             self.counters["unparsed_events"] += acc.unparsed_events
-            flow.meta["unparsed_events"] = acc.unparsed_events
+            flow.unparsed_events = acc.unparsed_events
         if acc.stream_error is not None and flow.state == OK:
             # vLLM reports an engine failure inside a 200 stream ({"error": ...}, then [DONE]):
             # the output is partial, so the turn is an upstream error (and is not shadowed).
@@ -87,7 +87,7 @@ class Recorder(Addon):
             flow.error = f"upstream error event mid-stream: {msg}"
 
     def response_body(self, flow: Flow) -> None:
-        acc = flow.meta.get("acc")
+        acc = flow.acc
         if acc is not None:
             acc.add_body(flow.response_json)
 
@@ -105,7 +105,7 @@ class Recorder(Addon):
         self._settle(flow)
         req = flow.request_json
         turn: dict[str, Any] = {
-            "id": flow.meta.get("turn_id") or f"{flow.start_ns:016x}{flow.id}",
+            "id": f"{flow.start_ns:016x}{flow.id}",
             "session_id": flow.session_id,
             "index": flow.turn_index if flow.turn_index is not None else 0,
             "created_ns": flow.start_ns,
@@ -122,8 +122,8 @@ class Recorder(Addon):
             "retried_without_injection": flow.retried_without_injection,
             # `main` (a turn of the conversation) or `side` (a request the agent makes beside it:
             # a title, a compaction summary, an approval judge), and why it joined its session
-            "kind": flow.meta.get("turn_kind", "main"),
-            "grouping": flow.meta.get("grouping"),
+            "kind": flow.turn_kind,
+            "grouping": flow.grouping,
         }
         if isinstance(req, dict):
             turn["request"] = req
@@ -139,7 +139,7 @@ class Recorder(Addon):
             turn["model"] = None
             turn["stream"] = False
             turn["tools_offered"] = False
-        acc = flow.meta.get("acc")
+        acc = flow.acc
         if acc is not None:
             turn.update(acc.result())
             turn["events"] = acc.events if flow.stream else None
@@ -151,8 +151,8 @@ class Recorder(Addon):
         if flow.response_body is not None and (flow.response_json is None or (flow.status or 0) >= 400):
             turn["response_text"] = _text(flow.response_body, self.max_unparsed_bytes)
             turn["response_unparsed"] = flow.response_json is None
-        if flow.meta.get("unparsed_events"):
-            turn["unparsed_events"] = flow.meta["unparsed_events"]
+        if flow.unparsed_events:
+            turn["unparsed_events"] = flow.unparsed_events
         if flow.sse_tail:
             turn["stream_tail"] = _text(flow.sse_tail, self.max_unparsed_bytes)
         if flow.state == OK and flow.stream and acc is not None and not any(
@@ -166,7 +166,7 @@ class Recorder(Addon):
         if flow.session_id is None:
             return
         turn = self.build_turn(flow)
-        flow.meta["turn"] = turn
+        flow.turn = turn
         self.counters["recorded"] += 1
         if self.store is None:
             return
@@ -175,7 +175,7 @@ class Recorder(Addon):
         except Exception as e:  # noqa: BLE001 - a closed/broken store never breaks proxying
             self._failed(turn, e)
             return
-        flow.meta["turn_future"] = fut
+        flow.turn_future = fut
         fut.add_done_callback(lambda f: self._failed(turn, f.exception()) if f.exception() else None)
 
     def _failed(self, turn: dict, exc: BaseException | None) -> None:

@@ -28,17 +28,18 @@ class RequestMetrics(Addon):
         self.metrics = metrics
 
     async def request(self, flow: Flow) -> None:
-        flow.meta["t_upstream_send"] = time.perf_counter()
+        flow.t_upstream_send = time.perf_counter()
 
     def response_body(self, flow: Flow) -> None:
-        flow.meta["t_upstream_last"] = time.perf_counter()
+        flow.t_upstream_last = time.perf_counter()
 
     def _added(self, flow: Flow) -> float | None:
-        sent = flow.meta.get("t_upstream_send")
+        sent = flow.t_upstream_send
         if sent is None:
             return None
         added = max(0.0, sent - flow.t0)
-        last = flow.meta.get("t_upstream_last", flow.t_last_event)  # a stream's: set by the core
+        # a stream's last byte: the core's own time when this hook did not see it
+        last = flow.t_upstream_last if flow.t_upstream_last is not None else flow.t_last_event
         if last is not None and flow.t_end is not None:
             added += max(0.0, flow.t_end - last)
         return added

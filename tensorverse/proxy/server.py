@@ -30,6 +30,7 @@ from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
 from tensorverse.proxy.tee import CapturePolicy, ShadowTee, TurnShadower, runner_from_config, tee_backends_from_config
+from tensorverse.store.records import BackendInfo
 
 log = logging.getLogger("tensorverse.proxy")
 
@@ -169,11 +170,12 @@ class Proxy:
         """Backend records (never credentials): the shadow runner finds the primary's URL here
         for its tokenizer check, and the viewer labels lanes with roles and settings."""
         c = self.config
-        records = [(c.primary.name, {"url": c.primary.url, "role": "primary", "settings": c.primary.settings})]
-        records += [(s.name, {"url": s.url, "role": s.role, "model": s.model}) for s in c.shadows]
+        backends = [BackendInfo(name=c.primary.name, url=c.primary.url, role="primary",
+                                settings=dict(c.primary.settings))]
+        backends += [BackendInfo(name=s.name, url=s.url, role=s.role, model=s.model) for s in c.shadows]
         try:
-            for name, info in records:
-                await asyncio.wrap_future(self.store.put_backend(name, info))
+            for info in backends:
+                await asyncio.wrap_future(self.store.put_backend(info.name, info))
         except Exception as e:  # noqa: BLE001 - a full or broken store never stops the proxy
             log.warning("could not record backends in the store: %s", e)
 

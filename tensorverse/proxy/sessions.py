@@ -6,8 +6,8 @@ the session of an earlier turn when its messages start with that turn's messages
 turn's answer (exact prefix, below), else the session whose latest history it continues best
 under the tolerant rule of `tensorverse.proxy.grouping` (edited assistant messages, transient
 notes, compaction), else it is a side request of a session it quotes, else it starts a new
-session. Each turn is marked ``main`` or ``side`` (``flow.meta["turn_kind"]``) with the evidence
-that grouped it (``flow.meta["grouping"]``). Sessions are stored with the configured tags (agent name, environment...), merged
+session. Each turn is marked ``main`` or ``side`` (``flow.turn_kind``) with the evidence
+that grouped it (``flow.grouping``). Sessions are stored with the configured tags (agent name, environment...), merged
 with ``X-Tensorverse-Tags: key=value,key=value`` from the request that created them.
 
 Messages are compared in a canonical form that survives what agent frameworks do to a history
@@ -20,6 +20,7 @@ time. Completions (``prompt`` strings) are grouped by the header only.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ from tensorverse.jsonbytes import dumps
 from tensorverse.proxy import grouping
 from tensorverse.proxy.flow import Addon, Flow, worth_logging
 from tensorverse.proxy.protocol import CHAT, MESSAGES
+from tensorverse.store.records import Session
 
 log = logging.getLogger("tensorverse.proxy.sessions")
 
@@ -178,7 +180,7 @@ class _Session:
     probes: tuple[str, ...] = ()  # starts of the latest tool results (for `quotes`)
     # its record until a turn carrying it has finished: every turn that joins before then carries
     # a copy, since it may finish (and be stored) before the turn that opened the session
-    unstored: dict | None = None
+    unstored: Session | None = None
 
 
 @dataclass(slots=True)
@@ -263,18 +265,17 @@ class Sessions(Addon):
             flow.session_is_new = True
             self.counters["created"] += 1
             tags = {**self.tags, **parse_tags(flow.headers.get(self.tags_header))}
-            record = {"id": sid, "created_ns": flow.start_ns, "tags": tags, "grouping": source,
-                      "endpoint": flow.kind}
+            record = Session(id=sid, created_ns=flow.start_ns, tags=tags, grouping=source, endpoint=flow.kind)
             # Stored once the turn is over (`response_done`/`error`, in the background), just
             # before the recorder stores the turn: nothing reaches the store's writer thread
             # while the request is on its way.
-            flow.meta["session_record"] = s.unstored = record
+            flow.session_record = s.unstored = record
         return s
 
-    def _put(self, record: dict) -> None:
+    def _put(self, record: Session) -> None:
         if self.store is None:
             return
-        self._watch(self._submit(lambda: self.store.put_session(record)), f"session {record.get('id')}")
+        self._watch(self._submit(lambda: self.store.put_session(record)), f"session {record.id}")
 
     def _submit(self, call: Callable[[], Any]) -> Any:
         try:
@@ -320,8 +321,8 @@ class Sessions(Addon):
         named = flow.headers.get(self.header)
         msgs = request_messages(flow.kind, flow.request_json)
         hashes = chain(msgs) if msgs else []
-        flow.meta["chain_tip"] = hashes[-1] if hashes else None
-        flow.meta["messages"] = msgs
+        flow.chain_tip = hashes[-1] if hashes else None
+        flow.messages = msgs
         kind, evidence, score = grouping.MAIN, grouping.NEW, 0
         s: _Session | None = None
         if named:
@@ -349,7 +350,7 @@ class Sessions(Addon):
             if s is None and msgs:
                 tools = flow.request_json.get("tools") if isinstance(flow.request_json, dict) else None
                 hist = grouping.history(msgs, tools)
-                flow.meta["history"] = hist
+                flow.history = hist
                 found = self._by_rule(hist)
                 if found is not None:
                     s, m = found
@@ -372,10 +373,10 @@ class Sessions(Addon):
                 s = self._create(self.new_id(), flow, "prefix")
         flow.session_id = s.id
         flow.turn_index = s.next_index
-        if s.unstored is not None and "session_record" not in flow.meta:
-            flow.meta["session_record"] = dict(s.unstored)
-        flow.meta["turn_kind"] = kind
-        flow.meta["grouping"] = {"evidence": evidence, "score": score}
+        if s.unstored is not None and flow.session_record is None:
+            flow.session_record = copy.copy(s.unstored)
+        flow.turn_kind = kind
+        flow.grouping = {"evidence": evidence, "score": score}
         s.next_index += 1
         if kind == grouping.MAIN and msgs:
             s.last_user = grouping.last_user_text(msgs) or s.last_user
@@ -423,40 +424,40 @@ class Sessions(Addon):
             orphan = self._sessions.pop(o.session_id, None)
             if orphan is None or orphan.next_index != 1:
                 continue  # the orphan session went on: it is a conversation of its own
-            f.meta["turn_kind"] = grouping.SIDE
-            f.meta["grouping"] = {"evidence": grouping.QUOTES, "score": 0, "linked_late": True}
+            f.turn_kind = grouping.SIDE
+            f.grouping = {"evidence": grouping.QUOTES, "score": 0, "linked_late": True}
             self.counters["side"] += 1
             self.counters["side_linked_late"] += 1
             index = s.next_index
             s.next_index += 1
-            if not f.meta.get("recorded"):
+            if not f.recorded:
                 # its turn is not stored yet: it is simply recorded in this session, whose record
                 # it carries too (it may finish first; the store keeps one record, `put_session`)
-                f.meta.pop("session_record", None)
+                f.session_record = None
                 if s.unstored is not None:
-                    f.meta["session_record"] = dict(s.unstored)
+                    f.session_record = copy.copy(s.unstored)
                 f.session_id, f.turn_index = s.id, index
                 self.counters["created"] -= 1
             else:  # stored already: moved once this turn's session record is (`_put_pending`)
-                f.meta["linked_to"] = s.id
-                turn = f.meta.get("turn") or {}
+                f.linked_to = s.id
+                turn = f.turn or {}
                 if turn.get("id"):
                     self._pending_moves.setdefault(s.id, []).append((turn["id"], index))
 
     async def response_done(self, flow: Flow) -> None:
         self._put_pending(flow)
         self._remember(flow)
-        flow.meta["recorded"] = True  # the recorder, next in line, stores the turn now
+        flow.recorded = True  # the recorder, next in line, stores the turn now
 
     async def error(self, flow: Flow) -> None:
         self._put_pending(flow)
-        flow.meta["recorded"] = True
+        flow.recorded = True
 
     def _put_pending(self, flow: Flow) -> None:
-        record = flow.meta.pop("session_record", None)
+        record, flow.session_record = flow.session_record, None
         if record is not None:
             self._put(record)
-            s = self._sessions.get(record["id"])
+            s = self._sessions.get(record.id)
             if s is not None:
                 s.unstored = None
         moves = self._pending_moves.pop(flow.session_id, None) if flow.session_id else None
@@ -467,15 +468,15 @@ class Sessions(Addon):
                     drop_empty=True)), f"side turn {tid}")
 
     def _remember(self, flow: Flow) -> None:
-        tip = flow.meta.get("chain_tip")
-        acc = flow.meta.get("acc")
+        tip = flow.chain_tip
+        acc = flow.acc
         if tip is None or acc is None or flow.session_id is None or (flow.status or 500) >= 400:
             return
         answer = answer_message(acc.result())
         if answer is None:
             return
         s = self._sessions.get(flow.session_id)
-        if flow.meta.get("turn_kind") == grouping.SIDE:
+        if flow.turn_kind == grouping.SIDE:
             if s is not None and answer["content"]:
                 s.side_texts.append(grouping.norm(answer["content"]))
                 self._index(grouping.message_key(answer).loose, s.id)
@@ -485,13 +486,13 @@ class Sessions(Addon):
         self._prefixes[key] = flow.session_id
         self._prefixes.move_to_end(key)
         if s is not None and (flow.turn_index or 0) >= s.latest_index:
-            hist = flow.meta.get("history")
+            hist = flow.history
             req = flow.request_json if isinstance(flow.request_json, dict) else {}
             if hist is None:
-                hist = grouping.history(flow.meta.get("messages") or (), req.get("tools"))
+                hist = grouping.history(flow.messages or (), req.get("tools"))
             s.latest = grouping.History(hist.system, hist.tools, hist.body + (grouping.message_key(answer),))
             s.latest_index = flow.turn_index or 0
-            msgs = flow.meta.get("messages") or ()
+            msgs = flow.messages or ()
             # tool results only: user messages are quoted whole (first_user/last_user), as two
             # conversations may open alike ("Read f0.txt ... (run 0)" / "(run 1)")
             s.probes = tuple(t[:96] for m in msgs[-12:] if isinstance(m, dict) and m.get("role") == "tool"

@@ -177,14 +177,14 @@ class ShadowTee(Addon):
     async def response_done(self, flow: Flow) -> None:
         if self.runner is None or not self.backends or self._queue is None:
             return
-        turn = flow.meta.get("turn")
+        turn = flow.turn
         reason = self.policy.reject_reason(flow, turn)
         if reason is not None:
             skipped = self.counters["skipped"]
             skipped[reason] = skipped.get(reason, 0) + 1
             return
         try:
-            self._queue.put_nowait((turn, flow.meta.get("turn_future")))
+            self._queue.put_nowait((turn, flow.turn_future))
         except asyncio.QueueFull:
             self.counters["dropped_queue_full"] += 1
             n = self.counters["dropped_queue_full"]

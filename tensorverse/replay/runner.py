@@ -53,7 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.replay.journal import journal_key, read_journal
 from tensorverse.replay.options import ReplayOptions
-from tensorverse.store.records import RECORDED
+from tensorverse.store.records import RECORDED, Session, Turn
 from tensorverse.replay.rig import rig_fingerprint
 from tensorverse.shadow.backend import Backend
 
@@ -223,14 +223,13 @@ class _Replay:
         turn's answer is the basis)."""
         def put() -> None:
             if first:
-                self.store.put_session({"id": t["session_id"], "tags": {
-                    "case": str(case["id"]), **({"title": str(case["title"])} if case.get("title") else {})}}).result()
-            self.store.put_turn({"id": t["id"], "session_id": t["session_id"], "index": turn["index"],
-                                 "state": "ok", "endpoint": t.get("endpoint"), "backend": t["backend"],
-                                 "request": t.get("request"), "prompt_token_ids": t["prompt_token_ids"],
-                                 "output_token_ids": t["output_token_ids"], "text": t.get("text"),
-                                 "finish_reason": t.get("finish_reason"), "sampling": t.get("sampling"),
-                                 "reference": self.opts.reference}).result()
+                tags = {"case": str(case["id"]), **({"title": str(case["title"])} if case.get("title") else {})}
+                self.store.put_session(Session(id=t["session_id"], tags=tags)).result()
+            self.store.put_turn(Turn(id=t["id"], session_id=t["session_id"], index=turn["index"], state="ok",
+                                     endpoint=t.get("endpoint"), backend=t["backend"], request=t.get("request"),
+                                     prompt_token_ids=t["prompt_token_ids"], output_token_ids=t["output_token_ids"],
+                                     text=t.get("text"), finish_reason=t.get("finish_reason"),
+                                     sampling=t.get("sampling"), reference=self.opts.reference)).result()
 
         try:
             await asyncio.to_thread(put)

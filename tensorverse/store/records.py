@@ -1,8 +1,11 @@
 """The typed records of the store: what each stored dict holds, field by field.
 
 The store keeps records as JSON (a dict per record, `tensorverse.store.store`), so a writer may add
-a field without a format change and a record written by an older Tensorverse still reads. The
-types here are how readers see them: :func:`turn`, :func:`run`, :func:`comparison`,
+a field without a format change and a record written by an older Tensorverse still reads. Every
+write is checked against these types before it is queued (:func:`checked`, in each
+``Store.put_*``: a field not declared here, or of the wrong type, fails that write with
+``RecordError``), and ``Store.put_*`` take the typed records as well as dicts. The types are also
+how readers see the records: :func:`turn`, :func:`run`, :func:`comparison`,
 :func:`session` and :func:`backend` decode a stored dict into a msgspec Struct, checking every
 field's type (``RecordError`` when a field has the wrong type). Fields a reader does not know are
 ignored, so a newer writer's record still decodes; fields a record lacks take the defaults below.
@@ -24,8 +27,8 @@ from typing import Any, Mapping, TypeVar
 
 import msgspec
 
-__all__ = ["Session", "Turn", "Run", "Comparison", "BackendInfo", "RecordError", "session", "turn", "run",
-           "comparison", "backend", "decode", "unknown_fields", "RECORD_TYPES", "RECORDED", "FORCED", "FREE"]
+__all__ = ["Record", "Session", "Turn", "Run", "Comparison", "BackendInfo", "RecordError", "session", "turn", "run",
+           "comparison", "backend", "decode", "unknown_fields", "checked", "RECORD_TYPES", "RECORDED", "FORCED", "FREE"]
 
 # modes of a run
 RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
@@ -37,11 +40,11 @@ class RecordError(ValueError):
     """A stored record whose field has the wrong type."""
 
 
-class _Record(msgspec.Struct, kw_only=True, omit_defaults=True):
-    pass
+class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What every stored record type is."""
 
 
-class Session(_Record, kw_only=True):
+class Session(Record, kw_only=True):
     """A conversation (`tensorverse.proxy.sessions`); the counters and ``edits`` are the store's."""
 
     id: str
@@ -57,7 +60,7 @@ class Session(_Record, kw_only=True):
     pinned: bool = False  # `tensorverse store pin`: never pruned by retention
 
 
-class Turn(_Record, kw_only=True):
+class Turn(Record, kw_only=True):
     """One LLM request of a session and the primary's answer (`tensorverse.proxy.recorder`)."""
 
     id: str
@@ -113,7 +116,7 @@ class Turn(_Record, kw_only=True):
     token_texts: dict[str, str] | None = None
 
 
-class Run(_Record, kw_only=True):
+class Run(Record, kw_only=True):
     """One backend's run of one turn in one mode (`tensorverse.shadow.runner`); ``id`` is the
     capture id of its rows. The primary's own answer is a ``recorded`` run."""
 
@@ -139,6 +142,7 @@ class Run(_Record, kw_only=True):
     sampling: dict[str, Any] | None = None  # what was sent, without the prompt
     prompt_tokens: int | None = None
     attempts: list[dict[str, Any]] = []
+    retries: int = 0  # ``tensorverse replay``: how many more tries the run took (failed, timed out)
     error: str | None = None
     tokenizer: dict[str, Any] | None = None  # the same-dictionary check
     template: dict[str, Any] | None = None  # the chat-template check
@@ -156,7 +160,7 @@ class Run(_Record, kw_only=True):
         return self.status == "ok"
 
 
-class Comparison(_Record, kw_only=True):
+class Comparison(Record, kw_only=True):
     """A candidate run against a reference run (`tensorverse.shadow.compare`, whose docstring
     says what each result field means)."""
 
@@ -204,7 +208,7 @@ class Comparison(_Record, kw_only=True):
     ref_finish_reason: str | None = None
 
 
-class BackendInfo(_Record, kw_only=True):
+class BackendInfo(Record, kw_only=True):
     """A backend as the proxy (at start) and the shadow runner (once it ran one) register it:
     never its key or its headers' values."""
 
@@ -222,10 +226,10 @@ class BackendInfo(_Record, kw_only=True):
     capabilities: dict[str, Any] | None = None  # forcing, capture, detail (probed)
 
 
-RECORD_TYPES: dict[str, type[_Record]] = {"session": Session, "turn": Turn, "run": Run,
+RECORD_TYPES: dict[str, type[Record]] = {"session": Session, "turn": Turn, "run": Run,
                                           "comparison": Comparison, "backend": BackendInfo}
 
-R = TypeVar("R", bound=_Record)
+R = TypeVar("R", bound=Record)
 
 
 def decode(record: Mapping[str, Any] | R, cls: type[R]) -> R:
@@ -259,6 +263,26 @@ def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
     return decode(record, BackendInfo)
 
 
-def unknown_fields(record: Mapping[str, Any], cls: type[_Record]) -> list[str]:
+def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:
     """The fields of ``record`` that ``cls`` does not declare (a writer that forgot to type one)."""
     return sorted(set(record) - set(cls.__struct_fields__))
+
+
+def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, Any]:
+    """The dict a write stores for ``record``, checked against ``cls`` on the writer's thread:
+    every field declared (:class:`RecordError` naming the ones that are not) and of its type. A
+    typed record is stored with every field (its defaults written out, as a reader of the dict
+    would fill them in); a dict is stored as given once it passes, so a field added without its type fails the write that adds
+    it, in production as in the tests, instead of reaching the store."""
+    if isinstance(record, Record):
+        if not isinstance(record, cls):
+            raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}")
+        out = msgspec.to_builtins(msgspec.structs.asdict(record))
+        assert isinstance(out, dict)
+        return out
+    extra = unknown_fields(record, cls)
+    if extra:
+        rid = record.get("id") or record.get("name") or record.get("run_id")
+        raise RecordError(f"{cls.__name__.lower()} {rid!r}: untyped fields {extra}")
+    decode(record, cls)
+    return dict(record)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import lmdb
 import orjson
 
-from tensorverse.store import schema
+from tensorverse.store import records, schema
 from tensorverse.store.base import (
     _STORE_KEPT,
     CompactionConflict,
@@ -25,20 +25,33 @@ from tensorverse.store.engine_state import EngineState
 from tensorverse.store.writer import StoreFullError
 
 
+def _with_id(record: Mapping[str, Any] | records.Record, cls: type[records.Record],
+             defaults: dict[str, Any]) -> dict[str, Any]:
+    """``record`` over ``defaults``, with a new id when it has none (none is made for a record
+    that has one), checked against its type (:func:`~tensorverse.store.records.checked`)."""
+    if isinstance(record, records.Record):
+        record = records.checked(record, cls)
+    out = {**defaults, **record}
+    if "id" not in out:
+        out["id"] = schema.new_id()
+    return records.checked(out, cls)
+
+
 class StoreWrites(StoreBase):
     """The writes of :class:`~tensorverse.store.store.Store` (the module docstring)."""
 
-    def put_backend(self, name: str, info: dict) -> Future:
-        return self._put_json(schema.BACKENDS, schema.check_id(name, "backend"), {**info, "name": name})
+    def put_backend(self, name: str, info: Mapping[str, Any] | records.BackendInfo) -> Future:
+        if isinstance(info, records.BackendInfo):
+            info = records.checked(info, records.BackendInfo)
+        info = records.checked({**info, "name": name}, records.BackendInfo)
+        return self._put_json(schema.BACKENDS, schema.check_id(name, "backend"), info)
 
-    def put_session(self, session: dict) -> Future:
+    def put_session(self, session: Mapping[str, Any] | records.Session) -> Future:
         """Create or replace a session; `id` and `created_ns` are filled in if missing. Replacing
         keeps what the store maintains itself: the turn counters, the hand edits and the creation
         time (the proxy may submit the same new session's record twice: once with a conversation's
         first turn, once with a side request of it that finished first)."""
-        session = {"created_ns": time.time_ns(), "tags": {}, **session}
-        if "id" not in session:  # not setdefault: no id is made for records that have one
-            session["id"] = schema.new_id()
+        session = _with_id(session, records.Session, {"created_ns": time.time_ns(), "tags": {}})
         sid = session["id"]
         skey = schema.check_id(sid, "session")
         blob = _dumps(session)
@@ -65,7 +78,7 @@ class StoreWrites(StoreBase):
             while len(self._refused_sessions) > 10_000:
                 self._refused_sessions.popitem(last=False)
 
-    def put_turn(self, turn: dict) -> Future:
+    def put_turn(self, turn: Mapping[str, Any] | records.Turn) -> Future:
         """Store a turn of a session (`session_id`, `index`) and bump the session's counters.
 
         The session must exist (created by `put_session`) — checked in the same transaction.
@@ -74,9 +87,7 @@ class StoreWrites(StoreBase):
         Counters: ``turns`` (one past the highest index), ``side_turns`` (turns of ``kind``
         ``side``), ``tool_call_turns`` (other turns whose answer calls a tool).
         """
-        turn = {"created_ns": time.time_ns(), **turn}
-        if "id" not in turn:  # not setdefault: no id is made for records that have one
-            turn["id"] = schema.new_id()
+        turn = _with_id(turn, records.Turn, {"created_ns": time.time_ns()})
         tid, sid, index = turn["id"], turn["session_id"], int(turn["index"])
         tkey = schema.check_id(tid, "turn")
         skey = schema.check_id(sid, "session")
@@ -109,11 +120,9 @@ class StoreWrites(StoreBase):
         return self.submit(op)
 
 
-    def put_run(self, run: dict) -> Future:
+    def put_run(self, run: Mapping[str, Any] | records.Run) -> Future:
         """Store or update a run (turn x backend x mode). Its id is the capture id."""
-        run = {"created_ns": time.time_ns(), **run}
-        if "id" not in run:  # not setdefault: no id is made for records that have one
-            run["id"] = schema.new_id()
+        run = _with_id(run, records.Run, {"created_ns": time.time_ns()})
         return self._put_json(
             schema.RUNS,
             schema.check_id(run["id"], "run"),
@@ -178,9 +187,9 @@ class StoreWrites(StoreBase):
 
         return self.submit(op)
 
-    def put_comparison(self, run_id: str, ref_run_id: str, result: dict) -> Future:
-        return self._put_json(
-            schema.COMPARISONS,
-            schema.comparison_key(run_id, ref_run_id),
-            {**result, "run_id": run_id, "ref_run_id": ref_run_id},
-        )
+    def put_comparison(self, run_id: str, ref_run_id: str,
+                       result: Mapping[str, Any] | records.Comparison) -> Future:
+        if isinstance(result, records.Comparison):
+            result = records.checked(result, records.Comparison)
+        record = records.checked({**result, "run_id": run_id, "ref_run_id": ref_run_id}, records.Comparison)
+        return self._put_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id), record)

@@ -26,6 +26,7 @@ import numpy as np
 from tensorverse.shadow.compare import compare_turn
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
+from tensorverse.store.records import Run, Session, Turn
 
 __all__ = ["ShadowedTurn", "PreparedTurn", "prepare_turn", "store_turn", "write_turn", "LINEUP"]
 
@@ -110,15 +111,13 @@ def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, sha
 def store_turn(store: Any, t: PreparedTurn) -> ShadowedTurn:
     """The proxy's side of one shadowed turn: the records and the rows written through the
     store's real write path, then the real comparisons (what ``proxy_cpu`` figures measure)."""
-    store.put_session({"id": t.session_id, "created_ns": t.created_ns, "tags": {"agent": "workload"}}).result()
-    store.put_turn({"id": t.turn_id, "session_id": t.session_id, "index": t.index, "created_ns": t.created_ns,
-                    "endpoint": "completions", "backend": "primary", "state": "ok",
-                    "output_token_ids": t.tokens}).result()
+    store.put_session(Session(id=t.session_id, created_ns=t.created_ns, tags={"agent": "workload"})).result()
+    store.put_turn(Turn(id=t.turn_id, session_id=t.session_id, index=t.index, created_ns=t.created_ns,
+                        endpoint="completions", backend="primary", state="ok", output_token_ids=t.tokens)).result()
     runs: dict[tuple[str, str], str] = {}
-    primary = {"id": primary_run_id(t.turn_id), "turn_id": t.turn_id, "session_id": t.session_id,
-               "backend": "primary", "role": "primary", "mode": "recorded", "capture": "topk", "approximate": True,
-               "token_ids": t.tokens, "top_logprobs": t.primary_top5, "k": 5, "text": "", "created_ns": t.created_ns}
-    store.put_run(primary).result()
+    store.put_run(Run(id=primary_run_id(t.turn_id), turn_id=t.turn_id, session_id=t.session_id, backend="primary",
+                      role="primary", mode="recorded", capture="topk", approximate=True, token_ids=t.tokens,
+                      top_logprobs=t.primary_top5, k=5, text="", created_ns=t.created_ns)).result()
     n = len(t.tokens)
     complete = {"expected": n, "present": n, "complete": True}
     for backend, role in LINEUP:
@@ -126,10 +125,9 @@ def store_turn(store: Any, t: PreparedTurn) -> ShadowedTurn:
             toks, top, blobs = t.runs[(backend, mode)]
             rid = f"{t.turn_id}.{backend}.{mode}"
             runs[(backend, mode)] = rid
-            store.put_run({"id": rid, "turn_id": t.turn_id, "session_id": t.session_id, "backend": backend,
-                           "role": role, "mode": mode, "status": "ok", "capture": "full", "token_ids": toks,
-                           "top_logprobs": top, "k": 5, "rows": complete, "text": "",
-                           "created_ns": t.created_ns}).result()
+            store.put_run(Run(id=rid, turn_id=t.turn_id, session_id=t.session_id, backend=backend, role=role,
+                              mode=mode, status="ok", capture="full", token_ids=toks, top_logprobs=top, k=5,
+                              rows=complete, text="", created_ns=t.created_ns)).result()
             store.write_rows(rid, blobs).result()
     comparisons = compare_turn(store, t.turn_id, roles={b: r for b, r in LINEUP})
     return ShadowedTurn(t.turn_id, t.session_id, t.tokens, t.flips, runs, comparisons)

@@ -15,7 +15,7 @@ from tensorverse.capture.frames import (
     iter_frames,
     parse_frames,
 )
-from tensorverse.store.engine_state import ENGINE_STATE_SIZE, RUNNER_V1, RUNNER_V2, EngineState
+from tensorverse.store.engine_state import ENGINE_STATE_SIZE, RUNNER_V1, RUNNER_V2, EngineState, EngineStateError
 
 
 def _frames():
@@ -37,7 +37,14 @@ def test_engine_state_layout_and_flag():
     raw = encode_frame("ab", 5, b"XYZ", seq=9, origin=3, engine=st)
     assert raw[5] == FLAG_ENGINE_STATE
     assert raw[HEADER_SIZE + 2:HEADER_SIZE + 2 + ENGINE_STATE_SIZE] == st.pack()
-    assert struct.unpack_from("<BBHiqiiii", raw, HEADER_SIZE + 2) == (1, 1, 0, 3, 12, 2, 1, -1, -1)
+    assert struct.unpack_from("<BBBBiqiiii", raw, HEADER_SIZE + 2) == (2, 1, 0, 0, 3, 12, 2, 1, -1, -1)
+    tp2 = EngineState(RUNNER_V1, 12, 3, 2, joined=1, tp=2, pp=1)
+    assert tp2.pack()[:4] == bytes([2, 1, 2, 1]) and EngineState.unpack(tp2.pack()) == tp2
+    # layout 1 (two reserved zero bytes where tp and pp are) reads with the layout unknown
+    v1 = struct.pack("<BBHiqiiii", 1, 1, 0, 3, 12, 2, 1, -1, -1)
+    assert EngineState.unpack(v1) == st and st.as_dict()["tp"] is None
+    with pytest.raises(EngineStateError):
+        EngineState(RUNNER_V1, 1, 1, 0, tp=256).pack()
     assert raw[HEADER_SIZE + 2 + ENGINE_STATE_SIZE:-4] == b"XYZ"
     (f,) = parse_frames(raw)
     assert f.engine == st and f.blob == b"XYZ" and f.size == len(raw)

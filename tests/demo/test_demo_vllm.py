@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.typed_records import assert_records_typed
 
 pytestmark = pytest.mark.vllm
 
@@ -155,7 +154,6 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_
     assert (tmp_path / "demo" / "report.html").stat().st_size > 10_000
 
     with Store.open(tmp_path / "demo" / "store", readonly=True) as st:
-        assert assert_records_typed(st) > 0  # every record the demo wrote is of its type
         turns = list(st.iter_turns(res.session_id))
         # every recorded turn was shadowed by both backends, forced and free
         for t in turns:

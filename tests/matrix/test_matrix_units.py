@@ -36,6 +36,8 @@ def test_grid_points_named_points_and_reference():
     ({"axes": {"--Dtype": ["x"]}}, "axes"),
     ({"axes": {"--dtype": []}}, "--dtype: an axis needs at least one value"),
     ({"axes": {"--port": [1, 2]}}, "set by tensorverse matrix itself"),
+    ({"axes": {"--tensor-parallel-size": [1, "two"]}}, "--tensor-parallel-size must be a whole number"),
+    ({"points": [{"name": "a", "settings": {"--pipeline-parallel-size": 0}}]}, "--pipeline-parallel-size must"),
     ({"points": [{"name": "a", "settings": {"NCCL ALGO": "x"}}]}, "points[0].settings"),
     ({"points": [{"name": "a", "setings": {}}]}, "points[0].setings: unknown key"),
     ({"points": [{"name": "a"}, {"name": "a"}]}, "names repeat"),
@@ -245,3 +247,18 @@ def test_forced_turn_classes_every_flip():
     out = forced_turn(ref, cand, [4, 4, 4])
     assert out["flips"] == [0, 1, 2] and out["flip_classes"] == ["tie", "near_tie", "runtime"]
     assert out["first_flip_detail"]["flip_class"] == "tie"
+
+
+def test_a_point_needing_more_cores_than_the_machine_has_is_recorded_without_a_start(tmp_path):
+    from pathlib import Path
+
+    from tensorverse.matrix.run import RunRequest, load_run, run_config
+
+    corpus = str(Path(__file__).resolve().parents[2] / "corpus" / "netops-sample")
+    s = spec(points=[{"name": "tp", "settings": {"--tensor-parallel-size": 512}}])
+    req = RunRequest(s, corpus, tmp_path, {"--tensor-parallel-size": 512}, "tp")
+    rec = run_config(req)
+    assert rec["status"] == "start_failed" and "512 ranks" in rec["error"]
+    assert "--distributed-executor-backend" in rec["command"]
+    assert load_run(tmp_path, req.key)["status"] == "start_failed"  # a result: not retried
+    assert not list(tmp_path.rglob("server.log"))  # nothing was started

@@ -52,11 +52,11 @@ class Driver:
         msg = {"role": "assistant", "content": answer.get("content"), "tool_calls": answer.get("tool_calls") or []}
         acc.add_body({"id": "x", "object": "chat.completion", "model": "m",
                       "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
-        f.meta["acc"] = acc
+        f.acc = acc
         asyncio.run(self.sessions.response_done(f))
         if self.recorder is not None:
             asyncio.run(self.recorder.response_done(f))
-            f.meta["turn_future"].result(timeout=10)  # raises what the store refused
+            f.turn_future.result(timeout=10)  # raises what the store refused
 
     def turn(self, messages, answer, **kw) -> Flow:
         f = self.start(messages, **kw)
@@ -161,11 +161,11 @@ def test_one_session_through_edits_notes_compaction_and_side_requests():
     assert after_call
     sids = {f.session_id for f in [*flows, title, summ, after, later]}
     assert len(sids) == 1, sids
-    assert title.meta["turn_kind"] == summ.meta["turn_kind"] == G.SIDE
-    assert [f.meta["turn_kind"] for f in [*flows, after, later]] == [G.MAIN] * 7
-    assert flows[3].meta["grouping"]["evidence"] in (G.PREFIX, G.EDITED)
-    assert after.meta["grouping"]["evidence"] == G.COMPACTION
-    assert later.meta["grouping"]["evidence"] == G.PREFIX
+    assert title.turn_kind == summ.turn_kind == G.SIDE
+    assert [f.turn_kind for f in [*flows, after, later]] == [G.MAIN] * 7
+    assert flows[3].grouping["evidence"] in (G.PREFIX, G.EDITED)
+    assert after.grouping["evidence"] == G.COMPACTION
+    assert later.grouping["evidence"] == G.PREFIX
     assert sorted(f.turn_index for f in [*flows, title, summ, after, later]) == list(range(9))
     assert d.sessions.counters["created"] == 1
 
@@ -175,11 +175,11 @@ def test_title_request_before_the_first_turn_is_linked():
     conv = conversation("b", 2)
     title = d.start([{"role": "system", "content": "You are a conversation title generator."},
                      {"role": "user", "content": f"User: {conv[0][0][1]['content']}"}], tools=None)
-    assert title.meta["turn_kind"] == G.MAIN  # nothing to link it to yet
+    assert title.turn_kind == G.MAIN  # nothing to link it to yet
     first = d.turn(*conv[0])
-    assert title.session_id == first.session_id and title.meta["turn_kind"] == G.SIDE
+    assert title.session_id == first.session_id and title.turn_kind == G.SIDE
     # it carries its conversation's record (stored by whichever finishes first; the store keeps one)
-    assert title.meta["session_record"]["id"] == first.session_id and d.sessions.counters["created"] == 1
+    assert title.session_record.id == first.session_id and d.sessions.counters["created"] == 1
     d.finish(title, {"role": "assistant", "content": "Uplinks"})
     assert d.turn(*conv[1]).session_id == first.session_id
 
@@ -197,11 +197,11 @@ def test_side_request_that_finishes_before_the_first_turn_is_stored(tmp_path):
         title = d.start([{"role": "system", "content": "You are a conversation title generator."},
                          {"role": "user", "content": f"Generate a title:\n\nUser: {conv[0][0][1]['content']}"}],
                         tools=None)
-        assert title.session_id == first.session_id and title.meta["turn_kind"] == G.SIDE
+        assert title.session_id == first.session_id and title.turn_kind == G.SIDE
         d.finish(title, {"role": "assistant", "content": "Uplinks"})  # raised RecordNotFound before
         d.finish(first, conv[0][1])
         later = d.turn(*conv[1])
-        assert later.session_id == first.session_id and "session_record" not in later.meta
+        assert later.session_id == first.session_id and later.session_record is None
         turns = list(store.iter_turns(first.session_id))
         assert [(t["index"], t["kind"]) for t in turns] == [(0, G.MAIN), (1, G.SIDE), (2, G.MAIN)]
         assert store.get_session(first.session_id)["turns"] == 3 and d.sessions.counters["created"] == 1
@@ -226,7 +226,7 @@ def test_header_and_client_ids_take_priority():
     f3 = d.turn(*conv[1], headers={"session_id": "codex-1"})  # the client's own id wins over the prefix
     f4 = d.turn(*conversation("z", 1)[0], headers={"session_id": "codex-1"})
     assert f3.session_id == f4.session_id != "mine"
-    assert f3.meta["grouping"]["evidence"] == G.CLIENT_ID
+    assert f3.grouping["evidence"] == G.CLIENT_ID
 
 
 # -- properties ----------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_identical_new_conversations_in_flight_together_are_not_side_requests():
     d = Driver()
     msgs = [SYSTEM, {"role": "user", "content": "state of GigabitEthernet0/0/1?"}]
     flows = [d.start(copy.deepcopy(msgs)) for _ in range(4)]
-    assert [f.meta["turn_kind"] for f in flows] == [G.MAIN] * 4
+    assert [f.turn_kind for f in flows] == [G.MAIN] * 4
     assert len({f.session_id for f in flows}) == 4
 
 

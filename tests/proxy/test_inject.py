@@ -130,7 +130,7 @@ def test_request_writes_the_upstream_body():
         "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
     assert f.injected == {"return_token_ids": True, "logprobs": True, "top_logprobs": 5,
                           "return_tokens_as_token_ids": True}
-    assert f.meta["strip"] == {"token_ids": True, "logprobs": "drop"}
+    assert f.strip == {"token_ids": True, "logprobs": "drop"}
     assert i.counters == {"injected": 1, "stripped_events": 0, "rejected": 0}
     asyncio.run(i.request(_flow({"prompt": "p", "logprobs": 1}, COMPL)))
     assert i.counters["injected"] == 2
@@ -143,11 +143,11 @@ def test_request_without_anything_to_add_is_untouched():
     asyncio.run(i.request(f))
     assert f.upstream_body is raw
     assert f.injected == {}
-    assert "strip" not in f.meta
+    assert f.strip is None
     assert i.counters["injected"] == 0
     f = _flow({"messages": []}, "messages")
     asyncio.run(i.request(f))
-    assert f.injected == {} and f.meta == {} and i.counters["injected"] == 0
+    assert f.injected == {} and f.strip is None and i.counters["injected"] == 0
 
 
 def test_response_done_stops_injecting_only_when_the_plain_request_worked(caplog):
@@ -166,8 +166,8 @@ def test_response_done_stops_injecting_only_when_the_plain_request_worked(caplog
     f = _flow({})
     f.retried_without_injection = True
     f.status = 399
-    f.meta["strip"] = {"token_ids": True, "logprobs": "drop"}
-    f.meta["injection_rejected"] = "x" * 299 + "YZ"
+    f.strip = {"token_ids": True, "logprobs": "drop"}
+    f.upstream_rejection = "x" * 299 + "YZ"
     with caplog.at_level(logging.WARNING, logger="tensorverse.proxy.inject"):
         asyncio.run(i.response_done(f))
     assert i.counters["rejected"] == 5
@@ -195,7 +195,7 @@ def _resp_flow(resp: object, *, status: int | None = 200, strip=BOTH, injected=T
     f = _flow({}, kind)
     f.status = status
     if strip is not None:
-        f.meta["strip"] = strip
+        f.strip = strip
     if injected:
         f.injected = {"return_token_ids": True}
     f.response_body = orjson.dumps(resp)
@@ -243,12 +243,12 @@ CHAT_RUN_STRIPPED = (b'data: {"id":"a","prompt_token_ids":null,"choices":[{"inde
 def test_stream_rewrite_counts_and_keeps_the_parsed_events():
     i = Injector()
     f = _flow({})
-    f.meta["strip"] = BOTH
+    f.strip = BOTH
     f.injected = {"return_token_ids": True}
     out = i.stream_rewrite(f, CHAT_RUN)
     assert out == CHAT_RUN_STRIPPED
     assert i.counters == {"injected": 0, "stripped_events": 2, "rejected": 0}
-    data, parsed = f.meta["parsed"]
+    data, parsed = f.parsed_events
     assert data is CHAT_RUN
     assert [e.id for e in parsed] == ["a", "a"]
     assert parsed[0].prompt_token_ids == [1, 2] and parsed[1].choices[0].token_ids == [6, 7]
@@ -257,11 +257,11 @@ def test_stream_rewrite_counts_and_keeps_the_parsed_events():
     for strip, injected in ((None, True), ({}, True), (BOTH, False)):
         g = _flow({})
         if strip is not None:
-            g.meta["strip"] = strip
+            g.strip = strip
         if injected:
             g.injected = {"x": 1}
         assert i.stream_rewrite(g, CHAT_RUN) is CHAT_RUN
-        assert "parsed" not in g.meta
+        assert g.parsed_events is None
     assert i.counters["stripped_events"] == 4
 
 

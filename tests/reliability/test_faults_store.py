@@ -137,7 +137,7 @@ _WRITER = textwrap.dedent("""
     st = Store.open(sys.argv[1], map_size=1 << 20, durable=False)
     st.put_session({"id": "s", "created_ns": 1}).result()
     for i in range(int(sys.argv[2])):
-        st.put_turn({"session_id": "s", "index": i, "state": "ok", "blob": os.urandom(20000).hex()}).result()
+        st.put_turn({"session_id": "s", "index": i, "state": "ok", "text": os.urandom(20000).hex()}).result()
         st.write_rows(f"r{i}", [(k, os.urandom(30000)) for k in range(4)]).result()
     print(st.stats()["map_grows"], flush=True)
     st.close()
@@ -154,7 +154,7 @@ _READER = textwrap.dedent("""
         assert len(turns) >= seen, (len(turns), seen)
         seen = len(turns)
         for t in turns[-3:]:
-            assert len(t["blob"]) == 40000
+            assert len(t["text"]) == 40000
             rows = st.read_rows(f"r{t['index']}")
             assert len(rows) in (0, 4) and all(len(b) == 30000 for _, b in rows)
         reads += 1

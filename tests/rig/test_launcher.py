@@ -46,3 +46,42 @@ def test_parse_options_reads_vllm_argv_forms():
         "--a": "1", "--flag": True, "--b": "x", "--c": ["p", "q"], "--max-logprobs": "-1"}
     with pytest.raises(ValueError):
         parse_options(["stray", "--a", "1"])
+
+
+def test_a_parallel_point_gets_the_mp_executor_and_one_core_share_per_rank(monkeypatch):
+    from tensorverse.matrix import launcher as L
+
+    monkeypatch.setattr(L, "_cores", lambda: [0, 1])
+    tp2 = {"--tensor-parallel-size": 2, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    cmd = L.build_command("py", "m", "m", 1, tp2)
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "mp"
+    assert L.build_env(tp2, None, base={})["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    # a binding the settings give, or an executor they name, is theirs; one rank is left alone
+    assert L.build_env({**tp2, "VLLM_CPU_OMP_THREADS_BIND": "1|0"}, None, base={})["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
+    ray = L.build_command("py", "m", "m", 1, {**tp2, "--distributed-executor-backend": "ray"})
+    assert ray[ray.index("--distributed-executor-backend") + 1] == "ray"
+    assert "--distributed-executor-backend" not in L.build_command("py", "m", "m", 1, {"--dtype": "bfloat16"})
+    assert L.build_env({}, None, base={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_rank_binding_splits_the_cores_into_equal_contiguous_shares():
+    from tensorverse.matrix.launcher import rank_binding
+
+    assert rank_binding(2, [0, 1]) == "0|1"
+    assert rank_binding(2, list(range(16))) == "0-7|8-15"
+    assert rank_binding(2, [0, 1, 2, 4, 5, 6, 9]) == "0-2|4-6"  # the odd core left over
+    assert rank_binding(1, [3, 5, 6]) == "3,5-6"
+    with pytest.raises(ValueError):
+        rank_binding(4, [0, 1])
+
+
+def test_a_point_with_more_ranks_than_cores_is_refused_with_the_count():
+    from tensorverse.matrix.launcher import cores_refusal, parallel_ranks
+
+    assert parallel_ranks({}) == 1 and parallel_ranks({"--tensor-parallel-size": 2, "--pipeline-parallel-size": 2}) == 4
+    assert cores_refusal({"--tensor-parallel-size": 2}, cores=2) is None
+    why = cores_refusal({"--tensor-parallel-size": 2, "--pipeline-parallel-size": 2}, cores=2)
+    assert why is not None and "4 ranks" in why and "has 2" in why
+    for bad in (0, -1, "two", 1.5, True):
+        with pytest.raises(ValueError):
+            parallel_ranks({"--tensor-parallel-size": bad})

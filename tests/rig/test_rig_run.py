@@ -64,3 +64,18 @@ def test_bundle_commands_say_which_extra_to_install_when_pyarrow_is_missing(tmp_
         assert cli_main(argv) == 2
         assert "pip install 'tensorverse[rig]'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_cpu_v2_adds_the_parallel_axis_refusing_what_this_machine_cannot_run(monkeypatch, capsys):
+    from tensorverse.matrix import launcher
+    from tensorverse.rig.suite import CPU_V2, PP_REFUSAL
+
+    assert [s.name for s in CPU_V2.settings] == [s.name for s in CPU_V1.settings] + ["tp2", "pp2"]
+    assert CPU_V2.corpus == CPU_V1.corpus and CPU_V2.setting("tp2").options == {"--tensor-parallel-size": 2}
+    monkeypatch.setattr(launcher, "_cores", lambda: [0, 1])
+    assert CPU_V2.setting("tp2").refusal() is None
+    monkeypatch.setattr(launcher, "_cores", lambda: [0])
+    assert "2 ranks" in CPU_V2.setting("tp2").refusal()
+    assert CPU_V2.setting("pp2").refusal() == PP_REFUSAL
+    assert cli_main(["rig", "suites"]) == 0
+    assert "tp2" in capsys.readouterr().out

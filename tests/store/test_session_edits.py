@@ -24,7 +24,7 @@ def store(tmp_path):
             for i in range(n):
                 st.put_turn(_turn(sid, i, kind="side" if (sid, i) == ("b", 1) else "main", calls=i == 0,
                                   text=f"task {sid}")).result()
-        st.put_run({"id": "run-b0", "turn_id": "b-t0", "backend": "fp32"}).result()
+        st.put_run({"id": "run-b0", "turn_id": "b-t0", "backend": "fp32", "mode": "forced"}).result()
         yield st
 
 

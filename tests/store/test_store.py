@@ -32,9 +32,36 @@ def _session_with_turn(store: Store, sid: str, created_ns: int, turns: int = 1) 
             rid = f"{tid}-{backend}"
             store.put_run({"id": rid, "turn_id": tid, "backend": backend, "mode": "forced"}).result()
             store.write_rows(rid, [(p, os.urandom(64)) for p in range(3)]).result()
-        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"kl_mean": 0.1}).result()
+        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"summary": {"kl_mean": 0.1}}).result()
         tids.append(tid)
     return tids
+
+
+def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(tmp_path: Path) -> None:
+    from tensorverse.store.records import RecordError, Run, Session, Turn
+
+    with Store.open(tmp_path / "s") as store:
+        store.put_session(Session(id="s", created_ns=5, tags={"agent": "x"})).result()
+        bad = [lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0, "colour": "red"}),
+               lambda: store.put_turn({"id": "t", "session_id": "s", "index": "zero"}),
+               lambda: store.put_run({"id": "r", "turn_id": "t", "backend": "b"}),  # no mode
+               lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}),
+               lambda: store.put_backend("b", {"url": 3}),
+               lambda: store.put_session(Turn(id="s"))]  # a turn is not a session
+        for put in bad:
+            with pytest.raises(RecordError):
+                put()  # raised on the caller's thread, before anything is queued
+        assert list(store.iter_turns("s")) == [] and store.get_session("s")["turns"] == 0
+        assert list(store.iter_backends()) == []
+        # a typed record is stored with every field, defaults written out as a reader fills them in
+        store.put_turn(Turn(id="t", session_id="s", index=0, created_ns=6)).result()
+        store.put_run(Run(id="r", turn_id="t", backend="b", mode="forced", created_ns=7)).result()
+        t, r = store.get_turn("t"), store.get_run("r")
+        assert t["tool_calls"] == [] and t["kind"] == "main" and t["state"] is None and t["created_ns"] == 6
+        assert r["status"] == "ok" and r["token_ids"] == [] and r["created_ns"] == 7
+        assert store.get_session("s") | {"updated_ns": None} == {
+            "id": "s", "created_ns": 5, "tags": {"agent": "x"}, "grouping": None, "endpoint": None, "turns": 1,
+            "side_turns": 0, "tool_call_turns": 0, "updated_ns": None, "edits": [], "pinned": False}
 
 
 def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
@@ -54,7 +81,7 @@ def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
         rows = store.read_rows(f"{tids[0]}-fp32")
         assert [p for p, _ in rows] == [0, 1, 2] and all(len(b) == 64 for _, b in rows)
         assert store.read_row(f"{tids[0]}-fp32", 1) == rows[1][1]
-        assert store.get_comparison(f"{tids[0]}-fp32", f"{tids[0]}-primary")["kl_mean"] == 0.1
+        assert store.get_comparison(f"{tids[0]}-fp32", f"{tids[0]}-primary")["summary"]["kl_mean"] == 0.1
         with pytest.raises(RecordNotFound):
             store.get_turn("nope")
         with pytest.raises(RecordNotFound):
@@ -383,7 +410,8 @@ _CHILD = textwrap.dedent(
         # a record = a turn with its rows, each row carrying its record number
         rid = "run-%06d" % i
         store.write_rows(rid, [(p, (b"%06d:" % i) * 5000) for p in range(4)]).result()
-        store.put_run({"id": rid, "turn_id": "t", "n_rows": 4}).result()
+        store.put_run({"id": rid, "turn_id": "t", "backend": "b", "mode": "forced",
+                       "positions": [0, 1, 2, 3]}).result()
         print(i, flush=True)
         i += 1
     """
@@ -409,7 +437,7 @@ def test_sigkill_mid_stream_leaves_only_whole_records(tmp_path: Path) -> None:
         # Every acknowledged record is intact...
         for i in range(acked + 1):
             rid = "run-%06d" % i
-            assert runs[rid]["n_rows"] == 4
+            assert runs[rid]["positions"] == [0, 1, 2, 3]
         # ...and no partial one is visible: each row set is complete and self-consistent.
         for rid in runs:
             rows = store.read_rows(rid)
@@ -459,7 +487,7 @@ def test_turn_stamp_changes_with_everything_below_the_turn(tmp_path: Path) -> No
         store.put_run({"id": f"{tid}-fp32", "turn_id": tid, "backend": "fp32", "mode": "free"}).result()
         second = store.turn_stamp(tid)
         assert second != first  # a run replaced in place
-        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"kl_mean": 0.2}).result()
+        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"summary": {"kl_mean": 0.2}}).result()
         third = store.turn_stamp(tid)
         assert third != second
         store.put_backend("fp16", {"url": "http://x/v1"}).result()
@@ -498,7 +526,7 @@ def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path
     with Store.open(tmp_path / "s", readonly=True) as store:
         assert store.read_engine_state("r2", 3).as_dict() == {
             "runner": "v1", "step": 7, "batch_size": 3, "row": 1, "joined": 0,
-            "context_tokens": None, "prefill_reqs": None}
+            "context_tokens": None, "prefill_reqs": None, "tp": None, "pp": None}
     env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
     with env.begin() as txn:
         assert txn.get(b"migrated:3", db=env.open_db(S.META, txn=txn, create=False)) is not None
@@ -547,7 +575,7 @@ def test_engine_state_is_replaced_and_deleted_with_its_row(tmp_path: Path) -> No
     with Store.open(tmp_path / "s") as store:
         store.put_session({"id": "s", "created_ns": 5}).result()
         store.put_turn({"id": "t", "session_id": "s", "index": 0}).result()
-        store.put_run({"id": "r", "turn_id": "t", "session_id": "s", "backend": "b"}).result()
+        store.put_run({"id": "r", "turn_id": "t", "session_id": "s", "backend": "b", "mode": "forced"}).result()
         store.write_rows("r", [(0, b"x", st), (1, b"y", st)]).result()
         store.write_rows("r", [(1, b"y2")]).result()  # rewritten without a state: it has none
         assert store.read_engine_states("r") == {0: st}
