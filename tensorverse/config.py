@@ -336,6 +336,9 @@ class VerdictSection(_Section):
 class ShadowSection(_Section):
     queue_size: int = Field(256, gt=0)  # turns waiting for shadows; full = dropped and counted
     workers: int = Field(4, gt=0)  # turns processed at once (each runs on its backends)
+    # processes that compare shadowed turns and plan their compaction, off the relay's GIL
+    # (tensorverse.shadow.analysis_workers); 0: in threads of the proxy
+    analysis_workers: int = Field(1, ge=0)
 
 
 class ShadowBackend(_Section):

@@ -721,7 +721,11 @@ def _run_hypercube(form: Form, tmp: Path, capsys) -> None:
         return _help_only(form, capsys)
     from tensorverse.testing.rig_bundles import make_corpus, synth_bundle
 
-    examples = sorted((ROOT / "examples" / "rig-bundles").glob("*.tvbundle"))
+    from tensorverse.bundle.io import open_bundle
+
+    # the example bundles of one suite (bundles of different suites do not merge)
+    examples = [b for b in sorted((ROOT / "examples" / "rig-bundles").glob("*.tvbundle"))
+                if open_bundle(b).manifest["suite"]["name"] == "cpu-v1"]
     corpus = make_corpus(tmp / "hc-corpus")
     tokens = list(form.tokens)
     synthetic = "--corpus" in tokens
@@ -743,8 +747,6 @@ def _run_hypercube(form: Form, tmp: Path, capsys) -> None:
                 argv.append(str(synth_bundle(tmp / f"hc{k}.tvbundle", corpus, rig_label=label,
                                              scales={"bf16": 0, "bf16_noise": 0.05, "fp8": 0.6}, rig_seed=k + 1)))
             else:
-                from tensorverse.bundle.io import open_bundle
-
                 b = examples[k % len(examples)]
                 label = open_bundle(b).manifest["rig"]["label"]
                 argv.append(str(b))

@@ -13,10 +13,12 @@ Parallel settings (``--tensor-parallel-size``, ``--pipeline-parallel-size``): a 
 pp`` ranks runs one worker process per rank under the multiprocessing executor (added as
 ``--distributed-executor-backend mp`` unless the settings name one) and, on vLLM-CPU, each rank
 is bound to its own share of this process's cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``
-for two ranks on two cores) where the binding is unset or ``nobind`` (the rig's default for one
+for two ranks on two cores; on a machine without ``nvidia-smi``, taken as a vLLM-CPU one) where
+the binding is unset or ``nobind`` (the rig's default for one
 rank; with several, unbound ranks would contend for every core; a per-rank binding is what
 vLLM-CPU's tensor parallelism was verified with here). A point needs at least one core per
-rank: :func:`cores_refusal` says why one cannot run here, before any server starts.
+rank on vLLM-CPU: :func:`cores_refusal` says why one cannot run here, before any server starts
+(a GPU rig's ranks are its GPUs: the GPU suite checks those).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +65,11 @@ def parallel_ranks(settings: Mapping[str, Any]) -> int:
     return _size(settings, TP) * _size(settings, PP)
 
 
+def on_cpu() -> bool:
+    """Whether servers here run on CPUs (vLLM-CPU): no ``nvidia-smi`` on the PATH."""
+    return shutil.which("nvidia-smi") is None
+
+
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -71,6 +79,8 @@ def cores_refusal(settings: Mapping[str, Any], cores: int | None = None) -> str 
     this process may use), or None. One core per rank at least: two ranks on one core would
     time-share it and measure the machine, not the layout."""
     ranks = parallel_ranks(settings)
+    if cores is None and not on_cpu():
+        return None
     have = len(_cores()) if cores is None else cores
     if ranks <= have:
         return None
@@ -149,7 +159,7 @@ def build_env(settings: Mapping[str, Any], sink: str | None, base: Mapping[str, 
         else:
             env[k] = s
     ranks = parallel_ranks(settings)
-    if ranks > 1 and env.get(BIND, "nobind") == "nobind" and len(_cores()) >= ranks:
+    if ranks > 1 and env.get(BIND, "nobind") == "nobind" and on_cpu() and len(_cores()) >= ranks:
         env[BIND] = rank_binding(ranks)
     if sink:
         env["TENSORVERSE_CAPTURE_SINK"] = sink

@@ -79,8 +79,14 @@ class Proxy:
             self.recorder = self.injector = None
         if tee_backends is None:
             tee_backends = tee_backends_from_config(c) if c.shadows else []
+        # comparisons and compaction plans in worker processes, off the relay's GIL
+        self.analysis: Any = None
+        if self.store is not None and c.shadow.analysis_workers > 0 and getattr(self.store, "path", None):
+            from tensorverse.shadow.analysis_workers import AnalysisWorkers
+
+            self.analysis = AnalysisWorkers(self.store.path, c.shadow.analysis_workers)
         if runner is None and tee_backends and c.capture.enabled and c.recording.enabled:
-            runner = runner_from_config(c, self.store, tee_backends, metrics=self.metrics)
+            runner = runner_from_config(c, self.store, tee_backends, metrics=self.metrics, analysis=self.analysis)
         self.tee = ShadowTee(
             runner if c.capture.enabled else None,
             tee_backends,
@@ -119,7 +125,8 @@ class Proxy:
 
             self.retention = RetentionKeeper(self.store, RetentionPolicy(
                 max_age_s=c.retention.max_age_seconds(), max_bytes=c.retention.max_bytes_value()),
-                c.retention.interval_s, evidence=c.retention.evidence_policy())
+                c.retention.interval_s, evidence=c.retention.evidence_policy(),
+                planner=self.analysis.planner(self.store) if self.analysis is not None else None)
         self.port: int | None = None
         self.admin_port: int | None = None
 
@@ -216,6 +223,9 @@ class Proxy:
                 pass
             self._retention_task = None
             await asyncio.get_running_loop().run_in_executor(None, self.retention.wait_idle)
+        if self.analysis is not None:  # after the tee and the keeper: nothing asks it any more
+            await asyncio.get_running_loop().run_in_executor(None, self.analysis.close)
+            self.analysis = None
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None

@@ -292,11 +292,14 @@ class PackageRunner:
     (turn, backend); `finish` compares the turn's runs once every backend is done."""
 
     def __init__(self, store: Any, backends: Sequence[Any], primary: Any = None, *, metrics: Any = None,
-                 **kwargs: Any) -> None:
+                 workers: Any = None, **kwargs: Any) -> None:
         from tensorverse.shadow.runner import ShadowRunner
 
         self._runner = ShadowRunner(store, list(backends), primary=primary, **kwargs)
         self.metrics = metrics
+        # the proxy's analysis workers (`tensorverse.shadow.analysis_workers`): comparisons off
+        # the relay's GIL; None: in a thread
+        self.workers = workers
 
     async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Any:
         runs = await self._runner.run_turn(turn, modes=modes, backends=list(backends))
@@ -312,13 +315,23 @@ class PackageRunner:
         """Compare (and store) the turn's runs; returns the comparisons. Free-mode results get
         the ``region`` of their divergence (from the primary's pieces) for the flip metrics, and
         the missing rows of the runs are counted."""
-        return await asyncio.to_thread(self._compare, store, turn["id"])
+        if self.workers is None:
+            return await asyncio.to_thread(self._compare, store, turn["id"])
+        from tensorverse.shadow.compare import put_comparisons
+
+        results = await self.workers.compare(store, turn["id"])
+        await asyncio.to_thread(put_comparisons, store, results)
+        return await asyncio.to_thread(self._observe, store, turn["id"], results)
 
     def _compare(self, store: Any, turn_id: str) -> list[dict]:
         from tensorverse.shadow.compare import compare_turn
+
+        return self._observe(store, turn_id, compare_turn(store, turn_id))
+
+    def _observe(self, store: Any, turn_id: str, results: list[dict]) -> list[dict]:
+        """The proxy's metrics of a compared turn; free-mode divergences get their region."""
         from tensorverse.shadow.runs import primary_run_id
 
-        results = compare_turn(store, turn_id)
         if self.metrics is not None:
             from tensorverse.analysis.regions import region_at
 
@@ -344,7 +357,8 @@ class PackageRunner:
         await self._runner.close()
 
 
-def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend], *, metrics: Any = None) -> Any:
+def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend], *, metrics: Any = None,
+                       analysis: Any = None) -> Any:
     """The shadow package's runner for this configuration (None when it is not installed)."""
     try:
         from tensorverse.shadow.backend import Backend
@@ -355,7 +369,8 @@ def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend],
     positions = None if cfg.capture.positions == "all" else cfg.capture.positions
     try:
         return PackageRunner(store, [b.backend for b in tee_backends], primary, metrics=metrics,
-                             forced_positions=positions, free_positions=positions)
+                             forced_positions=positions, free_positions=positions,
+                             workers=analysis)
     except ImportError:  # pragma: no cover
         log.warning("the shadow runner is not available: shadows are not run")
         return None

@@ -1,7 +1,9 @@
 """``tensorverse rig``: run a standard suite on this machine and write a results bundle.
 
     tensorverse rig run --out BUNDLE [--suite cpu-v1] [--settings A,B] [--work DIR] [--model DIR]
-                        [--label TEXT] [--no-noise] [--json]
+                        [--corpus DIR] [--label TEXT] [--no-noise] [--json]
+    tensorverse rig run --dry-run [--suite gpu-v1] [--settings A,B] [--model DIR] [--json]
+                                                 # every point's command and environment, refusals
     tensorverse rig suites                       # the suites, their settings and corpora
 
 Exit 0 with the bundle written; 2 when the run cannot start (wrong weights, unknown suite or
@@ -30,7 +32,8 @@ def register(sub: argparse._SubParsersAction, *,
                        "(`tensorverse report check` validates it, `tensorverse hypercube build` merges many).")
     acts = p.add_subparsers(dest="rig_action", metavar="ACTION")
     r = acts.add_parser("run", help="run the suite's settings this rig can run; write the bundle")
-    r.add_argument("--out", required=True, type=Path, metavar="BUNDLE", help="the bundle file to write (.tvbundle)")
+    r.add_argument("--out", type=Path, metavar="BUNDLE", help="the bundle file to write (.tvbundle; required "
+                   "unless --dry-run)")
     r.add_argument("--suite", default="cpu-v1", help="the suite (default cpu-v1; `tensorverse rig suites`)")
     r.add_argument("--settings", default=None, metavar="A,B",
                    help="only these settings (the reference and the noise point always run)")
@@ -39,6 +42,12 @@ def register(sub: argparse._SubParsersAction, *,
     r.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="the model directory (default: the shipped demo model); refused unless its "
                    "weights hash to the corpus's model")
+    r.add_argument("--corpus", type=Path, default=None, metavar="DIR",
+                   help="the corpus (default: the suite's shipped one; gpu-v1 ships none: the one you "
+                   "recorded from your checkpoint)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="start nothing: print every setting's exact server command and environment, "
+                   "and why this machine would refuse it")
     r.add_argument("--label", default=None, help="how the rig is shown (default: its GPU or CPU model)")
     r.add_argument("--no-noise", action="store_true", help="skip the same-config noise point (no 'noise' class)")
     r.add_argument("--json", action="store_true", help="print the summaries as one JSON object")
@@ -52,7 +61,8 @@ def _suites(args: argparse.Namespace) -> int:
     from tensorverse.rig.suite import SUITES
 
     for su in SUITES.values():
-        print(f"{su.name} (version {su.version}): corpus {su.corpus}; reference {su.reference}, noise {su.noise}")
+        corpus = su.corpus or "recorded from your checkpoint (--corpus DIR)"
+        print(f"{su.name} (version {su.version}): corpus {corpus}; reference {su.reference}, noise {su.noise}")
         for st in su.settings:
             why = st.refusal()
             opts = " ".join(f"{k} {v}" for k, v in st.options.items())
@@ -62,11 +72,42 @@ def _suites(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry_run(args: argparse.Namespace) -> int:
+    import shlex
+
+    from tensorverse.rig.run import RigRunError, plan
+    from tensorverse.rig.suite import suite
+
+    try:
+        su = suite(args.suite)
+        names = [x.strip() for x in args.settings.split(",") if x.strip()] if args.settings else None
+        points = plan(su, names, noise=not args.no_noise, model_dir=args.model)
+    except (KeyError, RigRunError) as e:
+        print(f"tensorverse rig run: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"suite": su.name, "points": [p.as_dict() for p in points]}, indent=1))
+        return 0
+    for p in points:
+        print(f"{p.name} ({p.axis} = {p.value}): {p.refusal or 'would run'}")
+        print("  " + shlex.join(p.command))
+        if p.env:
+            print("  env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.env.items())))
+    runnable = sum(p.refusal is None for p in points)
+    print(f"{su.name}: {runnable} of {len(points)} settings would run here")
+    return 0
+
+
 def _run(args: argparse.Namespace, default_model: Callable[[Callable[[str], None]], Path] | None = None) -> int:
     from tensorverse.bundle.format import missing_packages
     from tensorverse.rig.run import RigRunError, RigRunOptions, rig_run
     from tensorverse.rig.suite import suite
 
+    if args.dry_run:
+        return _dry_run(args)
+    if args.out is None:
+        print("tensorverse rig run: --out BUNDLE is required (or --dry-run)", file=sys.stderr)
+        return 2
     need = missing_packages("pyarrow")
     if need:
         print(f"tensorverse rig run: {need}", file=sys.stderr)
@@ -75,7 +116,7 @@ def _run(args: argparse.Namespace, default_model: Callable[[Callable[[str], None
         su = suite(args.suite)
         names = [x.strip() for x in args.settings.split(",") if x.strip()] if args.settings else None
         opts = RigRunOptions(out=args.out, suite=su, settings=names, work=args.work, model_dir=args.model,
-                             default_model=default_model,
+                             default_model=default_model, corpus=args.corpus,
                              label=args.label, noise=not args.no_noise)
         res = rig_run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (KeyError, RigRunError) as e:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from tensorverse.rig.suite import Setting, Suite
 
-__all__ = ["RigRunOptions", "RigRunError", "rig_run", "point_settings"]
+__all__ = ["RigRunOptions", "RigRunError", "rig_run", "point_settings", "PlannedPoint", "plan"]
 
 
 class RigRunError(RuntimeError):
@@ -50,6 +50,7 @@ class RigRunOptions:
     # by tensorverse/cli.py; rig imports no demo): called with a log function, returns a directory
     default_model: Callable[[Callable[[str], None]], Path] | None = None
     label: str | None = None
+    corpus: Path | None = None  # default: the suite's shipped corpus (a suite without one needs it)
     noise: bool = True
     ready_timeout_s: float = 900.0
     created: str | None = None
@@ -69,6 +70,54 @@ class RigRunResult:
 def point_settings(s: Setting) -> dict[str, Any]:
     """The matrix point settings of a suite setting (its options and environment)."""
     return {**dict(s.options), **dict(s.env)}
+
+
+def _corpus_dir(suite: Suite, given: Path | None) -> Path:
+    d = given if given is not None else suite.corpus_dir
+    if d is None:
+        raise RigRunError(f"suite {suite.name} ships no corpus: record one from your checkpoint (its greedy "
+                          "reference outputs, named by the weights' content hash) and give it with --corpus DIR")
+    return Path(d)
+
+
+@dataclass(frozen=True)
+class PlannedPoint:
+    """What ``rig run`` would start for one setting: the exact command line (the port shown as
+    PORT), the environment the settings give the server, and why it would be refused here."""
+
+    name: str
+    axis: str
+    value: str
+    command: list[str]
+    env: dict[str, str]
+    refusal: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _refusal(s: Setting, settings: dict[str, Any]) -> str | None:
+    from tensorverse.matrix.launcher import cores_refusal
+
+    return s.refusal() or cores_refusal(settings)
+
+
+def plan(suite: Suite, names: Sequence[str] | None = None, *, noise: bool = True, model_dir: Path | None = None,
+         served_name: str = "MODEL") -> list[PlannedPoint]:
+    """``rig run --dry-run``: every chosen setting's server as it would start on this machine,
+    refusals included; starts nothing and needs neither the model nor the corpus."""
+    from tensorverse.matrix.launcher import build_command, build_env
+    from tensorverse.matrix.spec import server_settings
+
+    chosen = _chosen(suite, names, noise)
+    spec = _spec(suite, chosen, model_dir or Path("MODEL"), served_name, 900.0)
+    out = []
+    for s in chosen:
+        settings = server_settings(spec.effective(point_settings(s)))
+        cmd = _portless(build_command("python", spec.model.path, spec.served_name, 0, settings))
+        out.append(PlannedPoint(s.name, s.axis, s.value, cmd, build_env(settings, None, base={}),
+                                _refusal(s, settings)))
+    return out
 
 
 def _chosen(suite: Suite, names: Sequence[str] | None, noise: bool) -> list[Setting]:
@@ -158,11 +207,12 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
 
     suite = opts.suite
     chosen = _chosen(suite, opts.settings, opts.noise)
+    corpus_dir = _corpus_dir(suite, opts.corpus)
     try:
-        kc = known_corpus(suite.corpus_dir)
-        corpus = load_corpus(suite.corpus_dir)
+        kc = known_corpus(corpus_dir)
+        corpus = load_corpus(corpus_dir)
     except (OSError, ValueError) as e:
-        raise RigRunError(f"suite {suite.name}'s corpus {suite.corpus_dir}: {e}") from None
+        raise RigRunError(f"suite {suite.name}'s corpus {corpus_dir}: {e}") from None
     mdir = _model(opts, kc, log)
     fp = rig_fingerprint()
     label = opts.label or (", ".join(fp["gpus"]["models"]) if fp.get("gpus") else None) or fp["cpu"]["model"] or "cpu"
@@ -180,15 +230,17 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
     provenance: dict[str, Any] = {"tensorverse": __version__, "suite": suite.name, "model_dir_name": mdir.name,
                                   "points": {}}
     for i, s in enumerate(chosen, 1):
-        why = s.refusal()
         base = dict(name=s.name, axis=s.axis, value=s.value, vllm_args=(), env=dict(s.env))
-        req = RunRequest(spec=spec, corpus=str(suite.corpus_dir), out=work, settings=point_settings(s),
+        req = RunRequest(spec=spec, corpus=str(corpus_dir), out=work, settings=point_settings(s),
                          label=s.name, basis=basis)
         eff = spec.effective(req.settings)
+        why = _refusal(s, server_settings(eff))
         # the server's options after model, name, host and port (the same on every rig)
         argv = build_command("python", "MODEL", spec.served_name, 0, server_settings(eff))[11:]
         base.update(vllm_args=tuple(argv), env={k: str(v) for k, v in eff.items() if not is_option(k)})
         if why:
+            if s.name == suite.reference:
+                raise RigRunError(f"the reference setting {s.name} cannot run here: {why}")
             log(f"[{i}/{len(chosen)}] {s.name}: {why}")
             outcomes.append(SettingOutcome(status="refused", reason=why, **base))
             continue

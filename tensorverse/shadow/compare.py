@@ -70,7 +70,7 @@ from tensorverse.store import records
 from tensorverse.store.records import Run
 from tensorverse.store.stored_rows import StoredRows
 
-__all__ = ["compare_turn", "compare_runs", "select_reference", "load_rows", "latest_runs",
+__all__ = ["compare_turn", "compare_runs", "put_comparisons", "select_reference", "load_rows", "latest_runs",
            "CHUNK", "TurnCompacted"]
 
 log = logging.getLogger("tensorverse.shadow")
@@ -512,12 +512,17 @@ def compare_runs(store: Any, runs: Iterable[RunLike], *,
             add(failed(run, primary, "free", e), run.id, primary.id)
 
     if store_results:
-        futures = [store.put_comparison(r["run_id"], r["ref_run_id"],
-                                        {k: v for k, v in r.items() if k not in ("run_id", "ref_run_id")})
-                   for r in out]
-        for f in futures:
-            f.result()
+        put_comparisons(store, out)
     return out
+
+
+def put_comparisons(store: Any, results: Sequence[Mapping[str, Any]]) -> None:
+    """Store the comparisons :func:`compare_runs` returned (waits for the writer)."""
+    futures = [store.put_comparison(r["run_id"], r["ref_run_id"],
+                                    {k: v for k, v in r.items() if k not in ("run_id", "ref_run_id")})
+               for r in results]
+    for f in futures:
+        f.result()
 
 
 def compare_turn(store: Any, turn_id: str, *, roles: Mapping[str, str] | None = None,

@@ -27,8 +27,10 @@ a turn is compacted once, all its runs in one transaction (`Store.apply_compacti
 deleted whole (with its session).
 
 :func:`plan_evidence` is pure (comparisons and per-row facts in, positions and reasons out);
-:func:`compact_turn` reads a turn's rows, plans, encodes and commits; :func:`compact_store`
-walks the turns that are due (oldest sessions first).
+:func:`plan_compaction` reads a turn's rows, plans and encodes, and writes nothing (so it runs
+on a read-only store, in another process: the proxy's analysis workers); :func:`compact_turn`
+plans and commits; :func:`compact_store` walks the turns that are due (oldest sessions first),
+planning each turn in the caller's thread or with the planner it is given.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from tensorverse.store.compact import compact_row, encode_compact
 from tensorverse.store.records import Comparison, Run
 from tensorverse.store.store import CompactionConflict, RowChange
 
-__all__ = ["EvidencePolicy", "RowFacts", "EvidencePlan", "CompactionResult", "plan_evidence", "compact_turn",
-           "compact_store", "due_turns", "sampled"]
+__all__ = ["EvidencePolicy", "RowFacts", "EvidencePlan", "CompactionResult", "CompactionPlan", "plan_evidence",
+           "plan_compaction", "apply_plan", "compact_turn", "compact_store", "due_turns", "sampled", "Planner"]
 
 log = logging.getLogger("tensorverse.store.compaction")
 
@@ -205,27 +207,68 @@ def _delta_refs(runs: Sequence[Run], reference: str | None) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class CompactionPlan:
+    """What compacting one turn would write: the turn's ``compacted`` record and its row changes
+    (``result`` says what it would do; a skipped turn has no record and no changes)."""
+
+    result: CompactionResult
+    record: dict[str, Any] | None = None
+    changes: tuple[RowChange, ...] = ()
+
+
+#: plans one turn: ``(turn_id, policy, now_ns) -> CompactionPlan`` (:func:`plan_compaction` over a store)
+Planner = Callable[[str, EvidencePolicy, int], CompactionPlan]
+
+
 def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None,
-                 dry_run: bool = False) -> CompactionResult:
-    """Compact one turn (see the module docstring): read and encode on the caller's thread,
-    then one write transaction. Skips a turn that is compacted already, whose session is
-    pinned, that is younger than ``policy.after_s``, or whose runs are not all compared."""
+                 dry_run: bool = False, planner: Planner | None = None) -> CompactionResult:
+    """Compact one turn (see the module docstring): plan it (read and encode: on the caller's
+    thread, or by ``planner``), then one write transaction. Skips a turn that is compacted
+    already, whose session is pinned, that is younger than ``policy.after_s``, or whose runs are
+    not all compared."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    plan = (planner(turn_id, policy, now_ns) if planner is not None
+            else plan_compaction(store, turn_id, policy, now_ns=now_ns))
+    if dry_run:
+        return plan.result
+    return apply_plan(store, plan)
+
+
+def apply_plan(store: Any, plan: CompactionPlan) -> CompactionResult:
+    """Commit a plan in one transaction; ``conflict`` when a row changed since it was read."""
+    if plan.record is None:
+        return plan.result
+    try:
+        store.apply_compaction(plan.result.turn_id, plan.record, list(plan.changes)).result()
+    except CompactionConflict as e:
+        return CompactionResult(plan.result.turn_id, "conflict", str(e))
+    return plan.result
+
+
+def _skip(turn_id: str, why: str) -> CompactionPlan:
+    return CompactionPlan(CompactionResult(turn_id, "skipped", why))
+
+
+def plan_compaction(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None) -> CompactionPlan:
+    """What compacting one turn writes (see :func:`compact_turn`), read from ``store`` (which
+    may be open read-only) without writing anything."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     if store.compaction(turn_id) is not None:
-        return CompactionResult(turn_id, "skipped", "compacted already")
+        return _skip(turn_id, "compacted already")
     turn = records.turn(store.get_turn(turn_id))
     if turn.session_id:
         try:
             if records.session(store.get_session(turn.session_id)).pinned:
-                return CompactionResult(turn_id, "skipped", "pinned")
+                return _skip(turn_id, "pinned")
         except KeyError:
             pass
     if (now_ns - int(turn.created_ns or 0)) < policy.after_s * 1e9:
-        return CompactionResult(turn_id, "skipped", "recent")
+        return _skip(turn_id, "recent")
     runs = [records.run(r) for r in store.iter_runs(turn_id)]
     with_rows = [r for r in runs if r.mode in ("forced", "free") and store.count_rows(r.id)]
     if not with_rows:
-        return CompactionResult(turn_id, "skipped", "no rows")
+        return _skip(turn_id, "no rows")
     comparisons = [records.comparison(c) for r in runs for c in store.iter_comparisons(r.id)]
     compared = {c.run_id for c in comparisons}
     primary = next((r for r in runs if r.mode == "recorded"), None)
@@ -237,7 +280,7 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
             latest[(r.backend, r.mode)] = r
     uncompared = [r for r in latest.values() if r.status == "ok" and r.id not in compared and r.id not in refs]
     if primary is None or uncompared:
-        return CompactionResult(turn_id, "skipped", "not compared yet")
+        return _skip(turn_id, "not compared yet")
     reference = sorted(refs)[0] if len(refs) == 1 else None
     tokens = list(primary.token_ids)
 
@@ -250,7 +293,7 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
             rec = f"{r.id}@{p}"
             info = blob_info(blob, record=rec)
             if info["needs_ref"]:
-                return CompactionResult(turn_id, "skipped", f"row {rec} is a delta already")
+                return _skip(turn_id, f"row {rec} is a delta already")
             x = widen_bf16(decode_row(blob, record=rec)).reshape(-1)
             extra = [t for t in (r.token_ids[p] if p < len(r.token_ids) else None,
                                  tokens[p] if p < len(tokens) else None) if t is not None]
@@ -310,13 +353,7 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
         "bytes_before": before, "bytes_after": after,
     }
     result = CompactionResult(turn_id, "compacted", "", n_full, n_delta, n_compact, before, after)
-    if dry_run:
-        return result
-    try:
-        store.apply_compaction(turn_id, record, changes).result()
-    except CompactionConflict as e:
-        return CompactionResult(turn_id, "conflict", str(e))
-    return result
+    return CompactionPlan(result, record, tuple(changes))
 
 
 def due_turns(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None) -> Iterable[str]:
@@ -333,15 +370,16 @@ def due_turns(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None) 
 
 
 def compact_store(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None, dry_run: bool = False,
-                  limit: int | None = None,
-                  progress: Callable[[CompactionResult], None] | None = None) -> list[CompactionResult]:
-    """Compact every due turn (at most ``limit``); one transaction per turn."""
+                  limit: int | None = None, progress: Callable[[CompactionResult], None] | None = None,
+                  planner: Planner | None = None) -> list[CompactionResult]:
+    """Compact every due turn (at most ``limit``); one transaction per turn; ``planner``: who
+    plans each turn (default: this thread, :func:`plan_compaction`)."""
     out: list[CompactionResult] = []
     for tid in due_turns(store, policy, now_ns=now_ns):
         if limit is not None and len([r for r in out if r.status == "compacted"]) >= limit:
             break
         try:
-            r = compact_turn(store, tid, policy, now_ns=now_ns, dry_run=dry_run)
+            r = compact_turn(store, tid, policy, now_ns=now_ns, dry_run=dry_run, planner=planner)
         except KeyError as e:  # the turn or its session went while we walked (pruned, merged)
             r = CompactionResult(tid, "skipped", f"gone: {e}")
         out.append(r)

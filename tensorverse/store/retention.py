@@ -254,10 +254,13 @@ class RetentionKeeper:
     previous run, how long until ``max_bytes`` (else the cap, else the filesystem) is reached."""
 
     def __init__(self, store: Any, policy: RetentionPolicy, interval_s: float = 300.0,
-                 evidence: Any = None) -> None:
+                 evidence: Any = None, planner: Any = None) -> None:
         self.store = store
         self.policy = policy
         self.evidence = evidence  # tensorverse.store.compaction.EvidencePolicy, or None: no compaction
+        # who plans each turn's compaction (tensorverse.store.compaction.Planner; the proxy's
+        # analysis workers), None: this thread
+        self.planner = planner
         self.turns_compacted = 0
         self.rows_compacted = 0
         self.bytes_compacted = 0
@@ -300,7 +303,7 @@ class RetentionKeeper:
             if self.evidence is not None:  # non-evidence rows go first
                 from tensorverse.store.compaction import compact_store
 
-                for c in compact_store(self.store, self.evidence, now_ns=now_ns):
+                for c in compact_store(self.store, self.evidence, now_ns=now_ns, planner=self.planner):
                     if c.status == "compacted":
                         self.turns_compacted += 1
                         self.rows_compacted += c.rows_compact

@@ -108,9 +108,10 @@ def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, sha
     return PreparedTurn(turn_id, session_id, index, created_ns, tokens, real_flips, _top5(ref), runs)
 
 
-def store_turn(store: Any, t: PreparedTurn) -> ShadowedTurn:
+def store_turn(store: Any, t: PreparedTurn, *, compare: bool = True) -> ShadowedTurn:
     """The proxy's side of one shadowed turn: the records and the rows written through the
-    store's real write path, then the real comparisons (what ``proxy_cpu`` figures measure)."""
+    store's real write path, then the real comparisons (what ``proxy_cpu`` figures measure;
+    ``compare=False``: none, the turn is left as the shadow runs leave it)."""
     store.put_session(Session(id=t.session_id, created_ns=t.created_ns, tags={"agent": "workload"})).result()
     store.put_turn(Turn(id=t.turn_id, session_id=t.session_id, index=t.index, created_ns=t.created_ns,
                         endpoint="completions", backend="primary", state="ok", output_token_ids=t.tokens)).result()
@@ -129,7 +130,7 @@ def store_turn(store: Any, t: PreparedTurn) -> ShadowedTurn:
                               mode=mode, status="ok", capture="full", token_ids=toks, top_logprobs=top, k=5,
                               rows=complete, text="", created_ns=t.created_ns)).result()
             store.write_rows(rid, blobs).result()
-    comparisons = compare_turn(store, t.turn_id, roles={b: r for b, r in LINEUP})
+    comparisons = compare_turn(store, t.turn_id, roles={b: r for b, r in LINEUP}) if compare else []
     return ShadowedTurn(t.turn_id, t.session_id, t.tokens, t.flips, runs, comparisons)
 
 

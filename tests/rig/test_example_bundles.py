@@ -1,6 +1,7 @@
-"""The bundles made on this machine (examples/rig-bundles/) pass the checker against the shipped
-corpus, and say what was measured here: the reference reproduces the recorded tokens on the
-machine that recorded them, the noise point never flips, and FP8 KV-cache flips more than fp32."""
+"""The bundles made on this project's machines (examples/rig-bundles/) pass the checker against the
+shipped corpus, and say what was measured there: on the Xeon that recorded the corpus the
+reference reproduces its tokens, the noise point never flips, and FP8 KV-cache flips more than
+fp32; on the AMD EPYC, tensor parallelism flips a tool-call argument that TP1 keeps."""
 
 from __future__ import annotations
 
@@ -26,3 +27,30 @@ def test_example_bundles_are_accepted_and_consistent():
     for name in ("bf16", "fp32", "fp16"):
         assert [r for r in full.positions if r["setting"] == name] == \
                [r for r in dtypes.positions if r["setting"] == name]
+
+
+def test_the_amd_bundle_shows_tp2_flipping_a_tool_argument_that_tp1_keeps():
+    from tensorverse.hypercube.merge import merge_bundles
+    from tensorverse.hypercube.site import site_data
+    from tensorverse.hypercube.stats import marginals
+
+    amd = check_bundle(str(DIR / "amd-epyc-avx2-cpu-v2.tvbundle"), known_corpora())
+    assert amd.manifest["suite"]["name"] == "cpu-v2"
+    assert amd.ran == ["bf16", "bf16_noise", "fp32", "fp16", "fp8_weights", "threads_2", "tp2"]
+
+    def flips(name):
+        return {(r["case"], r["position"]) for r in amd.positions if r["setting"] == name and r["flip"]}
+
+    # TP1 (the reference and its second start) against the corpus: one tie, recorded on a Xeon
+    assert flips("bf16") == flips("bf16_noise") == {("demo-05-mac-owner", 22)}
+    # TP2 adds the description argument of demo-07's tool call, position 43 (a near tie)
+    assert flips("tp2") - flips("bf16") == {("demo-07-set-description", 43)}
+    free = {(r["setting"], r["case"]): r for r in amd.free}
+    assert free[("tp2", "demo-07-set-description")]["verdict"] == "value_mismatch"
+    assert free[("bf16", "demo-07-set-description")]["diverged"] is False
+    status = {s["name"]: s for s in amd.manifest["settings"]}
+    assert status["pp2"]["status"] == status["fp8_kv_e4m3"]["status"] == "refused"
+    # the hypercube site carries the parallel axis
+    cube = merge_bundles([amd])
+    data = site_data(cube, marginals(cube))
+    assert "parallel" in cube.axes and {m["setting"]: m["axis"] for m in data["marginals"]}["tp2"] == "parallel"

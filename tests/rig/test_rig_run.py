@@ -4,6 +4,7 @@ shipped corpus is a known corpus, a bad suite or setting is a usage error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tensorverse.cli import main as cli_main
 from tensorverse.rig.suite import CPU_V1, known_corpora
@@ -79,3 +80,35 @@ def test_cpu_v2_adds_the_parallel_axis_refusing_what_this_machine_cannot_run(mon
     assert CPU_V2.setting("pp2").refusal() == PP_REFUSAL
     assert cli_main(["rig", "suites"]) == 0
     assert "tp2" in capsys.readouterr().out
+
+
+def test_gpu_v1_dry_run_prints_every_point_and_refuses_each_without_its_gpus(monkeypatch, capsys):
+    from tensorverse.rig import suite as S
+    from tensorverse.rig.run import plan
+
+    monkeypatch.setattr("tensorverse.replay.rig._gpus", lambda: None)  # a machine without nvidia-smi
+    points = plan(S.GPU_V1, model_dir=Path("/models/qwen3-8b"))
+    assert [p.name for p in points][:2] == ["bf16", "bf16_noise"] and len(points) == len(S.GPU_V1.settings)
+    assert all(p.refusal == S.gpus_refusal(int(S.GPU_V1.setting(p.name).options.get("--tensor-parallel-size", 1)), 0)
+               for p in points)
+    tp8 = next(p for p in points if p.name == "tp8")
+    assert tp8.command[tp8.command.index("--tensor-parallel-size") + 1] == "8"
+    assert tp8.command[tp8.command.index("--model") + 1] == "/models/qwen3-8b" and "PORT" in tp8.command
+    ring = next(p for p in points if p.name == "tp2_nccl_ring")
+    assert ring.env["NCCL_ALGO"] == "Ring" and ring.env["VLLM_ATTENTION_BACKEND"] == "FLASH_ATTN"
+    assert next(p for p in points if p.name == "attn_triton").env["VLLM_ATTENTION_BACKEND"] == "TRITON_ATTN"
+    # a rig with 4 GPUs runs everything up to TP4
+    monkeypatch.setattr("tensorverse.replay.rig._gpus", lambda: {"count": 4, "models": ["H100"]})
+    monkeypatch.setattr("tensorverse.matrix.launcher.on_cpu", lambda: False)  # it has nvidia-smi
+    refused = [p.name for p in plan(S.GPU_V1) if p.refusal]
+    assert refused == ["tp8"]
+
+    assert cli_main(["rig", "run", "--dry-run", "--suite", "gpu-v1", "--settings", "tp2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in out["points"]] == ["bf16", "bf16_noise", "tp2"]
+
+
+def test_a_suite_without_a_shipped_corpus_asks_for_one(tmp_path, capsys):
+    assert cli_main(["rig", "run", "--suite", "gpu-v1", "--out", str(tmp_path / "b.tvbundle")]) == 2
+    assert "--corpus" in capsys.readouterr().err
+    assert not (tmp_path / "b.tvbundle").exists()
