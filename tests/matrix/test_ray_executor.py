@@ -35,9 +35,13 @@ def test_point_resources_gpus_are_parallel_sizes():
     assert point_resources({"--dtype": "bfloat16"}, opts, cluster_has_gpus=True)["num_gpus"] == 1
     assert point_resources({"--data-parallel-size": 2, "--tensor-parallel-size": 2}, opts,
                            cluster_has_gpus=True)["num_gpus"] == 4
-    # a CPU-only cluster: no GPU asked for, whatever the point says; CPUs from the flag
-    cpu = point_resources(eff, ExecutorOptions(name="ray", cpus_per_point=2), cluster_has_gpus=False)
+    # a CPU-only cluster: no GPU asked for, whatever the point says; CPUs from the flag, and at
+    # least one per rank (vLLM-CPU binds each rank to its own cores)
+    cpu = point_resources({"--dtype": "bfloat16"}, ExecutorOptions(name="ray", cpus_per_point=2), cluster_has_gpus=False)
     assert cpu == {"num_cpus": 2, "num_gpus": 0, "resources": {}}
+    assert point_resources(eff, ExecutorOptions(name="ray", cpus_per_point=2), cluster_has_gpus=False)["num_cpus"] == 8
+    assert point_resources({"--tensor-parallel-size": 2}, ExecutorOptions(name="ray", cpus_per_point=4),
+                           cluster_has_gpus=False)["num_cpus"] == 4
     # an explicit number wins
     assert point_resources(eff, ExecutorOptions(name="ray", gpus_per_point="1"), cluster_has_gpus=True)["num_gpus"] == 1.0
 
