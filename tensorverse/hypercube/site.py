@@ -25,14 +25,13 @@ page shows; the bundles keep the exact values.
 
 from __future__ import annotations
 
-import html
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-import orjson
 
+from tensorverse.htmlpage import embed_json, esc
 from tensorverse.hypercube.merge import Hypercube
 from tensorverse.hypercube.stats import CONFIDENCE, METHOD, REPLICATES, SEED, Marginal
 
@@ -43,14 +42,6 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 ASSETS = ("hypercube.js", "hypercube.css")
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'none'; connect-src 'none'; "
        "base-uri 'none'; form-action 'none'")
-
-_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def embed_json(obj: Any) -> str:
-    """JSON text that can sit inside a ``<script type="application/json">`` element."""
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode().translate(_ESCAPES)
-
 
 def _r4(x: float) -> float:
     return float(f"{x:.4g}")
@@ -100,10 +91,10 @@ def render_index(data: dict[str, Any]) -> str:
     title = f"Tensorverse hypercube · {data['suite']['name']} · {len(data['rigs'])} rigs"
     return (
         "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{html.escape(CSP, quote=True)}\">\n"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{esc(CSP)}\">\n"
         "<meta name=\"referrer\" content=\"no-referrer\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-        f"<title>{html.escape(title, quote=True)}</title>\n"
+        f"<title>{esc(title)}</title>\n"
         "<link rel=\"stylesheet\" href=\"static/hypercube.css\">\n</head>\n<body>\n"
         "<header class=\"top\"><span class=\"brand\">Tensorverse hypercube</span>"
         "<span id=\"hc-title\"></span><span class=\"spacer\"></span>"

@@ -4,17 +4,13 @@ that came from a spec or a server is escaped; no script, no external resource.""
 
 from __future__ import annotations
 
-import html
 import json
 from typing import Any, Mapping
 
+from tensorverse.htmlpage import esc
 from tensorverse.matrix.spec import render_value
 
 __all__ = ["render_html", "heat_cells"]
-
-
-def _e(v: Any) -> str:
-    return html.escape("-" if v is None else str(v), quote=True)
 
 
 def _color(rate: float | None, vmax: float) -> str:
@@ -63,40 +59,40 @@ def render_html(report: Mapping[str, Any]) -> str:
              "<style>body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#f6f6f6}"
              "td.cell{min-width:7em;text-align:center}.bad{color:#a00}</style></head><body>",
-             f"<h1>Matrix: {_e(report.get('served_name'))}</h1>",
-             f"<p>{_e(len(report['points']))} points over {_e(report['corpus']['cases'])} case(s) of "
-             f"{_e(report['corpus']['name'])}; forced runs compared with the reference point "
-             f"<b>{_e(report['reference'])}</b>.</p>",
+             f"<h1>Matrix: {esc(report.get('served_name'))}</h1>",
+             f"<p>{esc(len(report['points']))} points over {esc(report['corpus']['cases'])} case(s) of "
+             f"{esc(report['corpus']['name'])}; forced runs compared with the reference point "
+             f"<b>{esc(report['reference'])}</b>.</p>",
              "<h2>Flip rate heat map</h2><table id='heatmap'>"]
     if a is None:
-        parts.append("<tr>" + "".join(f"<th>{_e(c['label'])}</th>" for c in cells[0]) + "</tr><tr>")
-        parts += [f"<td class='cell' style='background:{_color(c['rate'], vmax)}'>{_e(_pct(c['rate']))}</td>"
+        parts.append("<tr>" + "".join(f"<th>{esc(c['label'])}</th>" for c in cells[0]) + "</tr><tr>")
+        parts += [f"<td class='cell' style='background:{_color(c['rate'], vmax)}'>{esc(_pct(c['rate']))}</td>"
                   for c in cells[0]]
         parts.append("</tr>")
     else:
-        head = [f"<th>{_e(a)} \\ {_e(b)}</th>" if b else f"<th>{_e(a)}</th><th>flip rate</th>"]
+        head = [f"<th>{esc(a)} \\ {esc(b)}</th>" if b else f"<th>{esc(a)}</th><th>flip rate</th>"]
         if b:
-            head += [f"<th>{_e(render_value(v))}</th>" for v in report["axes"][b]]
+            head += [f"<th>{esc(render_value(v))}</th>" for v in report["axes"][b]]
         parts.append("<tr>" + "".join(head) + "</tr>")
         for row in cells:
-            parts.append(f"<tr><th>{_e(render_value(row[0]['a']))}</th>")
+            parts.append(f"<tr><th>{esc(render_value(row[0]['a']))}</th>")
             for c in row:
                 title = ", ".join(c["points"])
                 label = "ref" if c["reference"] and not c["positions"] else _pct(c["rate"])
-                parts.append(f"<td class='cell' title='{_e(title)}' style='background:{_color(c['rate'], vmax)}'>"
-                             f"{_e(label)}</td>")
+                parts.append(f"<td class='cell' title='{esc(title)}' style='background:{_color(c['rate'], vmax)}'>"
+                             f"{esc(label)}</td>")
             parts.append("</tr>")
     parts.append("</table>")
     parts.append("<h2>Marginal effects</h2>")
     for axis, vals in (report.get("marginals") or {}).items():
-        parts.append(f"<table><tr><th>{_e(axis)}</th><th>points</th><th>positions</th><th>flip rate</th>"
+        parts.append(f"<table><tr><th>{esc(axis)}</th><th>points</th><th>positions</th><th>flip rate</th>"
                      "<th>95% CI</th><th>KL mean</th><th>effect</th></tr>")
         for v in vals:
             ci = v.get("flip_rate_ci") or [None, None]
-            parts.append(f"<tr><th>{_e(render_value(v['value']))}</th><td>{_e(len(v['points']))}</td>"
-                         f"<td>{_e(v['positions'])}</td><td>{_e(_pct(v.get('flip_rate')))}</td>"
-                         f"<td>{_e(_pct(ci[0]))} – {_e(_pct(ci[1]))}</td><td>{_e(_sci(v.get('kl_mean')))}</td>"
-                         f"<td>{_e(_pct(v.get('effect'), sign=True))}</td></tr>")
+            parts.append(f"<tr><th>{esc(render_value(v['value']))}</th><td>{esc(len(v['points']))}</td>"
+                         f"<td>{esc(v['positions'])}</td><td>{esc(_pct(v.get('flip_rate')))}</td>"
+                         f"<td>{esc(_pct(ci[0]))} – {esc(_pct(ci[1]))}</td><td>{esc(_sci(v.get('kl_mean')))}</td>"
+                         f"<td>{esc(_pct(v.get('effect'), sign=True))}</td></tr>")
         parts.append("</table>")
     parts.append("<h2>Points</h2><table><tr><th>point</th><th>status</th><th>positions</th><th>flips</th>"
                  "<th>flip rate</th><th>KL mean</th><th>free diverged vs ref</th><th>start s</th>"
@@ -106,12 +102,12 @@ def render_html(report: Mapping[str, Any]) -> str:
         fv = p.get("free_vs_reference") or {}
         t = p.get("timings") or {}
         cls = "" if p["status"] == "ok" else " class='bad'"
-        parts.append(f"<tr><th>{_e(p['name'])}{' (ref)' if p.get('reference') else ''}</th>"
-                     f"<td{cls} title='{_e(p.get('error') or '')}'>{_e(p['status'])}</td>"
-                     f"<td>{_e(s.get('positions'))}</td><td>{_e(s.get('flips'))}</td>"
-                     f"<td>{_e(_pct(s.get('flip_rate')))}</td><td>{_e(_sci((s.get('kl') or {}).get('mean')))}</td>"
-                     f"<td>{_e(str(fv.get('diverged')) + '/' + str(fv.get('turns')) if fv.get('turns') else None)}</td>"
-                     f"<td>{_e(_num(t.get('start_s')))}</td><td>{_e(_num(t.get('replay_s')))}</td></tr>")
+        parts.append(f"<tr><th>{esc(p['name'])}{' (ref)' if p.get('reference') else ''}</th>"
+                     f"<td{cls} title='{esc(p.get('error') or '')}'>{esc(p['status'])}</td>"
+                     f"<td>{esc(s.get('positions'))}</td><td>{esc(s.get('flips'))}</td>"
+                     f"<td>{esc(_pct(s.get('flip_rate')))}</td><td>{esc(_sci((s.get('kl') or {}).get('mean')))}</td>"
+                     f"<td>{esc(str(fv.get('diverged')) + '/' + str(fv.get('turns')) if fv.get('turns') else None)}</td>"
+                     f"<td>{esc(_num(t.get('start_s')))}</td><td>{esc(_num(t.get('replay_s')))}</td></tr>")
     parts.append("</table></body></html>\n")
     return "".join(parts)
 

@@ -17,14 +17,12 @@ holds no text but case ids, backend names and numbers. All data is escaped.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import html
 import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from tensorverse.htmlpage import csp_hash, esc
 from tensorverse.replay.report import RESULTS_FORMAT
 
 __all__ = ["diverging", "write_html_report", "case_page_name"]
@@ -33,14 +31,6 @@ _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d2330}
 table{border-collapse:collapse;margin:8px 0 20px}th,td{padding:3px 9px;border-bottom:1px solid #dde;
 text-align:right;white-space:nowrap}th:first-child,td:first-child{text-align:left}
 .fail{color:#b3261e;font-weight:600}.ok{color:#1b7f3b}.muted{color:#667}code{font-size:13px}"""
-
-
-def _sha(text: str) -> str:
-    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
-
-
-def _e(v: Any) -> str:
-    return html.escape("-" if v is None else str(v), quote=True)
 
 
 def case_page_name(case_id: str) -> str:
@@ -85,40 +75,40 @@ def _index(results: Mapping[str, Any], rows: list[tuple[Mapping[str, Any], dict,
 
     ref = results.get("reference")
     table = _summary_rows(results.get("summary") or {})
-    head = "".join(f"<th>{_e(c)}</th>" for c in table[0])
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in table[1:])
+    head = "".join(f"<th>{esc(c)}</th>" for c in table[0])
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in table[1:])
     corpus = results.get("corpus") or {}
     failed = (results.get("thresholds") or {}).get("failed") or []
     rules = (results.get("thresholds") or {}).get("rules") or []
     gate = ""
     if rules:
         gate = "<h2>--fail-on</h2><ul>" + "".join(
-            f"<li class=\"fail\">FAIL {_e(f.get('message'))}</li>" for f in failed) + (
-            "" if failed else "<li class=\"ok\">every rule holds: " + _e(", ".join(rules)) + "</li>") + "</ul>"
+            f"<li class=\"fail\">FAIL {esc(f.get('message'))}</li>" for f in failed) + (
+            "" if failed else "<li class=\"ok\">every rule holds: " + esc(", ".join(rules)) + "</li>") + "</ul>"
     items = []
     for case, why, page in rows:
-        link = (f"<a href=\"cases/{_e(case_page_name(case['id']))}\">{_e(case['id'])}</a>" if page
-                else _e(case["id"]))
+        link = (f"<a href=\"cases/{esc(case_page_name(case['id']))}\">{esc(case['id'])}</a>" if page
+                else esc(case["id"]))
         reasons = "; ".join(f"{n}: {', '.join(w)}" for n, w in why.items()) or "no divergence"
         branches = " ".join(f"{n}={b.get('status')}" for n, b in (case.get("branches") or {}).items())
         basis = [t.get("basis") or {} for t in case.get("turns") or ()]
         changed = sum(1 for b in basis if (b.get("vs_recorded") or {}).get("diverged"))
-        items.append(f"<tr data-case=\"{_e(case['id'])}\" data-diverging=\"{'1' if why else '0'}\">"
+        items.append(f"<tr data-case=\"{esc(case['id'])}\" data-diverging=\"{'1' if why else '0'}\">"
                      f"<td>{link}</td><td>{len(case.get('turns') or ())}</td>"
-                     f"<td class=\"{'fail' if why else 'ok'}\">{_e(reasons)}</td>"
-                     f"<td>{_e(branches)}</td><td>{changed}/{len(basis)}</td></tr>")
+                     f"<td class=\"{'fail' if why else 'ok'}\">{esc(reasons)}</td>"
+                     f"<td>{esc(branches)}</td><td>{changed}/{len(basis)}</td></tr>")
     n_div = sum(1 for _, why, _ in rows if why)
     title = f"Tensorverse replay · {corpus.get('name')}"
     return (
         "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        f"<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src {_sha(_CSS)}; "
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src {csp_hash(_CSS)}; "
         "base-uri 'none'; form-action 'none'\">\n<meta name=\"referrer\" content=\"no-referrer\">\n"
-        f"<title>{_e(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f"<h1>{_e(title)}</h1>\n"
-        f"<p class=\"muted\">{_e(corpus.get('cases'))} case(s) on {len(results.get('summary') or {})} "
-        f"backend(s), reference <code>{_e(ref)}</code>; forced metrics against the reference's forced "
+        f"<title>{esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f"<h1>{esc(title)}</h1>\n"
+        f"<p class=\"muted\">{esc(corpus.get('cases'))} case(s) on {len(results.get('summary') or {})} "
+        f"backend(s), reference <code>{esc(ref)}</code>; forced metrics against the reference's forced "
         f"run, free runs against the basis (the reference's own output on the scrubbed prompt); "
-        f"{_e(results.get('created'))}; {_e(results.get('wall_s'))} s.</p>\n"
+        f"{esc(results.get('created'))}; {esc(results.get('wall_s'))} s.</p>\n"
         f"<table id=\"summary\"><tr>{head}</tr>{body}</table>\n{gate}\n"
         f"<h2>Cases ({n_div} diverging)</h2>\n<table id=\"cases\"><tr><th>case</th><th>turns</th>"
         "<th>divergence</th><th>branches</th><th>basis != recorded</th></tr>"

@@ -13,33 +13,16 @@ reads the escapes back as the original characters.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import html
 import os
 from pathlib import Path
 from typing import Any
 
-import orjson
 
+from tensorverse.htmlpage import csp_hash, embed_json, esc
 from tensorverse.viz.data import ViewData
 from tensorverse.viz.server import STATIC_DIR
 
-__all__ = ["render_html", "export_session", "embed_json"]
-
-_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026",
-            0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def embed_json(obj: Any) -> str:
-    """JSON text that can sit inside a ``<script type="application/json">`` element."""
-    text = orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
-    return text.translate(_ESCAPES)
-
-
-def _sha256(text: str) -> str:
-    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
-
+__all__ = ["render_html", "export_session"]
 
 def _inline_safe(code: str, tag: str) -> str:
     # An inline <script>/<style> ends at the first "</tag", and "<!--" / "<script" inside a
@@ -55,13 +38,13 @@ def render_html(bundle: dict, *, title: str | None = None) -> str:
     """The export page for a bundle from :meth:`ViewData.export_bundle`."""
     js = _inline_safe((STATIC_DIR / "app.js").read_text(encoding="utf-8"), "script")
     css = _inline_safe((STATIC_DIR / "app.css").read_text(encoding="utf-8"), "style")
-    csp = (f"default-src 'none'; script-src {_sha256(js)}; style-src {_sha256(css)}; "
+    csp = (f"default-src 'none'; script-src {csp_hash(js)}; style-src {csp_hash(css)}; "
            "img-src data:; base-uri 'none'; form-action 'none'")
     sid = str(bundle.get("session", {}).get("session", {}).get("id", ""))
-    page_title = html.escape(title or f"Tensorverse · session {sid}", quote=True)
+    page_title = esc(title or f"Tensorverse · session {sid}")
     return (
         "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{html.escape(csp, quote=True)}\">\n"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{esc(csp)}\">\n"
         "<meta name=\"referrer\" content=\"no-referrer\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{page_title}</title>\n<style>{css}</style>\n</head>\n<body>\n"

@@ -8,7 +8,7 @@ import json
 import re
 
 from tensorverse.cli import main
-from tensorverse.viz.export import embed_json, render_html
+from tensorverse.viz.export import render_html
 
 
 def _export(built, tmp_path, session="s-xss"):
@@ -59,13 +59,6 @@ def test_export_escapes_hostile_text(built, tmp_path, vz):
     vocab = data["turns"]["s-xss-t0"]["vocab"].values()
     assert vz.XSS_IMG in vocab and vz.XSS_SCRIPT in vocab
     assert data["session"]["session"]["tags"]["agent"] == vz.XSS_IMG
-
-
-def test_embed_json_round_trips_specials():
-    value = {"a": "</script><!-- <script>", "b": "\u2028\u2029&", "c": [1.5, None]}
-    text = embed_json(value)
-    assert "<" not in text and ">" not in text and "&" not in text
-    assert json.loads(text) == value
 
 
 def test_export_unknown_session(built, tmp_path, capsys):
