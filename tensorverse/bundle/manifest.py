@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
-
 from tensorverse.bundle.format import SCHEMA_DIR, BundleRefused
+from tensorverse.jsonschemas import first_error
 
 __all__ = ["manifest_schema", "validate_manifest"]
 
@@ -18,9 +17,6 @@ def manifest_schema() -> dict[str, Any]:
 
 
 def validate_manifest(m: Any) -> None:
-    v = jsonschema.Draft202012Validator(manifest_schema())
-    errs = sorted(v.iter_errors(m), key=lambda e: list(e.absolute_path))
-    if errs:
-        e = errs[0]
-        where = "/".join(str(x) for x in e.absolute_path) or "(top)"
-        raise BundleRefused("schema", f"manifest.json at {where}: {e.message[:300]}")
+    e = first_error(manifest_schema(), m)
+    if e is not None:
+        raise BundleRefused("schema", f"manifest.json at {e.path}: {e.message[:300]}")

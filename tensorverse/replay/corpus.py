@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-import jsonschema
-
+from tensorverse.jsonschemas import first_error
 from tensorverse.replay.scrub import SCRUBBER_VERSION, Scrubber
 from tensorverse.store import records
 from tensorverse.store.records import Turn
@@ -66,13 +65,9 @@ def schema(name: str) -> dict[str, Any]:
 
 
 def _validate(obj: Any, name: str, where: str) -> None:
-    v = jsonschema.Draft202012Validator(schema(name))
-    errs = sorted(v.iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errs:
-        e = errs[0]
-        path = "/".join(str(p) for p in e.absolute_path) or "(top)"
-        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise CorpusError(f"{where}: {path}: {e.message}{more}")
+    e = first_error(schema(name), obj)
+    if e is not None:
+        raise CorpusError(f"{where}: {e}")
 
 
 def validate_case(case: Mapping[str, Any], where: str = "case") -> None:
