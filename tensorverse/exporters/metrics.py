@@ -237,6 +237,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_store_days_left", "gauge",
                "days until the budget (max_bytes, else the cap, else the disk) is full at the growth "
                "since the last [retention] run (NaN: unknown, or retention off)"),
+    MetricSpec("tensorverse_analysis_jobs", "counter",
+               "comparisons and compaction plans done for the proxy by its analysis workers", ("job",)),
+    MetricSpec("tensorverse_analysis_in_thread", "counter",
+               "analysis jobs done in a thread of the proxy because their worker died"),
+    MetricSpec("tensorverse_analysis_worker_restarts", "counter",
+               "times the analysis workers were started again after one died"),
     # -- the verdict (issue 25; docs/verdict.md), from the store every [verdict].refresh_s -------
     MetricSpec("tensorverse_verdict", "gauge",
                "1 for the shadow's current decision (regression, equivalent, undecided), 0 for the others",
@@ -755,6 +761,13 @@ class MetricsCollector:
         yield gauge("tensorverse_store_over_budget", 1.0 if ret.get("over_budget") else 0.0)
         days = ret.get("days_left")
         yield gauge("tensorverse_store_days_left", float("nan") if days is None else float(days))
+        ana = s.get("analysis") or {}
+        jobs = counter("tensorverse_analysis_jobs", labels=("job",))
+        jobs.add_metric(["compare"], ana.get("compared", 0))
+        jobs.add_metric(["plan"], ana.get("planned", 0))
+        yield jobs
+        yield counter("tensorverse_analysis_in_thread", ana.get("in_thread", 0))
+        yield counter("tensorverse_analysis_worker_restarts", ana.get("worker_restarts", 0))
         if self.verdict is not None:
             yield from self._verdict_families()
 

@@ -136,6 +136,8 @@ class Proxy:
         s["in_flight"] = self.core.in_flight
         if self.retention is not None:
             s["retention"] = self.retention.stats()
+        if self.analysis is not None:
+            s["analysis"] = dict(self.analysis.counters)
         return s
 
     async def _keep_retention(self) -> None:

@@ -26,7 +26,7 @@ from tensorverse.exporters.metrics import (
 )
 
 LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table",
-            "decision", "bound"}  # decision: 3 values, bound: estimate, low, high
+            "decision", "bound", "job"}  # decision: 3 values, bound: estimate, low, high; job: compare, plan
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -72,7 +72,8 @@ def test_the_proxy_compacts_compared_turns_and_says_so(fake, make_proxy, settle)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and proxy.store.compaction("old-turn") is None:
             time.sleep(0.1)
-        m = _samples(c.get(proxy.admin_url + "/metrics").text)
+        text = c.get(proxy.admin_url + "/metrics").text
+        m = _samples(text)
     rid = t.run_ids[("candidate", "forced")]
     kept = set(proxy.store.compaction("old-turn")["runs"][rid]["full"])
     lost = next(p for p in range(24) if p not in kept)
@@ -83,3 +84,7 @@ def test_the_proxy_compacts_compared_turns_and_says_so(fake, make_proxy, settle)
         assert e.compact.top(1) == [int(np.argmax(ref[lost]))]
     assert m["tensorverse_store_compacted_turns_total"] == 1
     assert m["tensorverse_store_compacted_rows_total"] > 100 and m["tensorverse_store_compacted_bytes_total"] > 0
+    # planned by the analysis worker (a process of its own), committed by the proxy
+    jobs = {s.labels["job"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "tensorverse_analysis_jobs_total"}
+    assert jobs["plan"] >= 1 and m["tensorverse_analysis_in_thread_total"] == 0
