@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tensorverse.cli import main
+from tensorverse.testing.records import store_session
 from tensorverse.store import Store
 from tensorverse.store.retention import (RetentionKeeper, RetentionPolicy, parse_bytes, parse_duration, plan,
                                          prune, usage)
@@ -22,14 +22,8 @@ DAY = 86400 * 10**9
 
 
 def _session(st: Store, sid: str, created_ns: int, *, turns: int = 2, rows: int = 8) -> None:
-    st.put_session({"id": sid, "created_ns": created_ns}).result()
-    for i in range(turns):
-        tid = f"{sid}-t{i}"
-        st.put_turn({"id": tid, "session_id": sid, "index": i, "created_ns": created_ns + i}).result()
-        for backend, mode in (("fp8", "forced"), ("sec", "free")):
-            rid = f"{tid}-{backend}-{mode}"
-            st.put_run({"id": rid, "turn_id": tid, "backend": backend, "mode": mode}).result()
-            st.write_rows(rid, [(p, os.urandom(ROW)) for p in range(rows)]).result()
+    store_session(st, sid, created_ns=created_ns, turns=turns, runs=(("fp8", "forced"), ("sec", "free")),
+                  rows=rows, row_bytes=ROW, run_id="{turn}-{backend}-{mode}")
 
 
 @pytest.fixture

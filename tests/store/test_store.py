@@ -20,21 +20,11 @@ import pytest
 
 from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreNotReadyError, StoreVersionError
 from tensorverse.store import schema as S
+from tensorverse.testing.records import store_session
 
 
 def _session_with_turn(store: Store, sid: str, created_ns: int, turns: int = 1) -> list[str]:
-    store.put_session({"id": sid, "created_ns": created_ns, "tags": {"agent": "turnstone"}}).result()
-    tids = []
-    for i in range(turns):
-        tid = f"{sid}-t{i}"
-        store.put_turn({"id": tid, "session_id": sid, "index": i, "prompt_token_ids": [1, 2, 3]}).result()
-        for backend in ("primary", "fp32"):
-            rid = f"{tid}-{backend}"
-            store.put_run({"id": rid, "turn_id": tid, "backend": backend, "mode": "forced"}).result()
-            store.write_rows(rid, [(p, os.urandom(64)) for p in range(3)]).result()
-        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"summary": {"kl_mean": 0.1}}).result()
-        tids.append(tid)
-    return tids
+    return store_session(store, sid, created_ns=created_ns, turns=turns, compare=("fp32", "primary"))
 
 
 def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(tmp_path: Path) -> None:
@@ -581,3 +571,21 @@ def test_engine_state_is_replaced_and_deleted_with_its_row(tmp_path: Path) -> No
         assert store.read_engine_states("r") == {0: st}
         assert store.delete_session("s").result()
         assert store.read_engine_states("r") == {} and store.read_rows("r") == []
+
+
+def test_the_record_factories_write_whole_valid_sessions(tmp_path: Path) -> None:
+    from tensorverse.testing.records import T0, tcomparison, trun, tsession, tturn
+
+    with Store.open(tmp_path / "s") as store:
+        tids = store_session(store, "a", turns=2, runs=(("fp8", "forced"), ("fp8", "free")),
+                             run_id="{turn}-{backend}-{mode}", compare=None)
+        assert tids == ["a-t0", "a-t1"] and store.get_session("a")["turns"] == 2
+        assert sorted(r["id"] for r in store.iter_runs("a-t1")) == ["a-t1-fp8-forced", "a-t1-fp8-free"]
+        assert [p for p, _ in store.read_rows("a-t0-fp8-free")] == [0, 1, 2]
+        t = store.get_turn("a-t1")
+        assert t["created_ns"] == T0 + 1 and t["state"] == "ok" and t["output_token_ids"] == [4, 5, 6]
+    # overriding any field; an unknown one is refused as any write would refuse it
+    assert tturn(index=3, text="hi").text == "hi" and tsession(pinned=True).pinned
+    assert trun(status="failed").ok is False and tcomparison(flips=[2]).flips == [2]
+    with pytest.raises(TypeError):
+        tturn(colour="red")
