@@ -227,7 +227,7 @@ class BackendInfo(Record, kw_only=True):
 
 
 RECORD_TYPES: dict[str, type[Record]] = {"session": Session, "turn": Turn, "run": Run,
-                                          "comparison": Comparison, "backend": BackendInfo}
+                                         "comparison": Comparison, "backend": BackendInfo}
 
 R = TypeVar("R", bound=Record)
 
@@ -269,16 +269,16 @@ def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:
 
 
 def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, Any]:
-    """The dict a write stores for ``record``, checked against ``cls`` on the writer's thread:
-    every field declared (:class:`RecordError` naming the ones that are not) and of its type. A
-    typed record is stored with every field (its defaults written out, as a reader of the dict
-    would fill them in); a dict is stored as given once it passes, so a field added without its type fails the write that adds
-    it, in production as in the tests, instead of reaching the store."""
+    """The dict a write stores for ``record``, checked against ``cls`` on the caller's thread,
+    before the write is queued: every field declared (:class:`RecordError` naming the ones that
+    are not) and of its type. A typed record is stored with every field (its defaults written
+    out, as a reader of the dict would fill them in); a dict is stored as given once it passes.
+    So a field added without its type fails the write that adds it, in production as in the
+    tests, instead of reaching the store."""
     if isinstance(record, Record):
         if not isinstance(record, cls):
             raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}")
-        out = msgspec.to_builtins(msgspec.structs.asdict(record))
-        assert isinstance(out, dict)
+        out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(record))
         return out
     extra = unknown_fields(record, cls)
     if extra:
