@@ -327,3 +327,17 @@ def test_engine_state_off_switch(monkeypatch, sink):
     fs = frames_of(sink, "a")
     assert [f.position for f in fs] == [0, 1, 2] and all(f.engine is None for f in fs)
     assert e.proc.impl._step == 0  # no per-step counting either
+
+
+def test_the_parallel_layout_comes_from_the_engine_config_and_unknown_is_minus_one():
+    from types import SimpleNamespace
+
+    from tensorverse.capture.runtime import parallel_layout
+
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert parallel_layout(cfg) == (2, 1)
+    big = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=255, pipeline_parallel_size=256))
+    assert parallel_layout(big) == (255, -1)  # a size beyond the engine state's byte is unknown
+    zero = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=0, pipeline_parallel_size=1.0))
+    assert parallel_layout(zero) == (-1, -1)  # not a positive whole number of ranks
+    assert parallel_layout(None) == (-1, -1) and parallel_layout(SimpleNamespace()) == (-1, -1)
