@@ -222,9 +222,12 @@ class CaptureSection(_Section):
     sample: float = Field(1.0, ge=0.0, le=1.0)  # fraction of eligible turns
     per_minute: int = Field(0, ge=0)  # budget of shadowed turns per minute; 0 = unlimited
     modes: list[Literal["forced", "free"]] = Field(default_factory=lambda: ["forced", "free"])
-    # full: each backend as configured (full rows where it has the capture plugin);
+    # full: each backend as configured (every captured row in full where it has the capture plugin);
+    # evidence: the plugin reduces rows where they are captured and sends in full only the evidence
+    #   (flips, close calls, tool-call regions, the sample; [retention]'s topk, close_nats, sample,
+    #   seed): ~1/1000 of the bytes per compact row (tensorverse.shadow.evidence);
     # topk: never ask for full rows (API top-k logprobs only, metrics approximate).
-    logits: Literal["full", "topk"] = "full"
+    logits: Literal["full", "evidence", "topk"] = "full"
     # Output positions that get full rows, for very long outputs: "all", "0-511" (ranges,
     # "64-" open-ended, "0-15,20"), "every:4", "every:4+1".
     positions: str = "all"

@@ -60,6 +60,7 @@ __all__ = [
     "margin_class",
     "classify_forced",
     "classify_forced_topk",
+    "classify_forced_sparse",
     "classify_free",
     "flips_by_class",
     "noise_flips",
@@ -276,6 +277,39 @@ def classify_forced_topk(ref_topk: Sequence[Mapping[int, float]], ref_top1: Any,
         if cls is None:
             cls = FlipClass.NOISE if nm is not None and nm[i] else FlipClass.RUNTIME
         out.append(FlipAttribution(pos[i], cls, "forced", int(r1[i]), int(c1[i]), margin, steps, dtype))
+    return out
+
+
+def classify_forced_sparse(ref_kept: Sequence[tuple[Mapping[int, float], str]], ref_top1: Any,
+                           cand_top1: Any, *, noise: Any = None, positions: Sequence[int] | None = None,
+                           rule: TieRule = DEFAULT_RULE) -> list[FlipAttribution]:
+    """:func:`classify_forced` for a reference that kept only some logits of each row (a compact
+    row: its top k and a few extras, as raw logits of the row's dtype). ``ref_kept``: per position
+    ``(logits by token id, the row's dtype)``.
+
+    Where the candidate's top-1 was kept, the result is what :func:`classify_forced` gives on the
+    full row. Where it was not, it lies below the reference's k-th logit: ``margin`` and ``steps``
+    are None (unknown) and the flip is ``runtime`` or ``noise``. That is the full row's class too
+    unless the reference's top k all lie within the tie rule of its top-1, which makes the row a
+    close call, kept in full at the source (``tv_close``)."""
+    r1 = np.asarray(ref_top1, dtype=np.int64).reshape(-1)
+    c1 = np.asarray(cand_top1, dtype=np.int64).reshape(-1)
+    n = r1.shape[0]
+    if c1.shape != (n,) or len(ref_kept) != n:
+        raise AnalysisInputError(f"kept logits and top-1 arrays must have one entry per position ({n})")
+    pos = _as_positions(positions, n)
+    nm = _noise_mask(noise, n)
+    out: list[FlipAttribution] = []
+    for i in np.flatnonzero(r1 != c1).tolist():
+        vals, dtype = ref_kept[i]
+        a, b = vals.get(int(r1[i])), vals.get(int(c1[i]))
+        cls = steps = margin = None
+        if a is not None and b is not None:
+            cls, steps, margin = margin_class(a, b, dtype, rule)
+        if cls is None:
+            cls = FlipClass.NOISE if nm is not None and nm[i] else FlipClass.RUNTIME
+        out.append(FlipAttribution(pos[i], cls, "forced", int(r1[i]), int(c1[i]), margin, steps,
+                                   dtype if margin is not None else None))
     return out
 
 

@@ -9,6 +9,8 @@ Frame layout (version 1, little-endian)::
     0       4     magic b"TVFR"
     4       1     frame format version (1)
     5       1     flags: bit 0 (FLAG_ENGINE_STATE) = an engine state follows the capture id;
+                  bit 1 (FLAG_COMPACT) = the blob is the row's compact form
+                  (:mod:`tensorverse.store.compact`), not a codec blob;
                   other bits reserved, must be 0
     6       2     capture id length L (uint16, 1..MAX_ID_BYTES)
     8       8     origin (uint64): random id of the capturing process (one per tap)
@@ -21,8 +23,8 @@ Frame layout (version 1, little-endian)::
     32+L+E  B     codec blob
     +B      4     crc32 of every byte of the frame before it
 
-A frame without the flag is byte-for-byte what this format was before engine states (a
-plugin with engine state switched off sends those).
+A frame without flags is byte-for-byte what this format was before engine states and compact
+rows (a plugin with engine state switched off and no ``tv_compact`` sends those).
 
 Deduplication: ``(origin, seq)`` names one frame exactly; a receiver that sees it twice (an HTTP
 batch retried after a lost response) keeps the first. ``(capture_id, position)`` names a row;
@@ -40,7 +42,7 @@ from tensorverse.store.engine_state import ENGINE_STATE_SIZE, EngineState, Engin
 
 __all__ = ["Frame", "FrameError", "encode_frame", "iter_frames", "parse_frames",
            "MAGIC", "FRAME_VERSION", "HEADER_SIZE", "MAX_ID_BYTES", "MAX_BLOB_BYTES",
-           "CONTENT_TYPE", "FLAG_ENGINE_STATE"]
+           "CONTENT_TYPE", "FLAG_ENGINE_STATE", "FLAG_COMPACT"]
 
 MAGIC = b"TVFR"
 FRAME_VERSION = 1
@@ -48,6 +50,8 @@ CONTENT_TYPE = "application/vnd.tensorverse.frames"
 MAX_ID_BYTES = 1024
 MAX_BLOB_BYTES = 256 << 20  # far above any row (a 256k-entry float32 row is 1 MiB)
 FLAG_ENGINE_STATE = 0x01
+FLAG_COMPACT = 0x02
+_FLAGS = FLAG_ENGINE_STATE | FLAG_COMPACT
 
 _HEAD = struct.Struct("<4sBBHQQII")
 HEADER_SIZE = _HEAD.size  # 32
@@ -68,6 +72,7 @@ class Frame:
     origin: int
     blob: bytes
     engine: EngineState | None = None
+    compact: bool = False  # the blob is a compact row (FLAG_COMPACT)
 
     @property
     def size(self) -> int:
@@ -76,7 +81,7 @@ class Frame:
 
 
 def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origin: int = 0,
-                 engine: EngineState | None = None) -> bytes:
+                 engine: EngineState | None = None, compact: bool = False) -> bytes:
     """One frame as bytes (see the module docstring for the layout)."""
     if not isinstance(capture_id, str) or not capture_id:
         raise ValueError(f"capture id must be a non-empty string, got {capture_id!r}")
@@ -91,6 +96,7 @@ def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origi
     if len(blob) > MAX_BLOB_BYTES:
         raise ValueError(f"blob of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
     flags, state = (FLAG_ENGINE_STATE, engine.pack()) if engine is not None else (0, b"")
+    flags |= FLAG_COMPACT if compact else 0
     body = b"".join((_HEAD.pack(MAGIC, FRAME_VERSION, flags, len(cid), origin, seq, position, len(blob)),
                      cid, state, blob))
     return body + _CRC.pack(zlib.crc32(body))
@@ -119,7 +125,7 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
         if version != FRAME_VERSION:
             raise FrameError(f"{where}: unsupported frame version {version} "
                              f"(this reader knows {FRAME_VERSION})")
-        if flags & ~FLAG_ENGINE_STATE:
+        if flags & ~_FLAGS:
             raise FrameError(f"{where}: unknown flags 0x{flags:02x}")
         es = ENGINE_STATE_SIZE if flags & FLAG_ENGINE_STATE else 0
         if not 1 <= id_len <= MAX_ID_BYTES:
@@ -146,7 +152,7 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
             except EngineStateError as e:
                 raise FrameError(f"{where}: {e}") from None
         blob = bytes(view[id_start + id_len + es:end])
-        yield Frame(capture_id, position, seq, origin, blob, engine)
+        yield Frame(capture_id, position, seq, origin, blob, engine, bool(flags & FLAG_COMPACT))
         off += total
         index += 1
 

@@ -13,6 +13,15 @@ A request opts in through ``vllm_xargs`` in its body (vLLM copies it into
     Which output positions to capture: a list of positions, ``"all"``, ``"every:N"``
     (0, N, 2N, ...), ``"every:N+K"`` (K, K+N, ...), or ranges ``"0-15,20,64-"``
     (inclusive; ``"64-"`` is open-ended).
+``tv_compact``  (int, 1..4096)
+    Evidence chosen at the source (:mod:`tensorverse.capture.reduce`): each captured row travels
+    as its compact form with this many top logits, unless it is evidence (a forced row whose top-1
+    is not the forced token, a close call, a requested position, ...), which travels in full.
+    Without it every captured row travels in full.
+``tv_close``  (float >= 0, nats; default 0.1; needs ``tv_compact``)
+    A row whose top-2 logit gap is below this is a close call and travels in full.
+``tv_full``  (positions, as ``tv_positions``; needs ``tv_compact``)
+    Positions whose rows travel in full whatever they hold (the proxy's requests).
 
 The sink is never chosen by a request: it is configured on the server (see
 :mod:`tensorverse.capture.runtime`).
@@ -26,23 +35,39 @@ penalties with capture (Model Runner V2 applies them before custom processors), 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["KEY_CAPTURE", "KEY_FORCE", "KEY_POSITIONS", "OptInError", "Positions", "OptIn",
+__all__ = ["KEY_CAPTURE", "KEY_FORCE", "KEY_POSITIONS", "KEY_COMPACT", "KEY_CLOSE", "KEY_FULL", "OptInError", "Positions", "OptIn", "EvidenceSpec",
            "parse_extra_args", "check_sampling_params", "MAX_CAPTURE_ID_CHARS"]
 
 KEY_CAPTURE = "tv_capture"
 KEY_FORCE = "tv_force"
 KEY_POSITIONS = "tv_positions"
-KEYS = (KEY_CAPTURE, KEY_FORCE, KEY_POSITIONS)
+KEY_COMPACT = "tv_compact"
+KEY_CLOSE = "tv_close"
+KEY_FULL = "tv_full"
+KEYS = (KEY_CAPTURE, KEY_FORCE, KEY_POSITIONS, KEY_COMPACT, KEY_CLOSE, KEY_FULL)
+MAX_COMPACT_K = 4096
+DEFAULT_CLOSE_NATS = 0.1
 MAX_CAPTURE_ID_CHARS = 256
 MAX_POSITION = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SPLIT = re.compile(r"[,\s]+")
+
+
+class EvidenceSpec(NamedTuple):
+    """What a request asked of one captured row with ``tv_compact`` (see
+    :mod:`tensorverse.capture.reduce`, which decides)."""
+
+    k: int  # logits kept in the compact form
+    close_nats: float  # top-2 gap under which the row travels in full
+    forced: int  # the forced token at this position, -1 when the position decodes freely
+    requested: bool  # the proxy asked for this position in full
 
 
 class OptInError(ValueError):
@@ -76,16 +101,16 @@ class Positions:
         return max((hi for _, hi in self.ranges), default=-1)
 
     @classmethod
-    def parse(cls, value: Any) -> "Positions":
+    def parse(cls, value: Any, key: str = KEY_POSITIONS) -> "Positions":
         if value is None:
             return ALL
         if isinstance(value, (list, tuple)):
             if not value:
-                raise OptInError(f"{KEY_POSITIONS}: empty list")
-            ps = sorted({_int(v, KEY_POSITIONS, MAX_POSITION) for v in value})
+                raise OptInError(f"{key}: empty list")
+            ps = sorted({_int(v, key, MAX_POSITION) for v in value})
             return cls(every=0, ranges=_merge([(p, p) for p in ps]))
         if not isinstance(value, str):
-            raise OptInError(f"{KEY_POSITIONS} must be a string or a list of ints, "
+            raise OptInError(f"{key} must be a string or a list of ints, "
                              f"got {type(value).__name__}")
         spec = value.strip().lower()
         if spec == "all":
@@ -94,7 +119,7 @@ class Positions:
         if m:
             every, offset = int(m.group(1)), int(m.group(2) or 0)
             if every < 1 or every > MAX_POSITION or offset > MAX_POSITION:
-                raise OptInError(f"{KEY_POSITIONS}: bad progression {value!r}")
+                raise OptInError(f"{key}: bad progression {value!r}")
             return cls(every=every, offset=offset)
         ranges = []
         for part in spec.split(","):
@@ -102,12 +127,12 @@ class Positions:
             m = re.fullmatch(r"(\d+)(?:-(\d*))?", part)
             if not m:
                 raise OptInError(
-                    f"{KEY_POSITIONS}: cannot read {value!r}; use a list of positions, 'all', "
+                    f"{key}: cannot read {value!r}; use a list of positions, 'all', "
                     "'every:N', 'every:N+K', or ranges like '0-15,20,64-'")
             lo = int(m.group(1))
             hi = lo if m.group(2) is None else (-1 if m.group(2) == "" else int(m.group(2)))
             if lo > MAX_POSITION or hi > MAX_POSITION or (hi >= 0 and hi < lo):
-                raise OptInError(f"{KEY_POSITIONS}: bad range {part!r}")
+                raise OptInError(f"{key}: bad range {part!r}")
             ranges.append((lo, hi))
         return cls(every=0, ranges=_merge(ranges))
 
@@ -149,6 +174,9 @@ class OptIn:
     capture_id: str | None
     force: tuple[int, ...] | None
     positions: Positions = ALL
+    compact: int | None = None  # tv_compact: top-k of the compact form; None: every row in full
+    close_nats: float = DEFAULT_CLOSE_NATS
+    full: Positions | None = None  # tv_full
 
     def captures(self, position: int) -> bool:
         return self.capture_id is not None and position in self.positions
@@ -156,6 +184,14 @@ class OptIn:
     def forced_token(self, position: int) -> int | None:
         f = self.force
         return f[position] if f is not None and position < len(f) else None
+
+    def evidence(self, position: int) -> EvidenceSpec | None:
+        """What the tap decides for the row of ``position`` (None: send it in full)."""
+        if self.compact is None:
+            return None
+        forced = self.forced_token(position)
+        return EvidenceSpec(self.compact, self.close_nats, -1 if forced is None else forced,
+                            self.full is not None and position in self.full)
 
     def finished_at(self, position: int) -> bool:
         """True when nothing is left to do at ``position`` or later."""
@@ -199,7 +235,32 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> OptIn | None:
     positions = Positions.parse(extra_args.get(KEY_POSITIONS))
     if capture_id is None and KEY_POSITIONS in extra_args:
         raise OptInError(f"{KEY_POSITIONS} needs {KEY_CAPTURE}")
-    return OptIn(capture_id, force, positions)
+    compact, close, full = None, DEFAULT_CLOSE_NATS, None
+    if KEY_COMPACT in extra_args:
+        if capture_id is None:
+            raise OptInError(f"{KEY_COMPACT} needs {KEY_CAPTURE}")
+        compact = _int(extra_args[KEY_COMPACT], KEY_COMPACT, MAX_COMPACT_K)
+        if compact < 1:
+            raise OptInError(f"{KEY_COMPACT}: {compact} out of range 1..{MAX_COMPACT_K}")
+    for key in (KEY_CLOSE, KEY_FULL):
+        if key in extra_args and compact is None:
+            raise OptInError(f"{key} needs {KEY_COMPACT}")
+    if KEY_CLOSE in extra_args:
+        close = _nats(extra_args[KEY_CLOSE], KEY_CLOSE)
+    if KEY_FULL in extra_args:
+        full = Positions.parse(extra_args[KEY_FULL], KEY_FULL)
+    return OptIn(capture_id, force, positions, compact, close, full)
+
+
+def _nats(v: Any, key: str) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            raise OptInError(f"{key}: {v!r} is not a number") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise OptInError(f"{key}: {v!r} is not a finite number >= 0")
+    return float(v)
 
 
 def check_sampling_params(params: Any) -> OptIn | None:

@@ -173,7 +173,7 @@ class HttpSink(Sink):
 
     def _ship(self, frames: list[Frame]) -> None:
         body = b"".join(encode_frame(f.capture_id, f.position, f.blob, seq=f.seq, origin=f.origin,
-                                     engine=f.engine) for f in frames)
+                                     engine=f.engine, compact=f.compact) for f in frames)
         headers = {
             "Content-Type": CONTENT_TYPE,
             "Content-Length": str(len(body)),
@@ -238,7 +238,7 @@ class StoreSink(Sink):
             self._store = Store.open(self.path)
         by_run: dict[str, list[tuple]] = defaultdict(list)
         for f in frames:
-            by_run[f.capture_id].append((f.position, f.blob, f.engine))
+            by_run[f.capture_id].append((f.position, f.blob, f.engine, f.compact))
         futures = [self._store.write_rows(run_id, rows) for run_id, rows in by_run.items()]
         for fut in futures:
             fut.result(timeout=self.timeout)

@@ -21,8 +21,10 @@ Host buffers come from a bounded pool (``max_rows``, allocated on demand and reu
 is free the row is dropped and counted: the engine thread never blocks and never sees an
 exception from the tap (everything is caught, counted, and logged once per kind).
 
-Encoder thread: waits for the copy (CUDA), encodes with :func:`tensorverse.store.codec.encode_row`,
-returns the buffer to the pool, wraps the blob in a :class:`~tensorverse.capture.frames.Frame`
+Encoder thread: waits for the copy (CUDA), encodes with :func:`tensorverse.store.codec.encode_row`
+(or, for a row submitted with an :class:`~tensorverse.capture.optin.EvidenceSpec`, reduces it and
+encodes its compact form unless it is evidence: :mod:`tensorverse.capture.reduce`), returns the
+buffer to the pool, wraps the blob in a :class:`~tensorverse.capture.frames.Frame`
 and gives it to the sink, which ships batches (when 50 ms old, 1024 rows or 8 MiB, or when the
 encoder goes idle).
 
@@ -37,7 +39,8 @@ The encoder thread logs a one-line summary of the counters at most once a minute
 flow. Counters (:meth:`Tap.stats`): ``rows_captured`` (handed to the encoder), ``rows_encoded``,
 ``rows_shipped``, ``rows_dropped`` (= ``dropped_no_buffer`` + ``dropped_sink`` +
 ``dropped_encode``), ``rows_discarded`` (copied but never sampled: chunked-prefill steps),
-``rows_forced``, ``bytes_encoded``, ``bytes_shipped``, ``sink_errors`` (failed flushes),
+``rows_forced``, ``rows_compact`` (sent as their compact form), ``rows_evidence`` (rows with an
+evidence spec sent in full, by reason), ``bytes_encoded``, ``bytes_shipped``, ``sink_errors`` (failed flushes),
 ``errors`` (internal exceptions), ``queue_depth``, ``buffers``.
 """
 
@@ -56,6 +59,7 @@ import numpy as np
 import torch
 
 from tensorverse.capture.frames import Frame
+from tensorverse.capture.optin import EvidenceSpec
 from tensorverse.capture.sink import Sink, SinkError
 from tensorverse.store.engine_state import EngineState
 
@@ -188,6 +192,8 @@ class Tap:
         # encoder-thread counters
         self.rows_processed = 0
         self.rows_encoded = 0
+        self.rows_compact = 0
+        self.rows_evidence: dict[str, int] = {}
         self.rows_shipped = 0
         self.dropped_sink = 0
         self.dropped_encode = 0
@@ -281,11 +287,12 @@ class Tap:
             log_once("event", "recording a CUDA event failed", exc=e)
 
     def submit(self, slot: RowSlot, capture_id: str, position: int,
-               engine: tuple[int, ...] | None = None) -> None:
+               engine: tuple[int, ...] | None = None, evidence: EvidenceSpec | None = None) -> None:
         """Hand a copied row to the encoder thread. Never blocks. ``engine``: the step's engine
         state as the tuple of :class:`~tensorverse.store.engine_state.EngineState`'s fields
         (runner, step, batch_size, row, joined, context_tokens, prefill_reqs, tp, pp), built into a
-        record on the encoder thread, or None."""
+        record on the encoder thread, or None. ``evidence``: reduce the row at the source and send
+        its compact form unless it is evidence (None: send it in full)."""
         try:
             if self._closed:
                 self.release(slot)
@@ -293,7 +300,7 @@ class Tap:
             self._ensure_thread()
             self._seq += 1
             self.rows_captured += 1
-            self._q.put((slot, capture_id, position, self._seq, engine))
+            self._q.put((slot, capture_id, position, self._seq, engine, evidence))
         except Exception as e:  # noqa: BLE001
             self.errors_engine += 1
             log_once("submit", "handing a row to the encoder failed", exc=e)
@@ -308,8 +315,9 @@ class Tap:
         self._free.append(slot)
 
     def capture(self, logits: torch.Tensor, items: Iterable[tuple]) -> int:
-        """Copy and submit ``(row, capture_id, position)`` or ``(row, capture_id, position,
-        engine)`` items at once; return rows taken."""
+        """Copy and submit ``(row, capture_id, position)``, ``(row, capture_id, position,
+        engine)`` or ``(row, capture_id, position, engine, evidence)`` items at once; return rows
+        taken."""
         taken = []
         for item in items:
             slot = self.copy_row(logits, item[0])
@@ -317,7 +325,8 @@ class Tap:
                 taken.append((slot, item))
         self.mark_copied(s for s, _ in taken)
         for slot, item in taken:
-            self.submit(slot, item[1], item[2], item[3] if len(item) > 3 else None)
+            self.submit(slot, item[1], item[2], item[3] if len(item) > 3 else None,
+                        item[4] if len(item) > 4 else None)
         return len(taken)
 
     # -- encoder thread --------------------------------------------------------------------
@@ -426,14 +435,33 @@ class Tap:
             pending.append(item)
             last_row_at = time.monotonic()
 
+    def _reduce(self, slot: RowSlot, spec: EvidenceSpec) -> bytes | None:
+        """The row's compact blob, or None when it is evidence (then it is sent in full)."""
+        from tensorverse.capture.reduce import decide, reduce_rows
+        from tensorverse.store.codec import row_checksum
+        from tensorverse.store.compact import encode_compact
+
+        dtype = slot.codec_dtype or str(slot.array.dtype)
+        d = decide(reduce_rows(slot.tensor, spec.k), 0, spec, dtype=dtype,
+                   fingerprint=row_checksum(slot.array, dtype=slot.codec_dtype))
+        if d.compact is None:
+            self.rows_evidence[d.reason] = self.rows_evidence.get(d.reason, 0) + 1
+            return None
+        return encode_compact(d.compact)
+
     def _process(self, item: tuple) -> None:
         """Encode one queued row, return its buffer, and hand the frame to the sink."""
-        slot, cid, pos, seq, engine = item
+        slot, cid, pos, seq, engine, evidence = item
         blob = None
+        compact = False
         try:
             if slot.event is not None:
                 slot.event.synchronize()
-            blob = self._encode(slot.array, slot.codec_dtype)
+            if evidence is not None:
+                blob = self._reduce(slot, evidence)
+                compact = blob is not None
+            if blob is None:
+                blob = self._encode(slot.array, slot.codec_dtype)
         except Exception as e:  # noqa: BLE001
             self.errors_encoder += 1
             self.dropped_encode += 1
@@ -444,6 +472,7 @@ class Tap:
         if blob is None:
             return
         self.rows_encoded += 1
+        self.rows_compact += compact
         self.bytes_encoded += len(blob)
         if self.sink is None:
             self.dropped_sink += 1
@@ -451,7 +480,7 @@ class Tap:
             return
         try:
             self.sink.put(Frame(cid, pos, seq, self.origin, blob,
-                                EngineState(*engine) if engine is not None else None))
+                                EngineState(*engine) if engine is not None else None, compact))
         except Exception as e:  # noqa: BLE001
             self.errors_encoder += 1
             self.dropped_sink += 1
@@ -486,7 +515,7 @@ class Tap:
         s = self.stats()
         keep = ("rows_captured", "rows_shipped", "rows_dropped", "dropped_no_buffer",
                 "dropped_sink", "dropped_encode", "rows_discarded", "rows_forced",
-                "sink_errors", "errors", "queue_depth")
+                "rows_compact", "sink_errors", "errors", "queue_depth")
         out = {k: s[k] for k in keep}
         out["origin"] = self.origin
         return out
@@ -503,6 +532,8 @@ class Tap:
             "dropped_encode": self.dropped_encode,
             "rows_discarded": self.rows_discarded,
             "rows_forced": self.rows_forced,
+            "rows_compact": self.rows_compact,
+            "rows_evidence": dict(self.rows_evidence),
             "bytes_encoded": self.bytes_encoded,
             "bytes_shipped": self.bytes_shipped,
             "sink_errors": self.sink_errors,

@@ -88,7 +88,7 @@ def opt_in_of(params: "SamplingParams") -> optin.OptIn | None:
 
 
 class _Req:
-    __slots__ = ("opt", "out", "slot", "slot_pos", "slot_engine")
+    __slots__ = ("opt", "out", "slot", "slot_pos", "slot_engine", "slot_evidence")
 
     def __init__(self, opt: optin.OptIn, out: list[int]) -> None:
         self.opt = opt
@@ -96,6 +96,7 @@ class _Req:
         self.slot: RowSlot | None = None  # pending copy of a row not yet known to be sampled
         self.slot_pos = -1
         self.slot_engine: tuple[int, ...] | None = None  # the engine state of that copy
+        self.slot_evidence: optin.EvidenceSpec | None = None  # tv_compact: what to decide of it
 
 
 class V1CaptureProcessor(LogitsProcessor):
@@ -137,7 +138,8 @@ class V1CaptureProcessor(LogitsProcessor):
             return
         if len(st.out) > st.slot_pos:
             st.slot = None
-            runtime.get_tap().submit(slot, st.opt.capture_id, st.slot_pos, st.slot_engine)
+            runtime.get_tap().submit(slot, st.opt.capture_id, st.slot_pos, st.slot_engine,
+                                     st.slot_evidence)
         elif leaving:
             st.slot = None
             runtime.get_tap().release(slot, discarded=True)
@@ -202,6 +204,7 @@ class V1CaptureProcessor(LogitsProcessor):
                 slot = tap.copy_row(logits, index, st.slot)
                 st.slot = slot
                 st.slot_pos = pos
+                st.slot_evidence = opt.evidence(pos)
                 if self.engine_state:
                     st.slot_engine = (RUNNER_V1, self._step, n_rows, index, self._joined, -1, -1,
                                       self._tp, self._pp)

@@ -135,9 +135,9 @@ class V2CaptureProcessor(LogitsProcessor):
                         engine = [RUNNER_V2, self._step, num_reqs, -1, self._joined, int(sl.sum()),
                                   int(np.count_nonzero(sl <= prefill_len[idx_np])), self._tp, self._pp]
                     engine[3] = b
-                    items.append((b, opt.capture_id, pos, tuple(engine)))
+                    items.append((b, opt.capture_id, pos, tuple(engine), opt.evidence(pos)))
                 else:
-                    items.append((b, opt.capture_id, pos))
+                    items.append((b, opt.capture_id, pos, None, opt.evidence(pos)))
             tok = opt.forced_token(pos)
             if tok is not None:
                 if tok < vocab:

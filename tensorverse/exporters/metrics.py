@@ -200,6 +200,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_shadow_queue_capacity", "gauge", "size of the shadow queue"),
     # -- capture ---------------------------------------------------------------------------------
     MetricSpec("tensorverse_capture_rows", "counter", "logits rows received on /ingest and stored"),
+    MetricSpec("tensorverse_capture_compact_rows", "counter",
+               "of those, rows that arrived as their compact form (evidence chosen at the source)"),
     MetricSpec("tensorverse_capture_bytes", "counter", "bytes of frames received on /ingest"),
     MetricSpec("tensorverse_capture_duplicate_rows", "counter",
                "rows received again (a retried batch) and skipped"),
@@ -724,6 +726,7 @@ class MetricsCollector:
         # capture ingest
         ing = s.get("ingest") or {}
         yield counter("tensorverse_capture_rows", ing.get("rows", 0))
+        yield counter("tensorverse_capture_compact_rows", ing.get("rows_compact", 0))
         yield counter("tensorverse_capture_bytes", ing.get("bytes", 0))
         yield counter("tensorverse_capture_duplicate_rows", ing.get("duplicates", 0))
         batches = counter("tensorverse_capture_batches", labels=("outcome",))

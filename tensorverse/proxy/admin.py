@@ -41,7 +41,7 @@ class Ingest:
         self._dedupe = dedupe
         self.counters = {"batches": 0, "rows": 0, "duplicates": 0, "rejected": 0, "unauthorized": 0,
                          "store_full": 0, "store_errors": 0, "bytes": 0, "rows_dropped_store_full": 0,
-                         "rows_dropped_store_error": 0}
+                         "rows_dropped_store_error": 0, "rows_compact": 0}
         # the capturing processes' own counters (sink header), latest per origin, for /metrics
         self._plugins: OrderedDict[int, dict[str, int]] = OrderedDict()
 
@@ -83,6 +83,7 @@ class Ingest:
     async def handle(self, request: web.Request) -> web.Response:
         from tensorverse.capture.frames import FrameError, parse_frames
         from tensorverse.store import StoreFullError
+        from tensorverse.store.compact import decode_compact
         from tensorverse.store.schema import check_id
 
         if not self.token:
@@ -109,6 +110,8 @@ class Ingest:
             for i, f in enumerate(frames):  # ids the store would refuse are the sender's error
                 try:
                     check_id(f.capture_id, "capture")
+                    if f.compact:  # 180 bytes: checked here, so the store holds no garbage
+                        decode_compact(f.blob, record=f"{f.capture_id}@{f.position}")
                 except ValueError as e:
                     raise FrameError(f"frame {i}: {e}") from None
         except FrameError as e:
@@ -121,7 +124,7 @@ class Ingest:
             if f.seq and key in self._seen:
                 dup += 1
                 continue
-            by_run[f.capture_id].append((f.position, f.blob, f.engine))
+            by_run[f.capture_id].append((f.position, f.blob, f.engine, f.compact))
         try:
             futures = [self.store.write_rows(run_id, rows) for run_id, rows in by_run.items()]
             await asyncio.gather(*(asyncio.wrap_future(fut) for fut in futures))
@@ -142,6 +145,7 @@ class Ingest:
         rows = sum(len(r) for r in by_run.values())
         self.counters["batches"] += 1
         self.counters["rows"] += rows
+        self.counters["rows_compact"] += sum(1 for r in by_run.values() for row in r if row[3])
         self.counters["duplicates"] += dup
         return self._json(200, rows=rows, duplicates=dup, runs=len(by_run))
 

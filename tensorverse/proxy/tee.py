@@ -367,10 +367,16 @@ def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend],
     primary = Backend(name=cfg.primary.name, url=cfg.primary.url, role="primary",
                       api_key=cfg.primary.resolved_api_key())
     positions = None if cfg.capture.positions == "all" else cfg.capture.positions
+    evidence = None
+    if cfg.capture.logits == "evidence":
+        from tensorverse.shadow.evidence import SourceEvidence
+
+        r = cfg.retention
+        evidence = SourceEvidence(k=r.topk, close_nats=r.close_nats, sample=r.sample, seed=r.seed)
     try:
         return PackageRunner(store, [b.backend for b in tee_backends], primary, metrics=metrics,
                              forced_positions=positions, free_positions=positions,
-                             workers=analysis)
+                             workers=analysis, evidence=evidence)
     except ImportError:  # pragma: no cover
         log.warning("the shadow runner is not available: shadows are not run")
         return None

@@ -53,10 +53,12 @@ from tensorverse.analysis.attribution import (
     FlipAttribution,
     TieRule,
     classify_forced,
+    classify_forced_sparse,
     classify_forced_topk,
     classify_free,
     excess_flip_rate,
     flips_by_class,
+    row_dtype,
     topk_pair,
 )
 from tensorverse.analysis.flips import forced_flips, free_divergence
@@ -68,7 +70,8 @@ from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_call
 from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store import records
 from tensorverse.store.records import Run
-from tensorverse.store.stored_rows import StoredRows
+from tensorverse.store.compact import CompactRow, compact_row
+from tensorverse.store.stored_rows import RowCompacted, StoredRows
 
 __all__ = ["compare_turn", "compare_runs", "put_comparisons", "select_reference", "load_rows", "latest_runs",
            "CHUNK", "TurnCompacted"]
@@ -139,16 +142,19 @@ def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
 
 
 def _row_positions(store: Any, run: Run, n: int) -> list[int]:
-    """Positions < n whose row the run has in the store."""
+    """Positions < n whose row the run has in the store, in full or (reduced at the source) as
+    its compact form."""
     rows = run.rows or {}
     if rows.get("complete") and rows.get("expected") == n:
         return list(range(n))
+    compact = {p for p, _ in store.read_compact_rows(run.id)} if hasattr(store, "read_compact_rows") else set()
     have = []
     for p in range(n):
-        try:
-            store.read_row(run.id, p)
-        except KeyError:
-            continue
+        if p not in compact:
+            try:
+                store.read_row(run.id, p)
+            except KeyError:
+                continue
         have.append(p)
     return have
 
@@ -160,37 +166,132 @@ def _concat(parts: list[PositionMetrics]) -> PositionMetrics:
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts])
 
+    lower = [p.rank_lower_bound if p.rank_lower_bound is not None else np.zeros(p.n, bool) for p in parts]
+    approximate = any(p.approximate for p in parts)
     return PositionMetrics(
         top1_agree=cat("top1_agree"), kl=cat("kl"), delta_p=cat("delta_p"), margin=cat("margin"),
         rank=cat("rank"), entropy=cat("entropy"), ref_top1=cat("ref_top1"),
-        cand_top1=cat("cand_top1"), tokens=cat("tokens"),
+        cand_top1=cat("cand_top1"), tokens=cat("tokens"), approximate=approximate,
+        rank_lower_bound=np.concatenate(lower) if approximate else None,
     )
+
+
+def _load_side(src: StoredRows, run_id: str, ps: Sequence[int]) -> tuple[dict[int, np.ndarray], dict[int, CompactRow]]:
+    """The rows of ``ps``: full (float32) where stored in full, else their compact form."""
+    full: dict[int, np.ndarray] = {}
+    compact: dict[int, CompactRow] = {}
+    for p in ps:
+        try:
+            full[p] = widen_bf16(src.row(run_id, p)).reshape(-1).astype(np.float32, copy=False)
+        except RowCompacted as e:
+            if e.compact is None:  # pruned: nothing left to compare
+                raise
+            compact[p] = e.compact
+    return full, compact
+
+
+def _as_compact(side: dict[int, np.ndarray], compact: dict[int, CompactRow], p: int,
+                other: CompactRow | None, token: int) -> CompactRow:
+    """Position ``p`` of one side as a compact row: its own, or its full row's with the other
+    side's kept ids (so each id the other side knows is known here exactly)."""
+    if p in compact:
+        return compact[p]
+    extra = [token] + ([] if other is None else other.ids.tolist())
+    k = other.k if other is not None else 20
+    return compact_row(side[p], k=min(k, side[p].size), extra=extra)
+
+
+def _kept(c: CompactRow) -> tuple[dict[int, float], str]:
+    """A compact row's logits by id and the grid the full path would judge its row on."""
+    vals = {int(t): float(v) for t, v in zip(c.ids, c.logits)}
+    return vals, "bfloat16" if c.dtype == "bfloat16" else row_dtype(np.asarray(c.logits, np.float32))
 
 
 def _full_metrics(store: Any, ref: Run, cand: Run,
                   tokens: Sequence[int], noise_positions: Collection[int] | None = None,
                   rule: TieRule = DEFAULT_RULE,
-                  ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution]]:
+                  ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution], list[int]]:
+    """Metrics of the positions with a row on both sides. Where both rows are full they are exact;
+    where either side holds only its compact form (reduced at the source: ``tv_compact``), they
+    come from the two compact forms (:mod:`tensorverse.analysis.topk`: flips, ranks within the
+    top k, margins exact; KL a lower bound): those positions are returned last."""
     n = len(tokens)
     _refuse_compacted(store, cand.turn_id)
     both = sorted(set(_row_positions(store, ref, n)) & set(_row_positions(store, cand, n)))
     if not both:
         raise AnalysisInputError("no position has a captured row on both sides")
+    src = StoredRows(store)
     parts = []
     classes: list[FlipAttribution] = []
+    order: list[int] = []
+    sparse: list[int] = []
     for s in range(0, len(both), CHUNK):
         ps = both[s: s + CHUNK]
-        r = load_rows(store, ref.id, ps)
-        c = load_rows(store, cand.id, ps)
-        if r.shape[1] != c.shape[1]:
-            raise AnalysisInputError(
-                f"rows of {ref.backend} have {r.shape[1]} logits, rows of {cand.backend} "
-                f"{c.shape[1]}: different vocabularies cannot be compared")
-        m = position_metrics(r, c, [tokens[p] for p in ps])
-        parts.append(m)
-        noise = None if noise_positions is None else [p in noise_positions for p in ps]
-        classes.extend(classify_forced(r, m.ref_top1, m.cand_top1, noise=noise, positions=ps, rule=rule))
-    return _concat(parts), both, len(both) < n, classes
+        rf, rc = _load_side(src, ref.id, ps)
+        cf, cc = _load_side(src, cand.id, ps)
+        dense = [p for p in ps if p in rf and p in cf]
+        mixed = [p for p in ps if p not in dense]
+        if dense:
+            r = _stack(ref.id, [rf[p] for p in dense])
+            c = _stack(cand.id, [cf[p] for p in dense])
+            if r.shape[1] != c.shape[1]:
+                raise AnalysisInputError(
+                    f"rows of {ref.backend} have {r.shape[1]} logits, rows of {cand.backend} "
+                    f"{c.shape[1]}: different vocabularies cannot be compared")
+            m = position_metrics(r, c, [tokens[p] for p in dense])
+            parts.append(m)
+            order.extend(dense)
+            noise = None if noise_positions is None else [p in noise_positions for p in dense]
+            classes.extend(classify_forced(r, m.ref_top1, m.cand_top1, noise=noise, positions=dense, rule=rule))
+        if mixed:
+            pairs = []
+            for p in mixed:
+                rcp = _as_compact(rf, rc, p, cc.get(p), tokens[p])
+                ccp = _as_compact(cf, cc, p, rcp if p in rc else None, tokens[p])
+                if rcp.vocab != ccp.vocab:
+                    raise AnalysisInputError(
+                        f"rows of {ref.backend} have {rcp.vocab} logits, rows of {cand.backend} "
+                        f"{ccp.vocab}: different vocabularies cannot be compared")
+                pairs.append((rcp, ccp))
+            m = topk_position_metrics([a.logprobs() for a, _ in pairs], [b.logprobs() for _, b in pairs],
+                                      [tokens[p] for p in mixed])
+            parts.append(m)
+            order.extend(mixed)
+            sparse.extend(mixed)
+            noise = None if noise_positions is None else [p in noise_positions for p in mixed]
+            full_ref = [i for i, p in enumerate(mixed) if p in rf]
+            if full_ref:
+                sel = np.asarray(full_ref)
+                classes.extend(classify_forced(_stack(ref.id, [rf[mixed[i]] for i in full_ref]), m.ref_top1[sel],
+                                               m.cand_top1[sel], noise=None if noise is None else [noise[i] for i in full_ref],
+                                               positions=[mixed[i] for i in full_ref], rule=rule))
+            kept_ref = [i for i, p in enumerate(mixed) if p not in rf]
+            if kept_ref:
+                sel = np.asarray(kept_ref)
+                classes.extend(classify_forced_sparse([_kept(pairs[i][0]) for i in kept_ref], m.ref_top1[sel],
+                                                      m.cand_top1[sel], noise=None if noise is None else [noise[i] for i in kept_ref],
+                                                      positions=[mixed[i] for i in kept_ref], rule=rule))
+    m = _concat(parts)
+    if sparse:  # back into position order
+        idx = np.argsort(np.asarray(order), kind="stable")
+        m = _take(m, idx)
+        classes.sort(key=lambda a: a.position)
+    return m, both, len(both) < n, classes, sparse
+
+
+def _stack(run_id: str, rows: list[np.ndarray]) -> np.ndarray:
+    widths = {r.shape[-1] for r in rows}
+    if len(widths) != 1:
+        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}")
+    return np.stack(rows)
+
+
+def _take(m: PositionMetrics, idx: np.ndarray) -> PositionMetrics:
+    return PositionMetrics(
+        top1_agree=m.top1_agree[idx], kl=m.kl[idx], delta_p=m.delta_p[idx], margin=m.margin[idx],
+        rank=m.rank[idx], entropy=m.entropy[idx], ref_top1=m.ref_top1[idx], cand_top1=m.cand_top1[idx],
+        tokens=m.tokens[idx], approximate=m.approximate,
+        rank_lower_bound=None if m.rank_lower_bound is None else m.rank_lower_bound[idx])
 
 
 def _columns(m: PositionMetrics) -> dict[str, list[Any]]:
@@ -238,8 +339,9 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
         "status": "ok",
     }
     incomplete = False
+    sparse: list[int] = []
     if _full(cand) and _full(ref):
-        m, positions, incomplete, classes = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
+        m, positions, incomplete, classes, sparse = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
         k = min(cand.k or 10**9, ref.k or 10**9)
@@ -273,7 +375,8 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
         summary["flips_by_region_class"] = by_rc
     result.update({
         "kind": kind,
-        "approximate": kind != "full",
+        "approximate": kind != "full" or bool(sparse),
+        "compact_positions": sparse or None,
         "n": len(positions),
         "positions": positions if incomplete else None,
         "incomplete": incomplete,
@@ -302,15 +405,18 @@ def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Any) -> 
         return None
     n = len(tokens)
     if _full(forced) and store is not None:
+        src = StoredRows(store)
         for s in range(0, n, CHUNK):
             ps = list(range(s, min(n, s + CHUNK)))
             try:
-                rows = load_rows(store, forced.id, ps)
+                full, compact = _load_side(src, forced.id, ps)
             except KeyError:
                 break
-            top = np.argmax(rows, axis=1)
-            for i, p in enumerate(ps):
-                if int(top[i]) != int(tokens[p]):
+            if full:
+                _stack(forced.id, list(full.values()))  # rows of one width, or an input error
+            for p in ps:  # a compact row (reduced at the source) knows its top-1 exactly
+                top = int(compact[p].ids[0]) if p in compact else int(np.argmax(full[p]))
+                if top != int(tokens[p]):
                     return p
         else:
             return None

@@ -24,6 +24,7 @@ Failures never raise to the caller: they become run records with ``status`` ``fa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -38,6 +39,8 @@ from tensorverse.shadow.client import BackendClient, BackendError
 from tensorverse.shadow.completions import (forced_body, free_body, parse_completion,
                                             parse_prompt_logprobs, scoring_body)
 from tensorverse.shadow.doctor import probe_capabilities
+from tensorverse.shadow.evidence import SourceEvidence, requested_positions
+from tensorverse.shadow.evidence import xargs as evidence_xargs
 from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, primary_record,
                                      primary_run_id, run_record, sent_sampling)
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
@@ -76,7 +79,8 @@ class ShadowRunner:
                  free_margin: int = 64, forced_positions: str | Sequence[int] | None = None,
                  free_positions: str | Sequence[int] | None = None,
                  primary: Backend | None = None, cache: RunnerCache | None = None,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None,
+                 evidence: SourceEvidence | None = None) -> None:
         self.store = store
         self.backends = list(backends)
         names = [b.name for b in self.backends]
@@ -90,6 +94,8 @@ class ShadowRunner:
         self.free_margin = free_margin
         self.forced_positions = forced_positions
         self.free_positions = free_positions
+        #: evidence chosen at the source (`tensorverse.shadow.evidence`); None: every row in full
+        self.evidence = evidence
         self._session = session
         self._own_session = session is None
         self._primary = primary or next((b for b in self.backends if b.role == "primary"), None)
@@ -228,9 +234,10 @@ class ShadowRunner:
             try:
                 self.store.read_row(run_id, p)
             except KeyError:
-                if not full:
-                    return
-                continue
+                if self.evidence is None or self.store.read_compact_row(run_id, p) is None:
+                    if not full:
+                        return
+                    continue
             have.add(p)
 
     async def wait_rows(self, run_id: str, positions: Sequence[int]) -> dict[str, Any]:
@@ -282,6 +289,7 @@ class ShadowRunner:
         if caps.forcing:
             body = forced_body(t, backend, run["id"], capture=caps.capture,
                                positions=self.forced_positions)
+            self._ask_evidence(t, body, run)
             try:
                 resp, dt = await self._post(backend, body)
             except BackendError as e:
@@ -349,6 +357,16 @@ class ShadowRunner:
         run["timings"]["total_s"] = round(_now() - t_start, 4)
         return run
 
+    def _ask_evidence(self, t: TurnInput, body: dict[str, Any], run: dict[str, Any]) -> None:
+        """With evidence at the source: ask the plugin for compact rows and the positions every
+        run keeps in full (`tensorverse.shadow.evidence`); say so on the run."""
+        xargs = body.get("vllm_xargs")
+        if self.evidence is None or not xargs or KEY_CAPTURE not in xargs:
+            return
+        full = requested_positions(t, self.evidence)
+        xargs.update(evidence_xargs(self.evidence, full))
+        run["evidence"] = {"k": self.evidence.k, "close_nats": self.evidence.close_nats, "requested": len(full)}
+
     async def run_free(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
         from tensorverse.store.schema import new_id
 
@@ -357,6 +375,7 @@ class ShadowRunner:
         caps = await self.capabilities(backend)
         body = free_body(t, backend, run["id"], capture=caps.capture, margin=self.free_margin,
                          positions=self.free_positions)
+        self._ask_evidence(t, body, run)
         if caps.capture and "vllm_xargs" not in body:
             run["attempts"].append({"method": "capture", "error": "capture skipped: the primary's "
                                     "sampling uses penalties, which the plugin cannot capture under"})
@@ -498,6 +517,15 @@ class ShadowRunner:
             return b, verdict, tmpl
 
         vetted = await asyncio.gather(*(vet(b) for b in targets))
+        if self.evidence is not None and t.pieces is None:
+            # the tool-call regions of the primary's answer are asked for in full: its pieces first
+            try:
+                pieces = await self._pieces(t, [b for b, v, _ in vetted if v["allowed"]])
+            except Exception as e:  # noqa: BLE001
+                log.info("tensorverse shadow: no pieces for turn %s: %s", t.id, e)
+                pieces = None
+            if pieces is not None:
+                t = dataclasses.replace(t, pieces=list(pieces))
 
         async def run_one(b: Backend, verdict: dict[str, Any], tmpl: dict[str, Any] | None,
                           mode: str) -> dict[str, Any]:
@@ -529,8 +557,8 @@ class ShadowRunner:
         if primary is not None and self.check_tokenizer:
             await self._register(primary, self.cache.get_fp(primary))
         allowed = [b for b, v, _ in vetted if v["allowed"]]
-        pieces = None
-        if any(r["status"] == "ok" for r in runs):
+        pieces = t.pieces if self.evidence is not None else None
+        if pieces is None and any(r["status"] == "ok" for r in runs):
             try:
                 pieces = await self._pieces(t, allowed)
             except Exception as e:  # noqa: BLE001

@@ -138,6 +138,8 @@ class Run(Record, kw_only=True):
     token_logprobs: list[float | None] | None = None
     k: int | None = None
     rows: dict[str, Any] | None = None  # expected, present, complete, waited_s, missing
+    # evidence chosen at the source (tensorverse.shadow.evidence): k, close_nats, requested
+    evidence: dict[str, Any] | None = None
     timings: dict[str, Any] = {}
     sampling: dict[str, Any] | None = None  # what was sent, without the prompt
     prompt_tokens: int | None = None
@@ -181,6 +183,8 @@ class Comparison(Record, kw_only=True):
     # forced
     n: int | None = None
     positions: list[int] | None = None  # the positions the metric columns cover (None: all)
+    # positions whose metrics came from compact rows (reduced at the source): KL a lower bound
+    compact_positions: list[int] | None = None
     incomplete: bool = False
     summary: dict[str, Any] | None = None
     flips: list[int] | None = None

@@ -131,18 +131,25 @@ class StoreWrites(StoreBase):
         )
 
     def write_rows(self, run_id: str,
-                   rows: Sequence[tuple[int, bytes] | tuple[int, bytes, EngineState | None]]) -> Future:
-        """Store encoded logits rows of a run, all in one transaction: `(position, blob)` or
-        `(position, blob, engine_state)`. A row written without an engine state has none (a
-        state left by an earlier write of the same row is removed)."""
+                   rows: Sequence[tuple[int, bytes] | tuple[int, bytes, EngineState | None]
+                                  | tuple[int, bytes, EngineState | None, bool]]) -> Future:
+        """Store encoded logits rows of a run, all in one transaction: `(position, blob)`,
+        `(position, blob, engine_state)` or `(position, blob, engine_state, compact)`. A row
+        written without an engine state has none (a state left by an earlier write of the same row
+        is removed). ``compact`` True: the blob is the row's compact form
+        (`tensorverse.store.compact`, reduced at the source), stored where compaction puts its
+        compact rows; a full row and a compact row of the same position replace each other."""
         keyed = [(schema.row_key(run_id, int(r[0])), bytes(r[1]),
-                  r[2].pack() if len(r) > 2 and r[2] is not None else None) for r in rows]
+                  r[2].pack() if len(r) > 2 and r[2] is not None else None,
+                  bool(r[3]) if len(r) > 3 else False) for r in rows]
 
         def op(txn: lmdb.Transaction) -> int:
             db = self._dbs[schema.ROWS]
             edb = self._dbs[schema.ROW_ENGINE]
-            for key, blob, state in keyed:
-                txn.put(key, blob, db=db)
+            cdb = self._dbs[schema.ROWS_COMPACT]
+            for key, blob, state, compact in keyed:
+                txn.put(key, blob, db=cdb if compact else db)
+                txn.delete(key, db=db if compact else cdb)
                 if state is not None:
                     txn.put(key, state, db=edb)
                 else:

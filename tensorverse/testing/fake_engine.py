@@ -12,7 +12,8 @@ What it shares with vLLM and the real plugin, so the probe is tested end to end:
 
 * ``POST /v1/completions`` with token-id prompts, ``max_tokens``, ``ignore_eos``, ``logprobs``,
   ``return_token_ids`` and the plugin's ``vllm_xargs`` (``tv_force``, ``tv_capture``,
-  ``tv_positions``, parsed by :mod:`tensorverse.capture.optin`); answers in vLLM's shape
+  ``tv_positions``, ``tv_compact``, ``tv_close``, ``tv_full``, parsed by
+  :mod:`tensorverse.capture.optin`); answers in vLLM's shape
   (``token_ids``, ``logprobs.top_logprobs`` with ``token_id:N`` keys); ``/health``, ``/v1/models``.
 * captured rows go through the real :class:`~tensorverse.capture.tap.Tap` with each step's
   engine state, into the sink named like the plugin's ``TENSORVERSE_CAPTURE_SINK``
@@ -159,7 +160,8 @@ class FakeEngine:
             for i, r in enumerate(batch):
                 pos = len(r.out)
                 if r.opt is not None and r.opt.capture_id is not None and r.opt.captures(pos):
-                    items.append((i, r.opt.capture_id, pos, (RUNNER_V1, self.step, n, i, joined, -1, -1)))
+                    items.append((i, r.opt.capture_id, pos, (RUNNER_V1, self.step, n, i, joined, -1, -1),
+                                  r.opt.evidence(pos)))
             if items:
                 import torch
 

@@ -399,3 +399,19 @@ def test_forced_records_messages_and_grids():
     pc = parser_check(TOOL, "", [{"type": "function", "function": {"name": "show_vlan", "arguments": '{"vlan": 201}'}}])
     assert pc.as_dict() == {"mismatch": False, "verdict": "match", "parsed_calls": 1, "emitted_calls": 1,
                             "differences": []}
+
+
+def test_a_sparse_reference_classifies_as_the_full_row_where_it_kept_the_candidates_token():
+    from tensorverse.analysis.attribution import classify_forced, classify_forced_sparse
+
+    row = np.linspace(-3.0, 0.0, 40).astype(np.float32)
+    row[7] = 5.0
+    row[8] = np.nextafter(np.float32(5.0), np.float32(-np.inf))  # one float32 step below: a near tie
+    kept = {int(t): float(row[t]) for t in np.argsort(-row)[:5]}
+    full = classify_forced(np.stack([row, row]), [7, 7], [8, 0], positions=[3, 3])  # 0: far below the top 5
+    sparse = classify_forced_sparse([(kept, "float32")] * 2, [7, 7], [8, 0], positions=[3, 3])
+    assert sparse[0] == full[0] and sparse[0].flip_class.value == "near_tie"
+    assert sparse[1].flip_class == full[1].flip_class and sparse[1].flip_class.value == "runtime"
+    assert sparse[1].margin is None and sparse[1].steps is None and full[1].margin is not None
+    noisy = classify_forced_sparse([(kept, "float32")], [7], [0], noise=[True])
+    assert noisy[0].flip_class.value == "noise"

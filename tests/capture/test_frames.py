@@ -51,9 +51,9 @@ def test_engine_state_layout_and_flag():
     # a frame without a state is unchanged from the format before engine states
     assert encode_frame("ab", 5, b"XYZ", seq=9, origin=3)[5] == 0
     bad = bytearray(raw)
-    bad[5] = 0x03  # an unknown flag bit next to the known one
+    bad[5] = 0x05  # an unknown flag bit next to the known ones
     bad[-4:] = struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
-    with pytest.raises(FrameError, match="unknown flags 0x03"):
+    with pytest.raises(FrameError, match="unknown flags 0x05"):
         parse_frames(bytes(bad))
     bad = bytearray(raw)
     bad[HEADER_SIZE + 2] = 9  # an engine-state layout this reader does not know
@@ -147,3 +147,19 @@ def test_encode_rejects_bad_input():
 def test_roundtrip_property(items):
     frames = [Frame(c, p, s, o, b) for c, p, s, o, b in items]
     assert parse_frames(_body(frames)) == frames
+
+
+def test_compact_flag_roundtrips_and_unknown_flags_are_refused():
+    from tensorverse.capture.frames import FLAG_COMPACT
+
+    raw = encode_frame("r", 3, b"TVCR...", seq=1, compact=True)
+    assert raw[5] == FLAG_COMPACT
+    (f,) = parse_frames(raw)
+    assert f.compact and f.blob == b"TVCR..."
+    both = encode_frame("r", 3, b"x", seq=2, compact=True, engine=EngineState(RUNNER_V1, 1, 2, 0, 0, -1, -1))
+    assert parse_frames(both)[0].compact and parse_frames(both)[0].engine is not None
+    assert not parse_frames(encode_frame("r", 3, b"x", seq=3))[0].compact
+    body = bytearray(raw[:-4])
+    body[5] = 0x04
+    with pytest.raises(FrameError, match="unknown flags"):
+        parse_frames(bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))))

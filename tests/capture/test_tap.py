@@ -269,3 +269,30 @@ def test_encoder_thread_runs_at_lower_priority_than_the_engine():
     assert seen["nice"] == min(19, me + 5)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me  # caller untouched
     tap.close()
+
+
+def test_rows_with_an_evidence_spec_travel_compact_unless_they_are_evidence():
+    from tensorverse.capture.optin import EvidenceSpec
+    from tensorverse.store.compact import compact_row, decode_compact
+
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=8)
+    logits = torch.linspace(-5.0, -1.0, V).repeat(3, 1)
+    logits[0, 11] = 9.0  # forced 11: agrees, clear: compact
+    logits[1, 12] = 9.0  # forced 13: this runtime prefers 12, a flip: full
+    logits[2, 14] = 9.0  # requested: full
+    raw = logits.clone()
+    specs = [EvidenceSpec(20, 0.1, 11, False), EvidenceSpec(20, 0.1, 13, False), EvidenceSpec(20, 0.1, 14, True)]
+    assert tap.capture(logits, [(r, "run", r, None, specs[r]) for r in range(3)]) == 3
+    force_tokens(logits, [0, 1, 2], [11, 13, 14])
+    assert tap.flush(10)
+    by_pos = {f.position: f for f in sink.frames}
+    assert [by_pos[p].compact for p in range(3)] == [True, False, False]
+    c = decode_compact(by_pos[0].blob)
+    assert c.ids.tolist() == compact_row(raw[0].numpy()).ids.tolist() and c.ids[0] == 11
+    for p in (1, 2):
+        assert decode_row(by_pos[p].blob).tobytes() == raw[p].numpy().tobytes()
+    s = tap.stats()
+    assert (s["rows_compact"], s["rows_evidence"], s["rows_shipped"]) == (1, {"flip": 1, "requested": 1}, 3)
+    assert s["bytes_shipped"] < 2 * V * 4 + 1000  # the compact row is a few hundred bytes
+    tap.close()

@@ -269,6 +269,14 @@ def test_validate_params(monkeypatch):
         ({"tv_capture": "r"}, {"min_tokens": 2}),
         ({"tv_capture": "r"}, {"repetition_penalty": 1.1}),
         ({"tv_force": [1]}, {"thinking_token_budget": 5}),
+        ({"tv_force": [1], "tv_compact": 20}, {}),  # compact rows need a capture
+        ({"tv_capture": "r", "tv_compact": 0}, {}),
+        ({"tv_capture": "r", "tv_compact": 5000}, {}),
+        ({"tv_capture": "r", "tv_close": 0.5}, {}),  # tv_close and tv_full need tv_compact
+        ({"tv_capture": "r", "tv_full": "0-3"}, {}),
+        ({"tv_capture": "r", "tv_compact": 20, "tv_close": -1.0}, {}),
+        ({"tv_capture": "r", "tv_compact": 20, "tv_close": "nan"}, {}),
+        ({"tv_capture": "r", "tv_compact": 20, "tv_full": "3-1"}, {}),
     ]
     for xargs, kw in bad:
         with pytest.raises(ValueError):
@@ -290,6 +298,26 @@ def test_positions_spec():
     assert [p for p in range(6) if p in P([4, 1, 2])] == [1, 2, 4]
     o = optin.parse_extra_args({"tv_capture": "x", "tv_positions": [0, 1]})
     assert o.finished_at(2) and not o.finished_at(1)
+
+
+def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
+    from tensorverse.store.compact import compact_row, decode_compact
+
+    e = Engine()
+    force = [int(marker("ev", p, 1).argmax()) for p in range(4)]
+    force[1] = (force[1] + 1) % V  # position 1 is forced to another token than its top-1: a flip
+    e.add("ev", {"tv_capture": "ev", "tv_force": force, "tv_compact": 5, "tv_close": 0.0, "tv_full": "2"},
+          max_tokens=4)
+    e.run(8)
+    fs = frames_of(sink, "ev")
+    assert [(f.position, f.compact) for f in fs] == [(0, True), (1, False), (2, False), (3, True)]
+    for f in fs:
+        row = marker("ev", f.position, 1).numpy()
+        if f.compact:
+            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=5).ids.tolist()
+        else:
+            assert np.array_equal(decode_row(f.blob), row)
+    assert e.tokens["ev"] == force
 
 
 def test_engine_state_with_every_row(sink):

@@ -177,6 +177,26 @@ def test_capture_force_slot_reuse_and_reordering(sink):
     assert s["rows_dropped"] == 0 and s["errors"] == 0 and s["rows_forced"] == 5
 
 
+def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
+    from tensorverse.store.compact import compact_row, decode_compact
+
+    r = Runner()
+    force = [int(marker("ev", p, 0).argmax()) for p in range(4)]
+    force[1] = (force[1] + 1) % V  # position 1 is forced to another token than its top-1: a flip
+    r.add("ev", {"tv_capture": "ev", "tv_force": force, "tv_compact": 5, "tv_close": 0.0, "tv_full": [2]}, 4)
+    r.run(8)
+    runtime.flush(10)
+    fs = sorted((f for f in sink.frames if f.capture_id == "ev"), key=lambda f: f.position)
+    assert [(f.position, f.compact) for f in fs] == [(0, True), (1, False), (2, False), (3, True)]
+    for f in fs:
+        row = marker("ev", f.position, 0).numpy()
+        if f.compact:
+            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=5).ids.tolist()
+        else:
+            assert np.array_equal(decode_row(f.blob), row)
+    assert r.tokens["ev"] == force
+
+
 def test_preemption_resume(sink):
     r = Runner(chunk=3)
     r.add("p", {"tv_capture": "p", "tv_force": [4, 5, 6, 7, 8]}, 5)

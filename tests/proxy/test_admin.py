@@ -38,6 +38,29 @@ def test_ingest_rejects_bad_token_and_bad_frames(fake, make_proxy):
     assert proxy.store.read_rows("r") == []  # all or nothing
 
 
+def test_ingest_stores_compact_frames_as_compact_rows_and_refuses_garbled_ones(fake, make_proxy, settle):
+    import numpy as np
+
+    from tensorverse.store.compact import compact_row, encode_compact
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+    blob = encode_compact(compact_row(np.arange(64, dtype=np.float32), k=3))
+    body = (encode_frame("run-c", 0, blob, seq=1, origin=9, compact=True)
+            + encode_frame("run-c", 1, b"full", seq=2, origin=9))
+    with httpx.Client(timeout=30) as c:
+        bad = encode_frame("run-c", 5, blob[:-1] + bytes([blob[-1] ^ 1]), seq=3, origin=9, compact=True)
+        r = c.post(proxy.admin_url + "/ingest", content=body + bad, headers=auth)
+        assert r.status_code == 400
+        assert proxy.store.read_rows("run-c") == [] and proxy.store.read_compact_rows("run-c") == []
+        r = c.post(proxy.admin_url + "/ingest", content=body, headers=auth)
+        assert r.status_code == 200 and r.json()["rows"] == 2
+        text = c.get(proxy.admin_url + "/metrics").text
+    assert proxy.store.read_compact_rows("run-c") == [(0, blob)]
+    assert proxy.store.read_rows("run-c") == [(1, b"full")]
+    assert "tensorverse_capture_compact_rows_total 1.0" in text
+
+
 def test_ingest_disabled_without_token(fake, make_proxy):
     proxy = make_proxy(fake.url)
     with httpx.Client(timeout=30) as c:

@@ -882,3 +882,82 @@ def test_forced_departure_a_chunk_with_a_missing_row_falls_back_to_top_k(store):
     assert _forced_departure(forced, tokens, store) is None  # ... in a chunk missing CHUNK + 5
     store.write_rows("f", [(CHUNK + 5, encode_row(R[CHUNK + 5]))]).result()
     assert _forced_departure(forced, tokens, store) == CHUNK + 1
+
+
+def _put_rows_reduced_at_source(store, run_id: str, x: np.ndarray, forced: list[int], close: float = 0.1) -> int:
+    """What the capture plugin stores with ``tv_compact=20``: each row reduced where it was
+    captured (capture/reduce.py), compact unless it is evidence; returns the rows kept in full."""
+    import torch
+
+    from tensorverse.capture.optin import EvidenceSpec
+    from tensorverse.capture.reduce import decide, reduce_rows
+    from tensorverse.store.codec import row_checksum
+    from tensorverse.store.compact import encode_compact
+
+    out, full = [], 0
+    for p in range(x.shape[0]):
+        d = decide(reduce_rows(torch.from_numpy(x[p]), 20), 0, EvidenceSpec(20, close, forced[p], False),
+                   dtype="float32", fingerprint=row_checksum(x[p]))
+        if d.compact is None:
+            out.append((p, encode_row(x[p]), None, False))
+            full += 1
+        else:
+            out.append((p, encode_compact(d.compact), None, True))
+    store.write_rows(run_id, out).result()
+    return full
+
+
+def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_full_capture(tmp_path):
+    """Issue 37: the same turn stored twice, every row in full and reduced at the source: every
+    flip, its class, its margin and every top-1 are identical; KL where a side is compact is a
+    lower bound of the full KL; the positions so computed are named."""
+    from tensorverse.store import Store
+
+    R = _bf16(ref_logits())
+    T = tokens_of(R)
+    S, C = R.copy(), R.copy()
+    alt = [(t + 1) % V for t in T]
+    S[1, alt[1]] = S[1, T[1]]
+    if alt[1] < T[1]:
+        alt[1] = (T[1] + 2) % V if (T[1] + 2) % V > T[1] else alt[1]
+        S[1, alt[1]] = S[1, T[1]]
+    for p in (1, 3, 4):
+        C[p, alt[p]] = R[p].max() + 1.0
+    S[3, alt[3]] = R[3].max() + 1.0
+    results = {}
+    for form in ("full", "source"):
+        with Store.open(tmp_path / form) as st:
+            for r in [run_record(primary_run_id("T"), "prim", "primary", "recorded", T, capture="topk", top=topk(R),
+                                 text=REF_TEXT, pieces=PIECES),
+                      run_record("sec-f", "sec", "secondary", "forced", T, top=topk(S)),
+                      run_record("cand-f", "cand", "shadow", "forced", T, top=topk(C))]:
+                st.put_run(r).result()
+            if form == "full":
+                put_rows(st, "sec-f", S)
+                put_rows(st, "cand-f", C)
+            else:
+                assert _put_rows_reduced_at_source(st, "sec-f", S, T) == 2  # its tie (1) and its flip (3)
+                assert _put_rows_reduced_at_source(st, "cand-f", C, T) == 3  # its flips
+            results[form] = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(st, "T")}[("cand-f", "sec-f")]
+    full, src = results["full"], results["source"]
+    assert full["compact_positions"] is None and not full["approximate"]
+    assert src["compact_positions"] == [0, 2, 4, 5] and src["approximate"]  # 4: only the candidate flips there
+    for key in ("flips", "flip_classes", "flips_by_class", "flip_tokens", "first_flip", "n"):
+        assert src[key] == full[key], key
+    assert src["flips"] == [1, 4] and src["flip_classes"] == ["tie", "runtime"]  # both flip alike at 3
+    fd, sd = full["attribution"]["details"], src["attribution"]["details"]
+    assert sd[0] == fd[0]  # the tie at 1: the secondary's row travelled in full (a close call)
+    # at 4 the secondary's row travelled compact and the candidate's top-1 is not in its top 20:
+    # the class is exact, the margin unknown (at least the gap to the secondary's 20th logit)
+    assert {k: v for k, v in sd[1].items() if k not in ("margin", "steps", "ref_dtype")} == \
+        {k: v for k, v in fd[1].items() if k not in ("margin", "steps", "ref_dtype")}
+    assert sd[1]["margin"] is None and fd[1]["margin"] >= float(np.sort(S[4])[-1] - np.sort(S[4])[-20])
+    for col in ("top1_agree", "delta_p", "margin", "rank"):
+        for p in range(N):
+            a, b = full["metrics"][col][p], src["metrics"][col][p]
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9), (col, p)
+    for p in range(N):
+        if p in src["compact_positions"]:
+            assert src["metrics"]["kl"][p] <= full["metrics"]["kl"][p] + 1e-12
+        else:
+            assert src["metrics"]["kl"][p] == full["metrics"]["kl"][p]

@@ -120,6 +120,25 @@ def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
         assert [p for p, _ in store.read_rows("r")] == list(range(600))
 
 
+def test_a_compact_row_and_a_full_row_of_one_position_replace_each_other(tmp_path: Path) -> None:
+    from tensorverse.store.stored_rows import RowCompacted, StoredRows
+    from tensorverse.store.compact import compact_row, encode_compact
+    import numpy as np
+
+    x = np.arange(50, dtype=np.float32)
+    blob = encode_compact(compact_row(x, k=4))
+    with Store.open(tmp_path / "s") as store:
+        store.write_rows("r", [(0, blob, None, True), (1, b"full-1")]).result()
+        assert store.read_compact_rows("r") == [(0, blob)]
+        assert store.read_rows("r") == [(1, b"full-1")]
+        with pytest.raises(RowCompacted) as e:
+            StoredRows(store).row("r", 0)
+        assert e.value.compact.ids.tolist() == [49, 48, 47, 46]
+        store.write_rows("r", [(0, b"full-0"), (1, blob, None, True)]).result()  # a retried capture, other forms
+        assert store.read_rows("r") == [(0, b"full-0")]
+        assert store.read_compact_rows("r") == [(1, blob)]
+
+
 def test_retention_deletes_old_sessions_with_everything_below(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
         old = _session_with_turn(store, "old", 1_000, turns=2)
