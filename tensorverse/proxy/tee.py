@@ -372,7 +372,8 @@ def runner_from_config(cfg: Any, store: Any, tee_backends: Sequence[TeeBackend],
         from tensorverse.shadow.evidence import SourceEvidence
 
         r = cfg.retention
-        evidence = SourceEvidence(k=r.topk, close_nats=r.close_nats, sample=r.sample, seed=r.seed)
+        evidence = SourceEvidence(k=r.topk, close_nats=r.close_nats, close_share=r.close_share,
+                                  sample=r.sample, seed=r.seed)
     try:
         return PackageRunner(store, [b.backend for b in tee_backends], primary, metrics=metrics,
                              forced_positions=positions, free_positions=positions,

@@ -8,17 +8,23 @@ likely flip are kept in every run of the turn, not only in the run that flips:
 * the **tool-call regions** of the primary's answer (``tool_name``, ``tool_args``,
   ``tool_syntax``: the design's "every logit during tool calls"), when its pieces are known;
 * the primary's own **close calls**: positions where its recorded top-k logprobs put the top two
-  less than ``close_nats`` apart (a flip is most likely there, in any runtime);
+  less than ``close_nats`` apart (a flip is most likely there, in any runtime), the closest first,
+  at most ``close_share`` of the positions (compaction's rule: a flat model would otherwise keep
+  most of its rows);
 * the **seeded sample** of ``[retention] sample`` (the same positions compaction keeps for
   re-analysis: :func:`tensorverse.store.compaction.sampled`).
 
 Each run keeps in full, by itself, its own flips (a forced row whose top-1 is not the primary's
-token) and its own close calls. What is not kept: the reference's row at a position where only
+token) and its own close calls, below ``tv_close`` = :func:`close_threshold`: ``close_nats``, or
+lower where more than ``close_share`` of the primary's own positions are under it (the gap of the
+closest position left out), so that the runs, whose rows are near the primary's, keep about that
+share too: the source cannot cap a share of rows it has not seen yet. What is not kept: the reference's row at a position where only
 the candidate flips and neither the primary nor the reference saw a close call; there the
 comparison has the reference's compact form (its top k and log-sum-exp), which gives the flip and
 its class exactly and its margin whenever the candidate's token is in the reference's top k.
 
-:func:`requested_positions` is pure; :func:`xargs` is what goes into ``vllm_xargs``.
+:func:`requested_positions` and :func:`close_threshold` are pure; :func:`xargs` is what goes into
+``vllm_xargs``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from tensorverse.capture.optin import KEY_CLOSE, KEY_COMPACT, KEY_FULL
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.compaction import sampled
 
-__all__ = ["SourceEvidence", "requested_positions", "xargs", "TOOL_REGIONS"]
+__all__ = ["SourceEvidence", "requested_positions", "close_threshold", "xargs", "TOOL_REGIONS"]
 
 TOOL_REGIONS = frozenset({"tool_name", "tool_args", "tool_syntax"})
 
@@ -41,23 +47,48 @@ class SourceEvidence:
     """The evidence policy applied at the source (``[retention]``'s values)."""
 
     k: int = 20  # logits of a compact row
-    close_nats: float = 0.1  # a top-2 gap below this is a close call
+    close_nats: float = 0.1  # a top-2 gap below this is a close call...
+    close_share: float = 0.02  # ...the closest first, at most this share of the positions
     sample: float = 0.005  # share of positions kept in full for re-analysis
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 4096:
             raise ValueError("k must be in 1..4096")
-        if not self.close_nats >= 0 or not 0.0 <= self.sample <= 1.0:
-            raise ValueError("close_nats must be >= 0 and sample in [0, 1]")
+        if not self.close_nats >= 0 or not 0.0 <= self.sample <= 1.0 or not 0.0 <= self.close_share <= 1.0:
+            raise ValueError("close_nats must be >= 0, sample and close_share in [0, 1]")
 
 
-def _close(entry: Sequence[Sequence[float]] | None, close_nats: float) -> bool:
-    """Whether a normalized top-k entry (``[[id, logprob], ...]``, best first) is a close call."""
+def _gap(entry: Sequence[Sequence[float]] | None) -> float | None:
+    """The top-2 gap (nats) of a normalized top-k entry (``[[id, logprob], ...]``), if it has two."""
     if not entry or len(entry) < 2:
-        return False
+        return None
     lps = sorted((float(e[1]) for e in entry), reverse=True)
-    return lps[0] - lps[1] < close_nats
+    return lps[0] - lps[1]
+
+
+def _primary_gaps(turn: TurnInput) -> dict[int, float]:
+    n = len(turn.output_token_ids)
+    gaps = {p: _gap(e) for p, e in enumerate((turn.top_logprobs or [])[:n])}
+    return {p: g for p, g in gaps.items() if g is not None}
+
+
+def _closest(turn: TurnInput, ev: SourceEvidence) -> list[int]:
+    """The primary's close calls: gap under ``close_nats``, the closest first, at most
+    ``close_share`` of the positions (at least one)."""
+    n = len(turn.output_token_ids)
+    cap = max(1, int(ev.close_share * n)) if ev.close_share > 0 else 0
+    under = sorted(((g, p) for p, g in _primary_gaps(turn).items() if g < ev.close_nats))
+    return [p for _, p in under[:cap]]
+
+
+def close_threshold(turn: TurnInput, ev: SourceEvidence) -> float:
+    """``tv_close`` for the runs of ``turn`` (see the module docstring): ``close_nats``, or the
+    gap of the primary's closest position beyond its ``close_share`` when more are under it."""
+    n = len(turn.output_token_ids)
+    cap = max(1, int(ev.close_share * n)) if ev.close_share > 0 else 0
+    under = sorted(g for g in _primary_gaps(turn).values() if g < ev.close_nats)
+    return ev.close_nats if len(under) <= cap else float(under[cap])
 
 
 def requested_positions(turn: TurnInput, ev: SourceEvidence, pieces: Sequence[str] | None = None) -> list[int]:
@@ -67,9 +98,7 @@ def requested_positions(turn: TurnInput, ev: SourceEvidence, pieces: Sequence[st
     pieces = pieces if pieces is not None else turn.pieces
     if pieces is not None and len(pieces) == n:
         want.update(p for p, r in enumerate(tag_regions(list(pieces))) if r in TOOL_REGIONS)
-    for p, entry in enumerate((turn.top_logprobs or [])[:n]):
-        if _close(entry, ev.close_nats):
-            want.add(p)
+    want.update(_closest(turn, ev))
     want.update(p for p in range(n) if sampled(ev.seed, turn.id, p, ev.sample))
     return sorted(want)
 
@@ -87,9 +116,10 @@ def _ranges(ps: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def xargs(ev: SourceEvidence, full: Sequence[int]) -> dict[str, Any]:
-    """The ``vllm_xargs`` keys of a run that asks for evidence at the source."""
-    out: dict[str, Any] = {KEY_COMPACT: ev.k, KEY_CLOSE: ev.close_nats}
+def xargs(ev: SourceEvidence, full: Sequence[int], close: float | None = None) -> dict[str, Any]:
+    """The ``vllm_xargs`` keys of a run that asks for evidence at the source (``close``: its
+    ``tv_close``, :func:`close_threshold`; default ``close_nats``)."""
+    out: dict[str, Any] = {KEY_COMPACT: ev.k, KEY_CLOSE: ev.close_nats if close is None else close}
     if full:
         out[KEY_FULL] = _ranges(sorted(set(full)))
     return out

@@ -39,7 +39,7 @@ from tensorverse.shadow.client import BackendClient, BackendError
 from tensorverse.shadow.completions import (forced_body, free_body, parse_completion,
                                             parse_prompt_logprobs, scoring_body)
 from tensorverse.shadow.doctor import probe_capabilities
-from tensorverse.shadow.evidence import SourceEvidence, requested_positions
+from tensorverse.shadow.evidence import SourceEvidence, close_threshold, requested_positions
 from tensorverse.shadow.evidence import xargs as evidence_xargs
 from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, primary_record,
                                      primary_run_id, run_record, sent_sampling)
@@ -364,8 +364,9 @@ class ShadowRunner:
         if self.evidence is None or not xargs or KEY_CAPTURE not in xargs:
             return
         full = requested_positions(t, self.evidence)
-        xargs.update(evidence_xargs(self.evidence, full))
-        run["evidence"] = {"k": self.evidence.k, "close_nats": self.evidence.close_nats, "requested": len(full)}
+        close = close_threshold(t, self.evidence)
+        xargs.update(evidence_xargs(self.evidence, full, close))
+        run["evidence"] = {"k": self.evidence.k, "close_nats": close, "requested": len(full)}
 
     async def run_free(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
         from tensorverse.store.schema import new_id

@@ -70,11 +70,14 @@ class PreparedTurn:
 
 
 def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, shadow: np.ndarray, other: np.ndarray,
-                 *, flip_share: float, seed: int, created_ns: int) -> PreparedTurn:
+                 *, flip_share: float, seed: int, created_ns: int, evidence: Any = None) -> PreparedTurn:
     """The engines' and the primary's side of one shadowed turn (see the module docstring):
     ``ref``, ``shadow`` and ``other`` are (n, vocab) float32 rows: the reference's, a
     near-identical runtime's, and rows of other contexts (the candidate's free run after it
-    diverged). Nothing here is the proxy's work."""
+    diverged). Nothing here is the proxy's work. ``evidence``: a
+    `tensorverse.shadow.evidence.SourceEvidence`: each row is reduced as the capture plugin
+    reduces it with ``tv_compact`` (the proxy's ``tv_full`` from the primary's top-5 and the
+    sample), so non-evidence rows are compact blobs (rows ``(position, blob, None, compact)``)."""
     rng = np.random.default_rng(seed)
     n = ref.shape[0]
     tokens = [int(t) for t in np.argmax(ref, axis=1)]
@@ -100,12 +103,44 @@ def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, sha
                ("twin", "forced"): (ref, tokens), ("twin", "free"): (ref, tokens),
                ("candidate", "forced"): (cand, tokens), ("candidate", "free"): (free_rows, free_tokens)}
     runs = {}
+    primary_top5 = _top5(ref)
+    full: set[int] = set()
+    close = 0.0
+    if evidence is not None:
+        from tensorverse.shadow.evidence import close_threshold, requested_positions
+        from tensorverse.shadow.turn import TurnInput
+
+        ti = TurnInput(id=turn_id, prompt_token_ids=[0], output_token_ids=tokens, top_logprobs=list(primary_top5))
+        full = set(requested_positions(ti, evidence))
+        close = close_threshold(ti, evidence)
     for backend, _role in LINEUP:
         for mode in ("forced", "free"):
             x, toks = rows_of[(backend, mode)]
-            runs[(backend, mode)] = (toks, _top5(x) if mode == "forced" else None,
-                                     [(p, encode_row(x[p])) for p in range(n)])
-    return PreparedTurn(turn_id, session_id, index, created_ns, tokens, real_flips, _top5(ref), runs)
+            if evidence is None:
+                blobs: list[tuple] = [(p, encode_row(x[p])) for p in range(n)]
+            else:
+                blobs = []
+                for p in range(n):
+                    blob, compact = _at_source(x[p], evidence, close, tokens[p] if mode == "forced" else -1,
+                                               p in full)
+                    blobs.append((p, blob, None, compact))
+            runs[(backend, mode)] = (toks, _top5(x) if mode == "forced" else None, blobs)
+    return PreparedTurn(turn_id, session_id, index, created_ns, tokens, real_flips, primary_top5, runs)
+
+
+def _at_source(row: np.ndarray, evidence: Any, close: float, forced: int, requested: bool) -> tuple[bytes, bool]:
+    """One float32 row as the capture plugin sends it with ``tv_compact``: (blob, compact)."""
+    import torch
+
+    from tensorverse.capture.optin import EvidenceSpec
+    from tensorverse.capture.reduce import decide, reduce_rows
+    from tensorverse.store.codec import row_checksum
+    from tensorverse.store.compact import encode_compact
+
+    spec = EvidenceSpec(evidence.k, close, forced, requested)
+    d = decide(reduce_rows(torch.from_numpy(row), evidence.k), 0, spec, dtype="float32",
+               fingerprint=row_checksum(row))
+    return (encode_row(row), False) if d.compact is None else (encode_compact(d.compact), True)
 
 
 def store_turn(store: Any, t: PreparedTurn, *, compare: bool = True) -> ShadowedTurn:

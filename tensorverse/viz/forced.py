@@ -69,7 +69,7 @@ def stored_columns(comparisons: Iterable[Comparison], ref_run_id: str, n: int) -
         by_pos = dict(zip(flips, classes)) if classes is not None and flips is not None \
             and len(classes) == len(flips) else {}
         return {"positions": positions, "cols": cols, "approximate": cmp.kind != "full",
-                "classes": by_pos}
+                "classes": by_pos, "compact": set(cmp.compact_positions or ())}
     return None
 
 
@@ -129,7 +129,8 @@ def forced_view(tb: TurnBuilder, inline: bool, used: set[int]) -> dict:
         for q, p in enumerate(cached["positions"]):
             put(arr[k], p, kl=cols["kl"][q], delta_p=cols["delta_p"][q], rank=cols["rank"][q],
                 lower=bool(lower[q]), top1=cols["cand_top1"][q],
-                flip=cols["cand_top1"][q] != cols["ref_top1"][q], approx=cached["approximate"])
+                flip=cols["cand_top1"][q] != cols["ref_top1"][q],
+                approx=cached["approximate"] or p in cached["compact"])  # compact rows: from their top k
             if margin[p] is None and cols["margin"][q] is not None:
                 margin[p] = sig(cols["margin"][q])
                 ref_top1[p] = cols["ref_top1"][q]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tensorverse.capture.optin import Positions, parse_extra_args
-from tensorverse.shadow.evidence import SourceEvidence, requested_positions, xargs
+from tensorverse.shadow.evidence import SourceEvidence, close_threshold, requested_positions, xargs
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.compaction import sampled
 
@@ -29,8 +29,19 @@ def test_the_primarys_close_calls_are_requested_strictly_below_close_nats():
     top[0] = [[100, -0.5], [7, -0.5625]]  # 0.0625 nats apart: close
     top[10] = [[110, -0.5], [7, -0.625]]  # 0.125 nats apart: not below 0.125
     top[1] = [[101, -0.0]]  # one entry: nothing to compare
-    got = requested_positions(_turn(top=top, pieces=None), SourceEvidence(close_nats=0.125, sample=0.0))
+    got = requested_positions(_turn(top=top, pieces=None), SourceEvidence(close_nats=0.125, sample=0.0, close_share=1.0))
     assert got == [0]
+
+
+def test_close_calls_are_capped_at_close_share_the_closest_first_and_tv_close_follows():
+    gaps = [0.05, 0.01, 0.5, 0.03, 0.02, 0.9, 0.08, 1.0, 2.0, 3.0, 0.04]
+    top = [[[100 + p, -0.01], [7, -0.01 - g]] for p, g in enumerate(gaps)]
+    t = _turn(top=top, pieces=None)
+    ev = SourceEvidence(close_nats=0.1, close_share=0.2, sample=0.0)  # at most int(0.2 * 11) = 2
+    assert requested_positions(t, ev) == [1, 4]  # gaps 0.01 and 0.02
+    assert close_threshold(t, ev) == pytest.approx(0.03)  # the closest one left out: rows under it travel full
+    assert close_threshold(t, SourceEvidence(close_nats=0.1, close_share=1.0)) == 0.1  # the cap not reached
+    assert close_threshold(t, SourceEvidence(close_nats=0.1, close_share=0.0)) == pytest.approx(0.01)
 
 
 def test_the_seeded_sample_is_the_one_compaction_keeps():
@@ -57,3 +68,33 @@ def test_xargs_read_back_as_the_plugin_reads_them():
 def test_a_bad_policy_is_refused(bad):
     with pytest.raises(ValueError):
         SourceEvidence(**bad)
+
+
+def test_a_workload_reduced_at_the_source_compares_as_full_capture(tmp_path):
+    """The shadow workload (three shadows, forced and free) stored twice, in full and reduced at
+    the source as the plugin reduces it: identical flips, classes and free verdicts, and only the
+    evidence rows in full."""
+    import numpy as np
+
+    from tensorverse.store import Store
+    from tensorverse.testing.shadow_workload import prepare_turn, store_turn
+
+    rng = np.random.default_rng(3)
+    ref = (rng.standard_normal((40, 600)) * 3).astype(np.float32)
+    shadow = ref + (rng.standard_normal((40, 600)) * 1e-3).astype(np.float32)
+    other = (rng.standard_normal((40, 600)) * 3).astype(np.float32)
+    out = {}
+    for form, ev in (("full", None), ("source", SourceEvidence(sample=0.0))):
+        prep = prepare_turn("t", "s", 0, ref, shadow, other, flip_share=0.1, seed=1, created_ns=1, evidence=ev)
+        with Store.open(tmp_path / form) as st:
+            out[form] = {(c["backend"], c["mode"], c.get("ref_role")): c for c in store_turn(st, prep).comparisons}
+            if ev is not None:
+                full_rows = {k: sum(1 for r in blobs if not r[3]) for k, (_, _, blobs) in prep.runs.items()}
+    assert set(out["full"]) == set(out["source"])
+    for k, c in out["full"].items():
+        for field in ("flips", "flip_classes", "first_flip", "diverged", "flip_class"):
+            assert out["source"][k].get(field) == c.get(field), (k, field)
+    cand = out["full"][("candidate", "forced", "secondary")]
+    assert len(cand["flips"]) >= 3
+    assert full_rows[("candidate", "forced")] >= len(cand["flips"])  # its flips travelled in full
+    assert full_rows[("twin", "forced")] <= 2  # an agreeing shadow: only its close calls

@@ -424,5 +424,5 @@ def test_evidence_at_the_source_gives_the_flips_classes_and_verdicts_of_full_cap
     requested = sum(r["evidence"]["requested"] for rs in ev_runs for r in rs if r["mode"] == "forced")
     print(f"store bytes per shadowed token: full {full_b / tokens:.0f}, evidence at the source {ev_b / tokens:.0f}; "
           f"rows [full, compact] per run kind {forms}; {requested} of {tokens} positions requested in full")
-    # the rig's tiny Qwen3 has random weights: flat rows, so many close calls travel in full
-    assert ev_b < full_b / 2
+    assert ev_b < full_b / 8  # 17 times fewer bytes on the 2-core AMD machine
+

@@ -472,3 +472,39 @@ def test_parser_mismatch_shown_per_turn(tmp_path, vz):
         tv = view.turn_view("s-net-t1")
         assert tv["parser_check"]["mismatch"] is True and tv["parser_check"]["differences"]
         assert view.session_view("s-net")["turns"][1]["parser_mismatch"] is True
+
+
+def test_positions_compared_on_compact_rows_are_marked_approximate(tmp_path):
+    """Evidence at the source: the reference's rows arrive compact where they are not evidence;
+    the stored comparison names those positions and the viewer marks the lane approximate there,
+    with the flip where full capture has it."""
+    from tensorverse.shadow.compare import compare_turn
+    from tensorverse.shadow.runs import primary_run_id
+    from tensorverse.store.compact import compact_row, encode_compact
+
+    vocab = 300
+    rng = np.random.default_rng(1)
+    with Store.open(tmp_path / "s") as store:
+        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6, 7],
+                        "pieces": ["a", "b", "c"]}).result()
+        store.put_run({"id": primary_run_id("t"), "turn_id": "t", "backend": "prim", "mode": "recorded",
+                       "role": "primary", "token_ids": [5, 6, 7], "capture": "topk"}).result()
+        for be, role in (("ref", "reference"), ("cand", "shadow")):
+            store.put_run({"id": be, "turn_id": "t", "backend": be, "mode": "forced", "token_ids": [5, 6, 7],
+                           "role": role, "capture": "full", "status": "ok"}).result()
+            rows = [rng.normal(0, 1, vocab).astype(np.float32) for _ in range(3)]
+            for p, tok in enumerate((5, 6, 7)):
+                rows[p][tok] = 12.0
+            if be == "cand":
+                rows[1][99] = 12.5  # the candidate flips at 1: its row travels in full
+                store.write_rows(be, [(p, encode_row(r)) for p, r in enumerate(rows)]).result()
+            else:  # the reference agrees everywhere: compact rows, one full (the sample)
+                store.write_rows(be, [(0, encode_row(rows[0]))]
+                                 + [(p, encode_compact(compact_row(rows[p])), None, True) for p in (1, 2)]).result()
+        cmp = next(c for c in compare_turn(store, "t") if c["run_id"] == "cand" and c["ref_run_id"] == "ref")
+        assert cmp["compact_positions"] == [1, 2] and cmp["flips"] == [1]
+        f = ViewData(store).turn_view("t")["forced"]
+    assert f["reference"] == "ref"
+    assert f["lanes"]["cand"]["flips"] == [1]
+    assert f["lanes"]["cand"]["approximate"] is True
