@@ -127,14 +127,16 @@ def topk_logprobs(logits: np.ndarray, k: int) -> list[dict[int, float]]:
     return out
 
 
-def _tail(lps: np.ndarray) -> float:
-    """1 - sum(exp(lps)) computed without cancellation when the known mass is close to 1."""
-    if lps.size == 0:
+def _tail(lps: Sequence[float]) -> float:
+    """1 - sum(exp(lps)) computed without cancellation when the known mass is close to 1.
+    Plain floats, not numpy: a position has a few dozen entries, where numpy's per-call cost
+    would dominate (this runs once per compared position)."""
+    if not lps:
         return 1.0
-    m = float(lps.max())
+    m = max(lps)
     if m == -math.inf:
         return 1.0
-    lse = m + math.log(float(np.exp(lps - m).sum()))
+    lse = m + math.log(math.fsum([math.exp(x - m) for x in lps]))
     return -math.expm1(lse) if lse < 0 else 0.0
 
 
@@ -193,14 +195,16 @@ def topk_position_metrics(
 
         # KL over {tokens known on both sides} + one tail bucket
         both = sorted(P.keys() & Q.keys())
-        lp = np.array([P[j] for j in both], dtype=np.float64)
-        lq = np.array([Q[j] for j in both], dtype=np.float64)
+        lp = [P[j] for j in both]
+        lq = [Q[j] for j in both]
         pt = max(_tail(lp), tail_floor)
         qt = max(_tail(lq), tail_floor)
-        p = np.exp(lp)
-        with np.errstate(invalid="ignore"):
-            terms = np.where(p > 0, p * (lp - lq), 0.0)
-        k_sum = math.fsum(terms.tolist()) + pt * (math.log(pt) - math.log(qt))
+        terms = []
+        for a, b in zip(lp, lq):
+            pa_ = math.exp(a)
+            if pa_ > 0:
+                terms.append(pa_ * (a - b))
+        k_sum = math.fsum(terms) + pt * (math.log(pt) - math.log(qt))
         kl[i] = max(k_sum, 0.0)
 
         a1, v1, v2 = _top_two(P)
@@ -223,10 +227,9 @@ def topk_position_metrics(
             rank[i] = len(Q) if k is None else max(int(k), 0)
             lower[i] = True
 
-        lpa = np.fromiter(P.values(), dtype=np.float64, count=len(P))
-        pa = np.exp(lpa)
+        lpa = list(P.values())
         ptail = _tail(lpa)
-        h = -math.fsum(np.where(pa > 0, pa * lpa, 0.0).tolist())
+        h = -math.fsum([math.exp(x) * x for x in lpa if math.exp(x) > 0])
         if ptail > tail_floor:
             h -= ptail * math.log(ptail)
         entropy[i] = max(h, 0.0)

@@ -70,7 +70,7 @@ from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_call
 from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store import records
 from tensorverse.store.records import Run
-from tensorverse.store.compact import CompactRow, compact_row
+from tensorverse.store.compact import CompactRow, compact_row, decode_compact
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 
 __all__ = ["compare_turn", "compare_runs", "put_comparisons", "select_reference", "load_rows", "latest_runs",
@@ -177,10 +177,15 @@ def _concat(parts: list[PositionMetrics]) -> PositionMetrics:
 
 
 def _load_side(src: StoredRows, run_id: str, ps: Sequence[int]) -> tuple[dict[int, np.ndarray], dict[int, CompactRow]]:
-    """The rows of ``ps``: full (float32) where stored in full, else their compact form."""
+    """The rows of ``ps``: full (float32) where stored in full, else their compact form (the
+    run's compact rows read in one pass: with evidence at the source most rows are compact)."""
     full: dict[int, np.ndarray] = {}
     compact: dict[int, CompactRow] = {}
+    blobs = dict(src.store.read_compact_rows(run_id)) if hasattr(src.store, "read_compact_rows") else {}
     for p in ps:
+        if p in blobs and src.compaction_of(run_id) is None:  # reduced at the source
+            compact[p] = decode_compact(blobs[p], record=f"{run_id}@{p}")
+            continue
         try:
             full[p] = widen_bf16(src.row(run_id, p)).reshape(-1).astype(np.float32, copy=False)
         except RowCompacted as e:
