@@ -221,6 +221,8 @@ class CaptureSection(_Section):
     only_with_tools: bool = False  # only requests that offer `tools`
     sample: float = Field(1.0, ge=0.0, le=1.0)  # fraction of eligible turns
     per_minute: int = Field(0, ge=0)  # budget of shadowed turns per minute; 0 = unlimited
+    # once a shadow's verdict is decided, at most this many of its turns a minute; 0 = no change
+    maintenance_per_minute: int = Field(0, ge=0)
     modes: list[Literal["forced", "free"]] = Field(default_factory=lambda: ["forced", "free"])
     # full: each backend as configured (every captured row in full where it has the capture plugin);
     # evidence: the plugin reduces rows where they are captured and sends in full only the evidence
@@ -328,6 +330,7 @@ class VerdictSection(_Section):
     tool_call_break_margin: float = Field(0.005, gt=0.0, lt=1.0)  # per tool-calling turn
     flip_margin: float = Field(0.001, gt=0.0, lt=1.0)  # per position: shown, not deciding
     refresh_s: float = Field(60.0, gt=0.0)  # the admin listener recomputes /verdict at most this often
+    gpu_price_per_hour: float | None = Field(None, ge=0.0)  # the shadows' spend in money too
 
     def policy(self):  # -> tensorverse.analysis.verdict.VerdictPolicy
         from tensorverse.analysis.verdict import VerdictPolicy
@@ -362,6 +365,8 @@ class ShadowBackend(_Section):
     logprobs: int = Field(20, ge=0)  # top-k logprobs asked of the API on every shadow run
     concurrency: int = Field(2, gt=0)  # shadow requests in flight to this backend
     timeout_s: float = Field(120.0, gt=0)  # per turn on this backend (all its modes)
+    gpus: int = Field(1, ge=1)  # GPUs its server occupies (TP x PP): its requests' time is charged times this
+    gpu_seconds_per_day: float | None = Field(None, gt=0)  # at most this much GPU time in any 24 h
     modes: list[Literal["forced", "free"]] | None = None  # override capture.modes
     settings: dict[str, Any] = Field(default_factory=dict)  # free-form, stored with the backend
 

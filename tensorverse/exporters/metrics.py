@@ -87,7 +87,7 @@ FLIP_CLASSES: tuple[str, ...] = _classes()
 PARSER_OUTCOMES: tuple[str, ...] = ("match", "mismatch")
 REQUEST_OUTCOMES: tuple[str, ...] = ("ok", "upstream_error", "error", "aborted")
 RUN_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timeout", "refused")
-TEE_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timed_out")
+TEE_OUTCOMES: tuple[str, ...] = ("ok", "failed", "timed_out", "gpu_budget", "maintenance")
 COMPARISON_OUTCOMES: tuple[str, ...] = ("ok", "error")
 NOISE_VERDICTS: tuple[str, ...] = ("regression", "within_noise")
 SKIP_REASONS: tuple[str, ...] = ("disabled", "not_ok", "endpoint", "no_tools", "no_token_ids",
@@ -190,7 +190,11 @@ METRICS: tuple[MetricSpec, ...] = (
                RUN_DURATION_BUCKETS),
     MetricSpec("tensorverse_shadow_turns", "counter",
                "turns processed per shadow backend by outcome (timed_out = the backend's "
-               "timeout_s cut it)", (_B, _R, "outcome")),
+               "timeout_s cut it; gpu_budget, maintenance: not started)", (_B, _R, "outcome")),
+    MetricSpec("tensorverse_shadow_gpu_seconds", "counter",
+               "GPU-seconds charged to a shadow: its runs' request time times its gpus", (_B,)),
+    MetricSpec("tensorverse_shadow_gpu_budget_left_seconds", "gauge",
+               "what is left of a shadow's gpu_seconds_per_day in the last 24 hours", (_B,)),
     MetricSpec("tensorverse_shadow_queued", "counter", "turns put on the shadow queue"),
     MetricSpec("tensorverse_shadow_dropped", "counter",
                "turns dropped because the shadow queue was full"),
@@ -687,8 +691,9 @@ class MetricsCollector:
             return CounterMetricFamily(name, help_, value=None if labels else value,
                                        labels=labels or None)
 
-        def gauge(name: str, value: float) -> Any:
-            return GaugeMetricFamily(name, spec[name].help, value=value)
+        def gauge(name: str, value: float = 0.0, labels: Sequence[str] = ()) -> Any:
+            return GaugeMetricFamily(name, spec[name].help, value=None if labels else value,
+                                     labels=labels or None)
 
         proxy = s.get("proxy") or {}
         for key in dict.fromkeys([*PROXY_COUNTERS, *proxy]):
@@ -722,6 +727,14 @@ class MetricsCollector:
             for outcome in dict.fromkeys([*TEE_OUTCOMES, *outcomes]):
                 turns.add_metric([b, roles.get(b, "shadow"), outcome], outcomes.get(outcome, 0))
         yield turns
+        gpu = sh.get("gpu") or {}
+        spent = counter("tensorverse_shadow_gpu_seconds", labels=("backend",))
+        left = gauge("tensorverse_shadow_gpu_budget_left_seconds", labels=("backend",))
+        for b, g in gpu.items():
+            spent.add_metric([b], g.get("gpu_seconds_total", 0.0))
+            left.add_metric([b], g["budget_left"] if g.get("budget_left") is not None else math.inf)
+        yield spent
+        yield left
 
         # capture ingest
         ing = s.get("ingest") or {}

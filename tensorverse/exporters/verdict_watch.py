@@ -14,11 +14,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tensorverse.analysis.verdict import ShadowVerdict, VerdictPolicy, verdicts, verdicts_json
 
-__all__ = ["VerdictWatch", "VerdictSnapshot"]
+__all__ = ["VerdictWatch", "VerdictSnapshot", "DECIDED"]
+
+#: verdicts after which a shadow only needs watching (`[capture] maintenance_per_minute`)
+DECIDED = ("regression", "equivalent")
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +33,17 @@ class VerdictSnapshot:
     verdicts: list[ShadowVerdict] = field(default_factory=list)
     error: str | None = None
 
-    def as_dict(self, policy: VerdictPolicy) -> dict[str, Any]:
-        return {"computed_ns": self.computed_ns, "seconds": self.seconds, "error": self.error,
-                **verdicts_json(self.verdicts, policy)}
+    def as_dict(self, policy: VerdictPolicy, spend: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """JSON-ready; ``spend``: the shadows' GPU time and money (`tensorverse.proxy.budget`)."""
+        out = {"computed_ns": self.computed_ns, "seconds": self.seconds, "error": self.error,
+               **verdicts_json(self.verdicts, policy)}
+        if spend is not None:
+            out["gpu"] = dict(spend)
+        return out
+
+    def decided(self, backend: str) -> bool:
+        """Whether ``backend``'s verdict is decided (``regression`` or ``equivalent``)."""
+        return any(v.backend == backend and v.decision in DECIDED for v in self.verdicts)
 
 
 class VerdictWatch:
@@ -48,6 +59,16 @@ class VerdictWatch:
         from tensorverse.exporters.comparison_rows import StoreRows
 
         self._rows = StoreRows(store)  # each comparison decoded once, across refreshes
+        #: the shadows' GPU spend for ``/verdict`` (set by the proxy: `ShadowBudget.stats`)
+        self.spend: Callable[[], Mapping[str, Any]] | None = None
+
+    def decided(self, backend: str) -> bool:
+        """Whether the last snapshot decided ``backend`` (for the maintenance rate)."""
+        return self.snapshot().decided(backend)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``/verdict``: the last snapshot, with the shadows' GPU spend when the proxy tracks it."""
+        return self.snapshot().as_dict(self.policy, self.spend() if self.spend is not None else None)
 
     def wait_idle(self) -> None:
         """Block until a computation in progress (in another thread) is over: before the store closes."""

@@ -175,8 +175,7 @@ def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *
     async def verdict_json(_: web.Request) -> web.Response:
         if verdict is None:
             return web.json_response({"error": "no store: the verdict needs one"}, status=404)
-        snap = verdict.snapshot()
-        return web.Response(body=orjson.dumps(snap.as_dict(verdict.policy)), content_type="application/json")
+        return web.Response(body=orjson.dumps(verdict.as_dict()), content_type="application/json")
 
     async def refresh_verdict(app: web.Application) -> Any:
         async def loop() -> None:

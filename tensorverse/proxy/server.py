@@ -29,7 +29,8 @@ from tensorverse.proxy.core import ProxyCore
 from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
 from tensorverse.proxy.sessions import Sessions
-from tensorverse.proxy.tee import CapturePolicy, ShadowTee, TurnShadower, runner_from_config, tee_backends_from_config
+from tensorverse.proxy.tee import (CapturePolicy, ShadowTee, TurnShadower, budget_from_config, runner_from_config,
+                                   tee_backends_from_config)
 from tensorverse.store.records import BackendInfo
 
 log = logging.getLogger("tensorverse.proxy")
@@ -96,6 +97,7 @@ class Proxy:
             queue_size=c.shadow.queue_size,
             workers=c.shadow.workers,
             metrics=self.metrics,
+            budget=budget_from_config(c) if tee_backends else None,
         )
         if c.recording.enabled and tee_backends:
             if runner is None:
@@ -162,6 +164,9 @@ class Proxy:
 
                 watch = VerdictWatch(self.store, c.verdict.policy(), c.verdict.refresh_s,
                                      backends={b.name: b.role for b in c.selected_backends()})
+                if self.tee.budget is not None:  # decided shadows drop to the maintenance rate
+                    self.tee.budget.decided = watch.decided
+                    watch.spend = self.tee.budget.stats
             self._admin_runner = web.AppRunner(make_admin_app(self.stats, self.ingest, metrics=self.metrics,
                                                             store=self.store, verdict=watch), access_log=None)
             await self._admin_runner.setup()

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
+from tensorverse.proxy.budget import ShadowBudget
 from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
 
@@ -119,6 +120,7 @@ class ShadowTee(Addon):
         workers: int = 4,
         wait_for_turn_s: float = 30.0,
         metrics: Any = None,
+        budget: ShadowBudget | None = None,
     ) -> None:
         self.runner = runner
         self.metrics = metrics
@@ -129,6 +131,8 @@ class ShadowTee(Addon):
         self.queue_size = queue_size
         self.n_workers = workers
         self.wait_for_turn_s = wait_for_turn_s
+        #: GPU-seconds per shadow and the maintenance rate once decided (`tensorverse.proxy.budget`)
+        self.budget = budget
         self._queue: asyncio.Queue | None = None
         self._workers: list[asyncio.Task] = []
         self.counters: dict[str, Any] = {
@@ -140,8 +144,11 @@ class ShadowTee(Addon):
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "queue_depth": self._queue.qsize() if self._queue else 0,
-                "queue_size": self.queue_size}
+        out = {**self.counters, "queue_depth": self._queue.qsize() if self._queue else 0,
+               "queue_size": self.queue_size}
+        if self.budget is not None:
+            out["gpu"] = self.budget.stats()
+        return out
 
     async def start(self) -> None:
         self._queue = asyncio.Queue(maxsize=self.queue_size)
@@ -236,6 +243,11 @@ class ShadowTee(Addon):
     async def _run_one(self, turn: dict, b: TeeBackend) -> None:
         c = self.counters["backend"][b.name]
         assert b._sem is not None and self.runner is not None
+        if self.budget is not None:
+            why = self.budget.reject_reason(b.name)
+            if why is not None:  # over its GPU budget, or decided and at its maintenance rate
+                c[why] = c.get(why, 0) + 1
+                return
         async with b._sem:
             try:
                 modes = b.modes or self.modes
@@ -243,6 +255,9 @@ class ShadowTee(Addon):
                 async with asyncio.timeout(deadline):  # no extra task, unlike wait_for
                     runs = await self.runner(turn, [b.backend], self.store, modes=modes)
                 c["ok"] += 1
+                if self.budget is not None and isinstance(runs, list):
+                    self.budget.charge(b.name, (r for r in runs if isinstance(r, dict)
+                                                and r.get("mode") in ("forced", "free")))
                 if self.metrics is not None and isinstance(runs, list):
                     try:
                         self.metrics.observe_runs(r for r in runs if isinstance(r, dict))
@@ -273,6 +288,16 @@ def _backend(sb: Any, *, topk_only: bool = False) -> Any:
         logprobs=sb.logprobs,
         headers=dict(sb.headers),
     )
+
+
+def budget_from_config(cfg: Any) -> ShadowBudget:
+    """The shadows' GPU bookkeeping: ``[[shadows]] gpus``, ``gpu_seconds_per_day``, ``[capture]
+    maintenance_per_minute``, ``[verdict] gpu_price_per_hour`` (`tensorverse.proxy.budget`)."""
+    shadows = cfg.selected_backends()
+    return ShadowBudget(gpus={s.name: s.gpus for s in shadows},
+                        per_day={s.name: s.gpu_seconds_per_day for s in shadows},
+                        maintenance_per_minute=cfg.capture.maintenance_per_minute,
+                        price_per_gpu_hour=cfg.verdict.gpu_price_per_hour)
 
 
 def tee_backends_from_config(cfg: Any) -> list[TeeBackend]:
