@@ -11,6 +11,9 @@ from elsewhere hits both alike; each figure is the median of `--repeats`.
 
 * `idle_ratio`: decode tokens/s of `on` without any opt-in / `off`.
 * `capture_ratio`: tokens/s of `on` capturing every position of the request / `off`.
+* `compact_ratio`: the same with evidence chosen at the source and every row reduced
+  (`tv_compact: 20`, `tv_close: 0`: no row is a close call, so each one goes through the
+  reduction and travels compact) / `off`; `compact_bytes_per_token` its stored bytes per row.
 * `bytes_per_token`, `s_per_token`: stored bytes per captured row, and wall seconds per captured
   token until its row is committed in the store.
 * `json_bytes_per_token`, `json_s_per_token`: vLLM's full-vocabulary logprobs as JSON
@@ -62,13 +65,15 @@ def _complete(server: VLLMServer, tokens: int, **extra) -> tuple[float, bytes]:
 
 
 def _wait_rows(store: Store, run_id: str, n: int, timeout: float = 60.0) -> list[tuple[int, bytes]]:
+    """The run's rows, full and compact, once ``n`` are stored."""
     deadline = time.monotonic() + timeout
+    rows: list[tuple[int, bytes]] = []
     while time.monotonic() < deadline:
-        rows = store.read_rows(run_id)
+        rows = store.read_rows(run_id) + store.read_compact_rows(run_id)
         if len(rows) >= n:
             return rows
         time.sleep(0.01)
-    raise RuntimeError(f"only {len(store.read_rows(run_id))} of {n} rows arrived for {run_id}")
+    raise RuntimeError(f"only {len(rows)} of {n} rows arrived for {run_id}")
 
 
 def main() -> int:
@@ -93,7 +98,7 @@ def main() -> int:
     try:
         for s in (off, on):  # warm-up
             _complete(s, 16)
-        t_off, t_idle, t_cap, cap_s, cap_bytes = [], [], [], [], []
+        t_off, t_idle, t_cap, cap_s, cap_bytes, t_cmp, cmp_bytes = [], [], [], [], [], [], []
         for r in range(args.repeats):
             t_off.append(_complete(off, args.tokens)[0])
             t_idle.append(_complete(on, args.tokens)[0])
@@ -104,8 +109,12 @@ def main() -> int:
             cap_s.append(time.perf_counter() - t0)
             t_cap.append(dt)
             cap_bytes.append(sum(len(b) for _, b in rows))
+            dt_c, _ = _complete(on, args.tokens, vllm_xargs={"tv_capture": run_id + "c", "tv_compact": 20,
+                                                              "tv_close": 0.0})
+            t_cmp.append(dt_c)
+            cmp_bytes.append(sum(len(b) for _, b in _wait_rows(store, run_id + "c", args.tokens)))
             print(f"repeat {r}: off {t_off[-1]:.3f}s idle {t_idle[-1]:.3f}s capture {dt:.3f}s "
-                  f"(rows stored after {cap_s[-1]:.3f}s)", flush=True)
+                  f"(rows stored after {cap_s[-1]:.3f}s) compact {dt_c:.3f}s", flush=True)
         # the baseline: the same tokens and repeats on both sides, alternating
         json_s, json_bytes, c_s, c_bytes = [], [], [], []
         for r in range(args.repeats):
@@ -136,6 +145,8 @@ def main() -> int:
             "tokens_per_s_capture": round(n_tok / statistics.median(t_cap), 1),
             "idle_ratio": round(statistics.median(t_off) / statistics.median(t_idle), 4),
             "capture_ratio": round(statistics.median(t_off) / statistics.median(t_cap), 4),
+            "compact_ratio": round(statistics.median(t_off) / statistics.median(t_cmp), 4),
+            "compact_bytes_per_token": round(statistics.median(cmp_bytes) / n_tok, 1),
             "bytes_per_token": round(statistics.median(cap_bytes) / n_tok, 1),
             "s_per_token": round(statistics.median(cap_s) / n_tok, 5),
             "json_tokens": jt,

@@ -258,26 +258,8 @@ def classify_forced_topk(ref_topk: Sequence[Mapping[int, float]], ref_top1: Any,
                          rule: TieRule = DEFAULT_RULE) -> list[FlipAttribution]:
     """:func:`classify_forced` for a reference that holds only top-k logprobs per position
     (``{token id: logprob}``, e.g. :func:`tensorverse.analysis.topk.parse_top_logprobs`)."""
-    r1 = np.asarray(ref_top1, dtype=np.int64).reshape(-1)
-    c1 = np.asarray(cand_top1, dtype=np.int64).reshape(-1)
-    n = r1.shape[0]
-    if c1.shape != (n,) or len(ref_topk) != n:
-        raise AnalysisInputError(f"top-k entries and top-1 arrays must have one entry per position ({n})")
-    pos = _as_positions(positions, n)
-    nm = _noise_mask(noise, n)
-    out: list[FlipAttribution] = []
-    for i in np.flatnonzero(r1 != c1).tolist():
-        entry = ref_topk[i]
-        a, b = entry.get(int(r1[i])), entry.get(int(c1[i]))
-        cls = None
-        steps = margin = dtype = None
-        if a is not None and b is not None and math.isfinite(a) and math.isfinite(b):
-            dtype = _values_dtype((a, b))
-            cls, steps, margin = margin_class(a, b, dtype, rule)
-        if cls is None:
-            cls = FlipClass.NOISE if nm is not None and nm[i] else FlipClass.RUNTIME
-        out.append(FlipAttribution(pos[i], cls, "forced", int(r1[i]), int(c1[i]), margin, steps, dtype))
-    return out
+    return _classify_known([(e, None) for e in ref_topk], ref_top1, cand_top1, noise, positions, rule,
+                           "top-k entries")
 
 
 def classify_forced_sparse(ref_kept: Sequence[tuple[Mapping[int, float], str]], ref_top1: Any,
@@ -292,24 +274,31 @@ def classify_forced_sparse(ref_kept: Sequence[tuple[Mapping[int, float], str]], 
     are None (unknown) and the flip is ``runtime`` or ``noise``. That is the full row's class too
     unless the reference's top k all lie within the tie rule of its top-1, which makes the row a
     close call, kept in full at the source (``tv_close``)."""
+    return _classify_known(ref_kept, ref_top1, cand_top1, noise, positions, rule, "kept logits")
+
+
+def _classify_known(known: Sequence[tuple[Mapping[int, float], str | None]], ref_top1: Any, cand_top1: Any,
+                    noise: Any, positions: Sequence[int] | None, rule: TieRule, what: str) -> list[FlipAttribution]:
+    """Classify each flip from the reference values known at its position: ``(values by token
+    id, their grid)``, the grid None for API logprobs (then :func:`_values_dtype` of the two)."""
     r1 = np.asarray(ref_top1, dtype=np.int64).reshape(-1)
     c1 = np.asarray(cand_top1, dtype=np.int64).reshape(-1)
     n = r1.shape[0]
-    if c1.shape != (n,) or len(ref_kept) != n:
-        raise AnalysisInputError(f"kept logits and top-1 arrays must have one entry per position ({n})")
+    if c1.shape != (n,) or len(known) != n:
+        raise AnalysisInputError(f"{what} and top-1 arrays must have one entry per position ({n})")
     pos = _as_positions(positions, n)
     nm = _noise_mask(noise, n)
     out: list[FlipAttribution] = []
     for i in np.flatnonzero(r1 != c1).tolist():
-        vals, dtype = ref_kept[i]
+        vals, grid = known[i]
         a, b = vals.get(int(r1[i])), vals.get(int(c1[i]))
-        cls = steps = margin = None
-        if a is not None and b is not None:
+        cls = steps = margin = dtype = None
+        if a is not None and b is not None and math.isfinite(a) and math.isfinite(b):
+            dtype = grid or _values_dtype((a, b))
             cls, steps, margin = margin_class(a, b, dtype, rule)
         if cls is None:
             cls = FlipClass.NOISE if nm is not None and nm[i] else FlipClass.RUNTIME
-        out.append(FlipAttribution(pos[i], cls, "forced", int(r1[i]), int(c1[i]), margin, steps,
-                                   dtype if margin is not None else None))
+        out.append(FlipAttribution(pos[i], cls, "forced", int(r1[i]), int(c1[i]), margin, steps, dtype))
     return out
 
 

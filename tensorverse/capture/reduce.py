@@ -108,7 +108,7 @@ def decide(r: Reduced, i: int, spec: EvidenceSpec, *, dtype: str, fingerprint: i
         return Decision("requested", None)
     if not r.finite[i]:
         return Decision("nonfinite", None)
-    k = int(spec.k)
+    k = min(int(spec.k), r.vocab)  # as compaction: at most the whole row
     vals, ids = r.vals[i], r.ids[i]
     order = np.lexsort((ids, -vals))  # value descending, then id ascending: the store's order
     vals, ids = vals[order], ids[order]

@@ -135,3 +135,9 @@ def test_k_past_the_window_is_refused():
     r = reduce_rows(row, 4, window=2)
     with pytest.raises(ValueError):
         decide(r, 0, _spec(k=10), dtype="float32", fingerprint=0)
+
+
+def test_k_above_the_vocabulary_keeps_the_whole_row_as_compaction_does():
+    row = torch.linspace(-1.0, 1.0, 12)
+    d = decide(reduce_rows(row, 50), 0, _spec(k=50, close=0.0), dtype="float32", fingerprint=0)
+    assert d.compact.k == 12 and d.compact.ids.tolist() == compact_row(row.numpy(), k=12).ids.tolist()
