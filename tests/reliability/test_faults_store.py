@@ -289,3 +289,87 @@ def test_capture_sink_goes_away_and_comes_back(fakes, proxy_proc, tmp_path):
              faults="recorder (ingest) stopped, restarted on the same address", bad_inputs=0,
              requests=len(sent), requests_failed=0, records_lost=0, rows_dropped_while_away_counted=dropped,
              note="rows sent while the recorder is away are dropped and counted by the sink (by design)")
+
+
+def test_kill9_while_ingest_is_saturated_keeps_every_acknowledged_batch_whole(fakes, proxy_proc, chat, tmp_path):
+    """Issue 37: the proxy killed while four capture sinks post row batches as fast as it takes
+    them (and an agent streams): the store opens; every batch the proxy acknowledged is there
+    whole; every run's rows are all or none of a batch (one transaction per run); the agent's
+    streams that were in flight are the only casualties, and the restarted proxy takes rows again."""
+    from tensorverse.capture.frames import CONTENT_TYPE, encode_frame
+    from tensorverse.store import Store
+    from tensorverse.store.codec import encode_row
+    from tensorverse.store.compact import compact_row, encode_compact
+
+    f = fakes()
+    store = tmp_path / "store"
+    cfg = H.proxy_config(f.url("primary"), store)
+    p = proxy_proc(cfg)
+    rng = np.random.default_rng(0)
+    row = (rng.standard_normal(151_936) * 3).astype(np.float32)
+    blob = encode_row(row)  # a full Qwen3-vocabulary row (~600 KB: random logits do not compress)
+    small = encode_compact(compact_row(row))
+    auth = {"Authorization": f"Bearer {H.ADMIN_TOKEN}", "Content-Type": CONTENT_TYPE}
+    acked: list[str] = []
+    sent: list[str] = []
+    stop = False
+
+    def sink(k: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            for i in range(10_000):
+                if stop:
+                    return
+                run = f"ing-{k}-{i}"
+                body = b"".join(encode_frame(run, pos, blob if pos % 4 == 0 else small, seq=pos + 1,
+                                             origin=k * 100_000 + i, compact=pos % 4 != 0) for pos in range(8))
+                sent.append(run)
+                try:
+                    r = c.post(p.admin_url + "/ingest", content=body, headers=auth)
+                except httpx.HTTPError:
+                    return  # the kill
+                if r.status_code == 200:
+                    acked.append(run)
+
+    agents: list[dict] = []
+
+    def agent() -> None:
+        while not stop:
+            agents.append(chat(p.url, timeout=10))
+
+    ex = ThreadPoolExecutor(5)
+    futs = [ex.submit(sink, k) for k in range(4)] + [ex.submit(agent)]
+    deadline = time.monotonic() + 60
+    while len(acked) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    n_acked = len(acked)
+    assert p.kill9() == -9
+    stop = True
+    for fu in futs:
+        fu.result(60)
+    ex.shutdown()
+    assert n_acked >= 20
+    st = Store.open(store, readonly=True)  # opens after the crash
+    try:
+        whole = half = 0
+        for run in sent:
+            n = len(st.read_rows(run)) + len(st.read_compact_rows(run))
+            assert n in (0, 8), (run, n)  # all or nothing
+            whole += n == 8
+            half += n not in (0, 8)
+        assert all(len(st.read_rows(run)) == 2 and len(st.read_compact_rows(run)) == 6 for run in acked)
+    finally:
+        st.close()
+    ok_before = sum(a["ok"] for a in agents)
+    p2 = proxy_proc(cfg, workdir=tmp_path / "proxy2")
+    with httpx.Client(timeout=30) as c:
+        again = c.post(p2.admin_url + "/ingest", headers=auth,
+                       content=encode_frame("after", 0, blob, seq=1, origin=1))
+    assert again.status_code == 200 and chat(p2.url)["ok"]
+    assert p2.terminate() == 0
+    H.record("fault-kill9-ingest", load="4 capture sinks posting 8-row batches (2 full Qwen3 rows, 6 compact) "
+             "back to back + 1 streaming agent", faults="SIGKILL of the proxy while ingest is saturated, restart",
+             bad_inputs=0, requests=len(sent) + len(agents) + 2, requests_failed=0, records_lost=0,
+             batches_acknowledged=len(acked), batches_stored_whole=whole, batches_half_stored=half,
+             agent_turns_ok_before_kill=ok_before,
+             note="every acknowledged batch whole after the crash; batches in flight at the kill all or nothing; "
+                  "the agent's stream in flight at the kill is the kill's")
