@@ -19,6 +19,10 @@ turns are analysed one after the other, in each phase:
 * ``compact_thread`` and ``compact_workers``: the compaction of every turn planned (its rows
   read, compacted and re-encoded, nothing committed) by the retention keeper's thread, or by a
   worker the keeper's thread waits on;
+* ``ingest_loop`` and ``ingest_thread``: the proxy's real ``/ingest`` (`tensorverse.proxy.admin`,
+  an aiohttp app on the probe's loop, the store's writer thread behind it) taking batches of 8
+  full Qwen3 rows (~4 MB) posted from another thread, with each body parsed and checked on the
+  loop (as before 2026-12-04) or, as now for bodies over 256 KiB, in a thread;
 * ``idle``: the probe alone, the machine's own floor.
 
 Figures: the probe's lag p50/p99/max in milliseconds for each phase; each phase's wall time per
@@ -36,6 +40,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +60,29 @@ from tensorverse.store.compaction import EvidencePolicy, compact_store
 from tensorverse.testing.shadow_workload import prepare_turn, store_turn
 
 PROBE_S = 0.001
+
+# The capture sink's side of the ingest phases: batches of 8 full rows, built before "go".
+_POSTER = """
+import sys
+import httpx
+sys.path.insert(0, ".")
+from benchmarks._logits import synthetic_rows
+from tensorverse.capture.frames import CONTENT_TYPE, encode_frame
+from tensorverse.store.codec import encode_row
+port, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+blob = encode_row(synthetic_rows(1, seed=7)[0][0])
+bodies = [b"".join(encode_frame(f"ing-{tag}-{i}", p, blob, seq=p + 1, origin=i + 1) for p in range(8))
+          for i in range(n)]
+print("ready", flush=True)
+sys.stdin.readline()
+ok = 0
+with httpx.Client(timeout=60) as c:
+    for body in bodies:
+        r = c.post(f"http://127.0.0.1:{port}/ingest", content=body,
+                   headers={"Authorization": "Bearer t", "Content-Type": CONTENT_TYPE})
+        ok += r.status_code == 200
+print(ok, flush=True)
+"""
 
 
 def _stats(lags: list[float]) -> dict[str, float]:
@@ -129,6 +157,40 @@ def main(argv: list[str] | None = None) -> int:
                 return await asyncio.to_thread(compact_store, store, policy, now_ns=now, dry_run=True,
                                                planner=planner)
 
+            from aiohttp import web
+
+            from tensorverse.proxy.admin import Ingest, make_admin_app
+
+            n_batches = 10 if a.quick else 40
+
+            async def ingest_phase(off_loop_bytes: int) -> dict[str, Any]:
+                ing = Ingest(store, "t")
+                ing.OFF_LOOP_BYTES = off_loop_bytes
+                runner = web.AppRunner(make_admin_app(lambda: {}, ing), access_log=None)
+                await runner.setup()
+                site = web.TCPSite(runner, "127.0.0.1", 0)
+                await site.start()
+                port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                tag = "loop" if off_loop_bytes > 1 << 40 else "thread"
+                # the sink is another process, as the capture plugin is: its work is not the proxy's
+                child = subprocess.Popen([sys.executable, "-c", _POSTER, str(port), tag, str(n_batches)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         cwd=str(Path(__file__).resolve().parent.parent))
+                assert child.stdout is not None and child.stdin is not None
+                assert child.stdout.readline().strip() == "ready"
+
+                def post() -> int:
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    return int(child.stdout.readline())
+
+                try:
+                    lag, ok, wall = await _phase(lambda: asyncio.to_thread(post), 0)
+                finally:
+                    child.wait(30)
+                    await runner.cleanup()
+                return {**lag, "batches_ok": ok, "s_per_batch": round(wall / n_batches, 4)}
+
             async def run() -> dict[str, Any]:
                 await workers.compare(store, ids[0])  # the worker started and warm, as in a running proxy
                 await asyncio.to_thread(compare_turn, store, ids[0], store_results=False)
@@ -139,9 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                     put_comparisons(store, r)
                 k_thread, plans_thread, s3 = await _phase(compact_in_thread, 0)
                 k_workers, plans_workers, s4 = await _phase(compact_in_workers, 0)
+                ingest_loop = await ingest_phase(1 << 62)
+                ingest_thread = await ingest_phase(Ingest.OFF_LOOP_BYTES)
                 idle, _, _ = await _phase(None, max(1.0, s1))
                 out.update(compare_thread=c_thread, compare_workers=c_workers, compact_thread=k_thread,
-                           compact_workers=k_workers, idle=idle)
+                           compact_workers=k_workers, ingest_loop=ingest_loop, ingest_thread=ingest_thread,
+                           idle=idle)
                 out.update({f"{k}_s_per_turn": round(v / turns, 4) for k, v in
                             (("compare_thread", s1), ("compare_workers", s2), ("compact_thread", s3),
                              ("compact_workers", s4))})
@@ -165,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     for job in ("compare", "compact"):
         result[f"{job}_p99_over_idle"] = round(res[f"{job}_workers"]["p99_ms"] / floor, 3)
         result[f"{job}_thread_p99_over_idle"] = round(res[f"{job}_thread"]["p99_ms"] / floor, 3)
+    result["ingest_p99_over_idle"] = round(res["ingest_thread"]["p99_ms"] / floor, 3)
+    result["ingest_loop_p99_over_idle"] = round(res["ingest_loop"]["p99_ms"] / floor, 3)
     return finish("relay_loop_lag", result)
 
 

@@ -142,3 +142,23 @@ def test_verdict_endpoint_and_gauges(fake, make_proxy):
     age = samples[("tensorverse_verdict_age_seconds", ())]
     assert not math.isnan(age) and age < 20
     assert samples[("tensorverse_verdict_errors", ())] == 0
+
+
+def test_a_big_ingest_body_is_checked_off_the_loop_all_or_nothing(fake, make_proxy, settle):
+    import os
+
+    from tensorverse.proxy.admin import Ingest
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+    blobs = [os.urandom(100_000) for _ in range(4)]
+    good = b"".join(encode_frame("big", p, b, seq=p + 1, origin=5) for p, b in enumerate(blobs))
+    assert len(good) > Ingest.OFF_LOOP_BYTES
+    bad = good[:-1] + bytes([good[-1] ^ 1])  # the last frame's crc
+    with httpx.Client(timeout=30) as c:
+        r = c.post(proxy.admin_url + "/ingest", content=bad, headers=auth)
+        assert r.status_code == 400 and "crc32" in r.json()["error"]
+        assert proxy.store.read_rows("big") == []
+        r = c.post(proxy.admin_url + "/ingest", content=good, headers=auth)
+        assert r.status_code == 200 and r.json()["rows"] == 4
+    assert proxy.store.read_rows("big") == list(enumerate(blobs))
