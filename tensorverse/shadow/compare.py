@@ -203,7 +203,7 @@ def _as_compact(side: dict[int, np.ndarray], compact: dict[int, CompactRow], p: 
         return compact[p]
     extra = [token] + ([] if other is None else other.ids.tolist())
     k = other.k if other is not None else 20
-    return compact_row(side[p], k=min(k, side[p].size), extra=extra)
+    return compact_row(side[p], k=min(k, side[p].size), extra=extra, fingerprint=0)  # compared, not stored
 
 
 def _kept(c: CompactRow) -> tuple[dict[int, float], str]:

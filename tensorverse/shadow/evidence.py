@@ -73,20 +73,22 @@ def _primary_gaps(turn: TurnInput) -> dict[int, float]:
     return {p: g for p, g in gaps.items() if g is not None}
 
 
+def _cap(turn: TurnInput, ev: SourceEvidence) -> int:
+    """Close calls kept of a turn: ``close_share`` of its positions, at least one (none at 0)."""
+    return max(1, int(ev.close_share * len(turn.output_token_ids))) if ev.close_share > 0 else 0
+
+
 def _closest(turn: TurnInput, ev: SourceEvidence) -> list[int]:
     """The primary's close calls: gap under ``close_nats``, the closest first, at most
     ``close_share`` of the positions (at least one)."""
-    n = len(turn.output_token_ids)
-    cap = max(1, int(ev.close_share * n)) if ev.close_share > 0 else 0
     under = sorted(((g, p) for p, g in _primary_gaps(turn).items() if g < ev.close_nats))
-    return [p for _, p in under[:cap]]
+    return [p for _, p in under[:_cap(turn, ev)]]
 
 
 def close_threshold(turn: TurnInput, ev: SourceEvidence) -> float:
     """``tv_close`` for the runs of ``turn`` (see the module docstring): ``close_nats``, or the
     gap of the primary's closest position beyond its ``close_share`` when more are under it."""
-    n = len(turn.output_token_ids)
-    cap = max(1, int(ev.close_share * n)) if ev.close_share > 0 else 0
+    cap = _cap(turn, ev)
     under = sorted(g for g in _primary_gaps(turn).values() if g < ev.close_nats)
     return ev.close_nats if len(under) <= cap else float(under[cap])
 

@@ -98,3 +98,54 @@ def test_a_workload_reduced_at_the_source_compares_as_full_capture(tmp_path):
     assert len(cand["flips"]) >= 3
     assert full_rows[("candidate", "forced")] >= len(cand["flips"])  # its flips travelled in full
     assert full_rows[("twin", "forced")] <= 2  # an agreeing shadow: only its close calls
+
+
+def _gapped(gaps, extra_entries=0):
+    top = [[[100 + p, -0.01], [7, -0.01 - g]] for p, g in enumerate(gaps)]
+    t = TurnInput(id="t1", prompt_token_ids=[1], output_token_ids=list(range(len(gaps))),
+                  top_logprobs=top + [[[1, -0.01], [2, -0.011]]] * extra_entries)
+    return t
+
+
+def test_the_cap_is_at_least_one_close_call_and_none_at_a_zero_share():
+    t = _gapped([0.05, 0.01, 0.5, 0.03, 0.02, 0.9, 0.08, 1.0, 2.0, 3.0, 0.04])
+    assert requested_positions(t, SourceEvidence(close_share=0.05, sample=0.0)) == [1]  # int(0.55) = 0 -> 1
+    assert close_threshold(t, SourceEvidence(close_share=0.05)) == pytest.approx(0.02)
+    assert requested_positions(t, SourceEvidence(close_share=0.0, sample=0.0)) == []
+
+
+def test_exactly_the_cap_under_close_nats_keeps_close_nats():
+    t = _gapped([0.05, 0.5, 0.9, 1.0, 2.0])
+    assert close_threshold(t, SourceEvidence(close_nats=0.1, close_share=0.2)) == 0.1  # 1 under, cap 1
+
+
+def test_top_k_entries_past_the_output_are_not_requested():
+    t = _gapped([0.5, 0.5, 0.5], extra_entries=4)  # a recorded top-k longer than the answer
+    assert requested_positions(t, SourceEvidence(close_share=1.0, sample=0.0)) == []
+
+
+def test_pieces_given_are_used_over_the_turns_own():
+    t = _turn(pieces=None)
+    assert requested_positions(t, SourceEvidence(sample=0.0), pieces=PIECES) == list(range(2, 10))
+
+
+@pytest.mark.parametrize("ps,spec", [([5, 6], "5-6"), ([1, 2, 3, 4], "1-4"), ([0, 2, 3, 9], "0,2-3,9")])
+def test_tv_full_ranges_are_exact(ps, spec):
+    assert xargs(SourceEvidence(), ps)["tv_full"] == spec
+
+
+def test_xargs_carry_the_turns_close_threshold():
+    assert xargs(SourceEvidence(close_nats=0.1), [], close=0.03)["tv_close"] == 0.03
+
+
+@pytest.mark.parametrize("ok", [{"k": 1}, {"k": 4096}, {"close_nats": 0.0}, {"close_share": 0.0}, {"close_share": 1.0},
+                                {"sample": 0.0}, {"sample": 1.0}])
+def test_the_edges_of_the_policy_are_accepted(ok):
+    SourceEvidence(**ok)
+
+
+@pytest.mark.parametrize("bad", [{"k": 4097}, {"close_share": -0.01}, {"close_share": 1.01}, {"sample": -0.01},
+                                 {"close_nats": float("nan")}])
+def test_past_the_edges_of_the_policy_is_refused(bad):
+    with pytest.raises(ValueError):
+        SourceEvidence(**bad)
