@@ -16,7 +16,8 @@ keeps its rate.
 **What a GPU-second is here.** The wall time of each run's request to the shadow (the runs'
 ``timings.request_s``: forced and free) times ``gpus``. A server that batches several shadow
 requests at once is charged for each of them, so the figure is an upper bound of the GPU time the
-shadow used for Tensorverse; the probe and the wait for captured rows are not charged. With
+shadow used for Tensorverse; the probe and the wait for captured rows are not charged, nor are
+turns that failed or timed out as a whole (their runs do not come back to the tee). With
 ``[verdict] gpu_price_per_hour`` the spend is also given in money.
 
 Pure bookkeeping with an injected clock: the tee asks :meth:`ShadowBudget.reject_reason` before
