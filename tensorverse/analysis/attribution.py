@@ -272,8 +272,8 @@ def classify_forced_sparse(ref_kept: Sequence[tuple[Mapping[int, float], str]], 
     Where the candidate's top-1 was kept, the result is what :func:`classify_forced` gives on the
     full row. Where it was not, it lies below the reference's k-th logit: ``margin`` and ``steps``
     are None (unknown) and the flip is ``runtime`` or ``noise``. That is the full row's class too
-    unless the reference's top k all lie within the tie rule of its top-1, which makes the row a
-    close call, kept in full at the source (``tv_close``)."""
+    unless the reference's top k all lie within the tie rule of its top-1 (a row of exact ties
+    that reach past the reduction's window travels in full: `tensorverse.capture.reduce`)."""
     return _classify_known(ref_kept, ref_top1, cand_top1, noise, positions, rule, "kept logits")
 
 
