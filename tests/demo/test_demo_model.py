@@ -287,3 +287,34 @@ def test_shipped_model_passes_the_acceptance_of_a_fresh_training():
     assert got["well_formed"] >= WELL_FORMED_MIN, got
     keys = ("prompts", "well_formed", "exact", "right_tool")
     assert {k: got[k] for k in keys} == {k: recorded[k] for k in keys}
+
+
+# -- the held-out score ----------------------------------------------------------------------
+
+
+def _call_text(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_score_takes_either_spelling_of_a_port_the_tool_takes_in_either_form():
+    """``show_interface`` takes "full or abbreviated" names (the corpus spells its port either way
+    by a coin): both spellings are the same request, so ``equivalent`` counts them and ``exact``
+    does not. ``configure_interface_description`` takes a "full interface name": an abbreviation
+    there is not equivalent. A wrong port is wrong either way."""
+    prompts = [
+        {"expected": {"name": "show_interface", "arguments": {"interface": "GigabitEthernet2/8"}}},
+        {"expected": {"name": "show_interface", "arguments": {"interface": "Te0/0/6"}}},
+        {"expected": {"name": "configure_interface_description",
+                      "arguments": {"interface": "GigabitEthernet0/1", "description": "x"}}},
+        {"expected": {"name": "show_interface", "arguments": {"interface": "FastEthernet1/40"}}},
+        {"expected": {"name": "show_interface", "arguments": {"interface": "Gi1/1"}}},
+    ]
+    outputs = [
+        _call_text("show_interface", {"interface": "Gi2/8"}),  # equivalent, not exact
+        _call_text("show_interface", {"interface": "TenGigabitEthernet0/0/6"}),  # equivalent, not exact
+        _call_text("configure_interface_description", {"interface": "Gi0/1", "description": "x"}),  # neither
+        _call_text("show_interface", {"interface": "Fa1/41"}),  # wrong port: neither
+        _call_text("show_interface", {"interface": "Gi1/1"}),  # exact
+    ]
+    r = M.score(outputs, prompts)
+    assert (r["exact"], r["equivalent"], r["right_tool"], r["well_formed"]) == (0.2, 0.6, 1.0, 1.0)
