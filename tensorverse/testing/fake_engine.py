@@ -22,6 +22,18 @@ What it shares with vLLM and the real plugin, so the probe is tested end to end:
 
 Tensorverse's tests measure it against it (``tests/replay/test_batch_noise.py``,
 ``tests/matrix/test_concurrency_axis.py``); it is no model.
+
+**``agree_base``: a shadow of a fake primary, at a real vocabulary.** With ``agree_base=B`` the rows
+stand in for another runtime of the model behind :class:`~tensorverse.testing.fake_upstream.FakeUpstream`
+(``token_base=B``), whose output token at position ``i`` is ``B + i`` whatever the prompt: that token
+is the row's argmax, a clear winner except at a seeded ``2 * flip_rate`` share of positions where a
+runner-up is within ``tie_margin`` of it. An engine with ``runtime != 0`` puts the runner-up ahead at
+half of those (seeded by ``runtime``): its forced runs flip there and its free runs say the
+runner-up, about ``flip_rate`` of positions; ``runtime=0`` is the primary's own runtime and never
+flips. A row is a seeded base row (``vocab`` standard normals, drawn once) rotated by a hash of the
+context, with the two tokens set: cheap enough (tens of microseconds) that a load benchmark at
+Qwen3's 151,936 ids measures the capture path and the proxy, not the fake's arithmetic. Its
+log-sum-exp and top logprobs are computed from the base's, exactly (float64).
 """
 
 from __future__ import annotations
@@ -59,9 +71,22 @@ class FakeEngine:
 
     def __init__(self, *, sink: str | None = None, vocab: int = 512, batch_variant: bool = True,
                  noise: float = 0.05, tie_margin: float = 0.01, step_s: float = 0.002,
-                 model: str = "fake-batchy", seed: int = 0) -> None:
+                 model: str = "fake-batchy", seed: int = 0, agree_base: int | None = None,
+                 flip_rate: float = 0.02, runtime: int = 0, max_rows: int = 512) -> None:
         from aiohttp import web
 
+        self.agree_base = agree_base
+        self.flip_rate = flip_rate
+        self.runtime = runtime
+        if agree_base is not None:
+            if not 0 <= agree_base < vocab:
+                raise ValueError(f"agree_base {agree_base} is outside the vocabulary of {vocab}")
+            base = np.random.default_rng([seed, 11]).standard_normal(vocab) * 2.0
+            self._base = base.astype(np.float32)
+            b64 = self._base.astype(np.float64)
+            self._top = float(b64.max())
+            self._order = np.argsort(-b64, kind="stable")[:64]  # the base's best ids, best first
+            self._exp_sum = float(np.exp(b64 - self._top).sum())  # of the base, relative to its max
         self.vocab = vocab
         self.batch_variant = batch_variant
         self.noise = noise
@@ -70,7 +95,7 @@ class FakeEngine:
         self.model = model
         self.seed = seed
         self.tap = Tap(sink_from_env({"TENSORVERSE_CAPTURE_SINK": sink}) if sink else None,
-                       max_rows=512, name="fake-engine-capture")
+                       max_rows=max_rows, name="fake-engine-capture")
         self.step = 0
         self.batch_sizes: list[int] = []  # every step's batch size, for tests
         self._active: list[_Req] = []
@@ -122,6 +147,49 @@ class FakeEngine:
         return self.tap.flush(timeout)
 
     # -- the model -------------------------------------------------------------------------
+    def _agree(self, req: _Req) -> tuple[np.ndarray, int, int, int]:
+        """An ``agree_base`` row: (row, winner, runner-up, rotation of the base)."""
+        pos = len(req.out)
+        V = self.vocab
+        shift = zlib.crc32(np.asarray(req.prompt + req.out, dtype=np.int64).tobytes()) % V
+        x = np.empty(V, dtype=np.float32)  # x[j] = base[(j + shift) % V]
+        x[: V - shift] = self._base[shift:]
+        x[V - shift:] = self._base[:shift]
+        w = (self.agree_base + pos) % V  # type: ignore[operator]
+        h = zlib.crc32(np.asarray([self.seed, pos], dtype=np.int64).tobytes())
+        r = (w + 1 + h % (V - 1)) % V
+        near = (h >> 8) % 1_000_000 < 2 * self.flip_rate * 1_000_000
+        gap = self.tie_margin if near else 0.5
+        if near and self.runtime:
+            hr = zlib.crc32(np.asarray([self.seed, pos, self.runtime], dtype=np.int64).tobytes())
+            if hr % 2:
+                gap = -self.tie_margin
+        x[w] = np.float32(self._top + 1.0)
+        x[r] = np.float32(self._top + 1.0 - gap)
+        return x, w, r, shift
+
+    def _agree_logprobs(self, x: np.ndarray, w: int, r: int, shift: int,
+                        k: int) -> tuple[float, list[tuple[int, float]]]:
+        """The exact float64 log-sum-exp of an ``agree_base`` row (the base's sum with the two set
+        entries replaced), and its top ``k`` as (id, logprob), best first."""
+        V = self.vocab
+        m = self._top + 1.0
+        bw, br = float(self._base[(w + shift) % V]), float(self._base[(r + shift) % V])
+        s = (self._exp_sum * np.exp(self._top - m) - np.exp(bw - m) - np.exp(br - m)
+             + np.exp(float(x[w]) - m) + np.exp(float(x[r]) - m))
+        lse = m + float(np.log(s))
+        seen = {w, r}
+        tops = [(w, float(x[w]) - lse), (r, float(x[r]) - lse)]
+        for i in self._order:  # the rest of the row is the base's: its best ids, rotated
+            if len(tops) >= k:
+                break
+            t = (int(i) - shift) % V
+            if t not in seen:
+                seen.add(t)
+                tops.append((t, float(x[t]) - lse))
+        tops.sort(key=lambda e: (-e[1], e[0]))
+        return lse, tops[:k]
+
     def row(self, req: _Req, batch_size: int) -> np.ndarray:
         """The logits row of ``req``'s next position in a batch of ``batch_size`` requests."""
         pos = len(req.out)
@@ -155,7 +223,8 @@ class FakeEngine:
             self.step += 1
             n = len(batch)
             self.batch_sizes.append(n)
-            logits = np.stack([self.row(r, n) for r in batch])
+            agreed = [self._agree(r) for r in batch] if self.agree_base is not None else None
+            logits = np.stack([a[0] for a in agreed] if agreed is not None else [self.row(r, n) for r in batch])
             items = []
             for i, r in enumerate(batch):
                 pos = len(r.out)
@@ -167,17 +236,26 @@ class FakeEngine:
 
                 self.tap.capture(torch.from_numpy(logits), items)
             for i, r in enumerate(batch):
-                x = logits[i].astype(np.float64)
-                lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
                 forced = r.opt.forced_token(len(r.out)) if r.opt is not None else None
-                tok = int(forced) if forced is not None else int(np.argmax(x))
-                r.out.append(tok)
-                r.lps.append(float(lp[tok]))
-                if r.logprobs:
-                    k = min(r.logprobs, lp.size)
-                    part = np.argpartition(lp, -k)[-k:]
-                    top = part[np.argsort(lp[part])[::-1]]
-                    r.tops.append({f"token_id:{int(t)}": float(lp[t]) for t in top})
+                if agreed is not None:
+                    x32, w, ru, shift = agreed[i]
+                    lse, top_pairs = self._agree_logprobs(x32, w, ru, shift, max(2, r.logprobs))
+                    tok = int(forced) if forced is not None else top_pairs[0][0]
+                    r.out.append(tok)
+                    r.lps.append(float(x32[tok]) - lse)
+                    if r.logprobs:
+                        r.tops.append({f"token_id:{t}": lp for t, lp in top_pairs[: r.logprobs]})
+                else:
+                    x = logits[i].astype(np.float64)
+                    lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+                    tok = int(forced) if forced is not None else int(np.argmax(x))
+                    r.out.append(tok)
+                    r.lps.append(float(lp[tok]))
+                    if r.logprobs:
+                        k = min(r.logprobs, lp.size)
+                        part = np.argpartition(lp, -k)[-k:]
+                        top = part[np.argsort(lp[part])[::-1]]
+                        r.tops.append({f"token_id:{int(t)}": float(lp[t]) for t in top})
                 if len(r.out) >= r.max_tokens:
                     r.done.set_result(None)
             self._active = [r for r in self._active if not r.done.done()]
