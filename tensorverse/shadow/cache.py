@@ -33,6 +33,10 @@ class RunnerCache:
         self.ttl_s = ttl_s
         self.caps: dict[tuple, _Caps] = {}
         self.fps: dict[tuple, tuple[float, dict[str, Any]]] = {}
+        # the text of each token id a backend's /detokenize gave (a dictionary does not change:
+        # a turn asks only for ids no earlier turn asked for), and when it answered that it has none
+        self.pieces: dict[tuple, tuple[float, dict[int, str]]] = {}
+        self.no_detokenize: dict[tuple, float] = {}
 
     @staticmethod
     def key(b: Backend) -> tuple:
@@ -54,9 +58,22 @@ class RunnerCache:
     def put_fp(self, b: Backend, fp: dict[str, Any]) -> None:
         self.fps[self.key(b)] = (time.monotonic(), fp)
 
+    def pieces_of(self, b: Backend) -> dict[int, str]:
+        """The token texts known for ``b`` (a dict to add to), fresh for ``ttl_s``."""
+        e = self.pieces.get(self.key(b))
+        if e is None or time.monotonic() - e[0] > self.ttl_s:
+            e = self.pieces[self.key(b)] = (time.monotonic(), {})
+        return e[1]
+
+    def lacks_detokenize(self, b: Backend) -> bool:
+        at = self.no_detokenize.get(self.key(b))
+        return at is not None and time.monotonic() - at <= self.ttl_s
+
     def clear(self) -> None:
         self.caps.clear()
         self.fps.clear()
+        self.pieces.clear()
+        self.no_detokenize.clear()
 
 
 SHARED_CACHE = RunnerCache()

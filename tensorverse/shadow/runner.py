@@ -436,8 +436,11 @@ class ShadowRunner:
         except Exception:  # noqa: BLE001 - not there yet
             pass
         for backend in allowed:
+            if self.cache.lacks_detokenize(backend):
+                continue
             client = self._client(backend)
-            uniq = sorted(set(t.output_token_ids))
+            known = self.cache.pieces_of(backend)
+            uniq = sorted(set(t.output_token_ids) - known.keys())
             sem = asyncio.Semaphore(8)
 
             async def one(tid: int) -> tuple[int, str]:
@@ -449,11 +452,13 @@ class ShadowRunner:
                     return tid, (out.get("prompt") if isinstance(out, dict) else "") or ""
 
             try:
-                got = dict(await asyncio.gather(*(one(x) for x in uniq)))
+                known.update(await asyncio.gather(*(one(x) for x in uniq)))
             except BackendError as e:
                 log.info("tensorverse shadow: no pieces from %s: %s", backend.name, e)
+                if e.kind == "http" and e.status in (404, 405, 501):  # it has no /detokenize: ask again after ttl_s
+                    self.cache.no_detokenize[self.cache.key(backend)] = time.monotonic()
                 continue
-            return [got[x] for x in t.output_token_ids]
+            return [known[x] for x in t.output_token_ids]
         return None
 
     async def _template_basis(self, t: TurnInput, primary: Backend | None) -> tuple[list[int], str]:

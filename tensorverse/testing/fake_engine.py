@@ -39,6 +39,7 @@ log-sum-exp and top logprobs are computed from the base's, exactly (float64).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -94,7 +95,8 @@ class FakeEngine:
         self.step_s = step_s
         self.model = model
         self.seed = seed
-        self.tap = Tap(sink_from_env({"TENSORVERSE_CAPTURE_SINK": sink}) if sink else None,
+        # the sink as the plugin reads it: its token from TENSORVERSE_CAPTURE_TOKEN
+        self.tap = Tap(sink_from_env({**os.environ, "TENSORVERSE_CAPTURE_SINK": sink}) if sink else None,
                        max_rows=max_rows, name="fake-engine-capture")
         self.step = 0
         self.batch_sizes: list[int] = []  # every step's batch size, for tests

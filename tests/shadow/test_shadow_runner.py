@@ -451,3 +451,34 @@ def test_parser_check_of_the_primary_runs_in_the_shadow_worker(store):
     # pieces from /detokenize: no tool calls on either side is a match
     assert plain[0]["parser_check"] == {"mismatch": False, "verdict": "match", "parsed_calls": 0,
                                         "emitted_calls": 0, "differences": []}
+
+
+# --------------------------------------------------------------------------- token pieces
+
+
+def test_token_pieces_are_asked_once_per_id_and_a_backend_without_detokenize_once(store):
+    """The text of a token id does not change: a second turn asks ``/detokenize`` only for ids no
+    earlier turn asked for, and gets the same pieces. A backend that answers 404 there is not asked
+    again (within the cache's ttl); the next backend gives the pieces."""
+    async def main(store):
+        fake = await FakeVLLM().start()
+        gone = await FakeVLLM(fail_status=404).start()
+        try:
+            b = Backend(name="b", url=fake.url)
+            nod = Backend(name="nod", url=gone.url)
+            async with ShadowRunner(store, [nod, b], cache=RunnerCache()) as r:
+                got = []
+                for tid, out in (("t1", [3, 4, 3, 5]), ("t2", [5, 4, 6, 6])):
+                    t = TurnInput(id=tid, prompt_token_ids=PROMPT, output_token_ids=out)
+                    got.append(await r._pieces(t, [nod, b]))
+            asked = [body["tokens"] for path, body in fake.requests if path == "/detokenize"]
+            asked_gone = [p for p, _ in gone.requests if p == "/detokenize"]
+            return got, asked, asked_gone, fake
+        finally:
+            await fake.close()
+            await gone.close()
+
+    got, asked, asked_gone, fake = run(main(store))
+    assert got == [[fake.decode_one(t) for t in (3, 4, 3, 5)], [fake.decode_one(t) for t in (5, 4, 6, 6)]]
+    assert sorted(asked) == [[3], [4], [5], [6]]  # 6 is the only new id of the second turn
+    assert 1 <= len(asked_gone) <= 3  # the first turn's requests, in flight together; none after
