@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tensorverse.testing.fake_engine import FakeEngine, _Req
+from tensorverse.testing.fake_engine import FakeEngine, _bf16, _Req
 
 QWEN3_VOCAB = 151_936
 
@@ -17,11 +17,12 @@ def _req(prompt: list[int], out: list[int]) -> _Req:
     return _Req(prompt=prompt, max_tokens=1, opt=None, logprobs=0, done=None, out=list(out))  # type: ignore[arg-type]
 
 
-def test_agree_rows_log_sum_exp_and_top_logprobs_are_exact_in_float64():
+def test_agree_rows_are_bfloat16_with_exact_float64_log_sum_exp_and_top_logprobs():
     e = FakeEngine(vocab=QWEN3_VOCAB, agree_base=1000, runtime=3, flip_rate=0.25)
     for n in range(12):
         x, w, r, shift = e._agree(_req([7, 8, 9], list(range(n))))
         lse, tops = e._agree_logprobs(x, w, r, shift, 20)
+        assert np.array_equal(x, _bf16(x))  # every logit a bfloat16 value
         x64 = x.astype(np.float64)
         m = x64.max()
         ref_lse = m + np.log(np.exp(x64 - m).sum())
@@ -56,5 +57,26 @@ def test_agree_engine_follows_the_primary_and_flips_only_where_its_runtime_says(
     first = diff[0]
     top = other["logprobs"]["top_logprobs"][first]
     assert list(top)[0] == f"token_id:{other['token_ids'][first]}"  # the flipped token was the argmax
-    assert f"token_id:{want[first]}" in top  # and the primary's token the runner-up, within the margin
-    assert abs(top[f"token_id:{want[first]}"] - list(top.values())[0]) <= 0.01 + 1e-6
+    assert f"token_id:{want[first]}" in top  # and the primary's token the runner-up
+    assert 0 < list(top.values())[0] - top[f"token_id:{want[first]}"] <= 0.0625 + 1e-9  # one bfloat16 step
+
+
+def test_agree_engine_speaks_the_primarys_dictionary():
+    """``/detokenize`` gives FakeUpstream's text of its output ids (``"t<i> "``) and ``/tokenize``
+    renders any chat request to the prompt the fake primary serves: the runner's template check
+    and tool-call pieces work against it as against vLLM."""
+    async def main():
+        import aiohttp
+
+        async with FakeEngine(vocab=QWEN3_VOCAB, agree_base=1000, prompt_ids=[7, 8, 9]) as e, \
+                aiohttp.ClientSession() as s:
+            root = e.url[: -len("/v1")]
+            async with s.post(root + "/detokenize", json={"tokens": [1000, 1003, 5]}) as r:
+                text = (await r.json())["prompt"]
+            async with s.post(root + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+                chat = (await r.json())["tokens"]
+            async with s.post(root + "/tokenize", json={"prompt": "ab"}) as r:
+                plain = (await r.json())["tokens"]
+            return text, chat, plain
+
+    assert asyncio.run(main()) == ("t0 t3 <5>", [7, 8, 9], [97, 98])

@@ -27,11 +27,12 @@ Tensorverse's tests measure it against it (``tests/replay/test_batch_noise.py``,
 stand in for another runtime of the model behind :class:`~tensorverse.testing.fake_upstream.FakeUpstream`
 (``token_base=B``), whose output token at position ``i`` is ``B + i`` whatever the prompt: that token
 is the row's argmax, a clear winner except at a seeded ``2 * flip_rate`` share of positions where a
-runner-up is within ``tie_margin`` of it. An engine with ``runtime != 0`` puts the runner-up ahead at
+runner-up is one bfloat16 step (0.0625 at these logits) below it. An engine with ``runtime != 0`` puts the runner-up ahead at
 half of those (seeded by ``runtime``): its forced runs flip there and its free runs say the
 runner-up, about ``flip_rate`` of positions; ``runtime=0`` is the primary's own runtime and never
-flips. A row is a seeded base row (``vocab`` standard normals, drawn once) rotated by a hash of the
-context, with the two tokens set: cheap enough (tens of microseconds) that a load benchmark at
+flips. Rows are bfloat16 values (captured as a bf16 tensor, as a bf16 model's plugin captures
+them): a seeded base row (``vocab`` normals, drawn once) rotated by a hash of the context, with
+the two tokens set: cheap enough (tens of microseconds) that a load benchmark at
 Qwen3's 151,936 ids measures the capture path and the proxy, not the fake's arithmetic. Its
 log-sum-exp and top logprobs are computed from the base's, exactly (float64).
 """
@@ -67,23 +68,32 @@ class _Req:
     lps: list[float] = field(default_factory=list)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return r.view(np.float32)
+
+
 class FakeEngine:
     """See the module docstring. ``async with FakeEngine(sink="dir:/tmp/store") as e: e.url``."""
 
     def __init__(self, *, sink: str | None = None, vocab: int = 512, batch_variant: bool = True,
                  noise: float = 0.05, tie_margin: float = 0.01, step_s: float = 0.002,
                  model: str = "fake-batchy", seed: int = 0, agree_base: int | None = None,
-                 flip_rate: float = 0.02, runtime: int = 0, max_rows: int = 512) -> None:
+                 flip_rate: float = 0.02, runtime: int = 0, max_rows: int = 512,
+                 prompt_ids: list[int] | None = None) -> None:
         from aiohttp import web
 
         self.agree_base = agree_base
+        self.prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self.flip_rate = flip_rate
         self.runtime = runtime
         if agree_base is not None:
             if not 0 <= agree_base < vocab:
                 raise ValueError(f"agree_base {agree_base} is outside the vocabulary of {vocab}")
-            base = np.random.default_rng([seed, 11]).standard_normal(vocab) * 2.0
-            self._base = base.astype(np.float32)
+            base = (np.random.default_rng([seed, 11]).standard_normal(vocab) * 2.0).astype(np.float32)
+            self._base = _bf16(base)  # a bfloat16 model's logits, as a GPU shadow's plugin captures them
             b64 = self._base.astype(np.float64)
             self._top = float(b64.max())
             self._order = np.argsort(-b64, kind="stable")[:64]  # the base's best ids, best first
@@ -110,6 +120,9 @@ class FakeEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        if agree_base is not None:
+            app.router.add_post("/tokenize", self._tokenize)
+            app.router.add_post("/detokenize", self._detokenize)
         self._app = app
 
     @property
@@ -161,13 +174,15 @@ class FakeEngine:
         h = zlib.crc32(np.asarray([self.seed, pos], dtype=np.int64).tobytes())
         r = (w + 1 + h % (V - 1)) % V
         near = (h >> 8) % 1_000_000 < 2 * self.flip_rate * 1_000_000
-        gap = self.tie_margin if near else 0.5
-        if near and self.runtime:
-            hr = zlib.crc32(np.asarray([self.seed, pos, self.runtime], dtype=np.int64).tobytes())
-            if hr % 2:
-                gap = -self.tie_margin
-        x[w] = np.float32(self._top + 1.0)
-        x[r] = np.float32(self._top + 1.0 - gap)
+        top = _bf16(np.float32([self._top + 1.0]))
+        ulp = float(np.spacing(top[0].astype(np.float32)) * 65536)  # one bfloat16 step at that logit
+        x[w] = top[0]
+        if not near:
+            x[r] = _bf16(np.float32([self._top + 0.5]))[0]  # a clear second
+        elif self.runtime and zlib.crc32(np.asarray([self.seed, pos, self.runtime], dtype=np.int64).tobytes()) % 2:
+            x[r] = np.float32(top[0] + ulp)  # this runtime's rounding puts the runner-up ahead: a flip
+        else:
+            x[r] = np.float32(top[0] - ulp)  # a near tie: one bfloat16 step apart
         return x, w, r, shift
 
     def _agree_logprobs(self, x: np.ndarray, w: int, r: int, shift: int,
@@ -236,7 +251,9 @@ class FakeEngine:
             if items:
                 import torch
 
-                self.tap.capture(torch.from_numpy(logits), items)
+                t = torch.from_numpy(logits)
+                # agree_base rows are bfloat16 values: captured as a bf16 model's plugin captures them
+                self.tap.capture(t.to(torch.bfloat16) if agreed is not None else t, items)
             for i, r in enumerate(batch):
                 forced = r.opt.forced_token(len(r.out)) if r.opt is not None else None
                 if agreed is not None:
@@ -263,6 +280,32 @@ class FakeEngine:
             self._active = [r for r in self._active if not r.done.done()]
 
     # -- HTTP ------------------------------------------------------------------------------
+    # -- the primary's dictionary (agree_base) ------------------------------------------------
+    def piece(self, token_id: int) -> str:
+        """The text of a token: FakeUpstream's ``"t<i> "`` for its output ids, ``"<id>"`` otherwise."""
+        i = token_id - self.agree_base  # type: ignore[operator]
+        return f"t{i} " if 0 <= i < 1_000_000 else f"<{token_id}>"
+
+    async def _tokenize(self, request: Any) -> Any:
+        """vLLM's ``/tokenize``: a chat request renders to ``prompt_ids`` (the fake primary serves
+        every chat request that prompt); text to one id per byte."""
+        from aiohttp import web
+
+        body = await request.json()
+        if "messages" in body:
+            if self.prompt_ids is None:
+                return web.json_response({"error": {"message": "no chat template"}}, status=400)
+            ids = list(self.prompt_ids)
+        else:
+            ids = list(str(body.get("prompt", "")).encode())
+        return web.json_response({"count": len(ids), "max_model_len": 32768, "tokens": ids})
+
+    async def _detokenize(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        return web.json_response({"prompt": "".join(self.piece(int(t)) for t in body.get("tokens") or [])})
+
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 

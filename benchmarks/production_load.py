@@ -1,0 +1,368 @@
+"""The proxy at production rates: three shadows at Qwen3's vocabulary behind the real proxy, the
+offered load stepped up to saturation, full capture against evidence at the source in one run.
+
+    python benchmarks/production_load.py [--quick] [--levels 1,2,4,8] [--seconds 15]
+
+What runs, each in its own process:
+
+* the primary: :class:`~tensorverse.testing.fake_upstream.FakeUpstream` (a streaming chat model:
+  ``--first-ms`` to its first token, ``--tokens`` output tokens ``--token-ms`` apart);
+* three shadows: :class:`~tensorverse.testing.fake_engine.FakeEngine` with ``agree_base`` rows at
+  151,936 ids (the primary's tokens are their argmax; each runtime flips about 2 % of positions at
+  near ties), speaking the capture plugin's protocol: forced and free runs with the plugin's
+  ``vllm_xargs``, rows through the real :class:`~tensorverse.capture.tap.Tap` (the reduction at the
+  source included) to the proxy's ``/ingest``;
+* the proxy: ``python -m tensorverse proxy --config FILE``, as a user starts it (``[capture]
+  per_minute = 0``: every turn is shadowed, forced and free, on all three shadows; an analysis
+  worker process);
+* the agents: this process, ``c`` concurrent streams (each checked whole), ``c`` stepped through
+  ``--levels``.
+
+Per level: the proxy's own CPU-seconds (its process and its analysis worker; the engines and the
+primary share the machine, so a rate per wall second would measure the machine),
+``shadowed_tokens`` (output tokens of the turns the tee finished: a turn run on three shadows,
+forced and free, counts its tokens once), the bytes the plugins posted, the primary's TTFT p99,
+shadow turns shed (the tee's queue was full: counted), the proxy's memory. The level is run until its
+shadow backlog has drained, so the CPU it took is all in the window.
+
+Figures (``targets.toml``): ``shadowed_tokens_per_s_per_core`` at the highest level with evidence
+at the source; ``wire_bytes_per_shadowed_token`` against ``full_wire_bytes_per_shadowed_token``
+(full capture, same levels, same run); ``primary_ttft_p99_ratio``: the TTFT p99 at the highest
+level with the shadows attached against the same load with the proxy's shadows detached while the
+same engines are kept as busy by a driver of their own (so the ratio measures the proxy, not the
+machine); ``rows_lost_silently``: rows the taps captured that are neither stored nor counted as
+dropped anywhere (target 0); ``heap_growth_ratio``: the proxy's anonymous memory (``RssAnon``: the
+heap, what a leak grows; the store's LMDB map is file pages the kernel can drop) at the end over
+after the first level. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._targets import finish  # noqa: E402
+from benchmarks.proxy_overhead import check_stream, cpu_ms, pct, spawn  # noqa: E402
+from tensorverse.ports import free_port  # noqa: E402
+from tests.reliability.harness import ADMIN_TOKEN, ProxyProc, proxy_config  # noqa: E402
+
+VOCAB = 151_936
+TOKEN_BASE = 1000  # the primary's token i is TOKEN_BASE + i (FakeUpstream), the shadows' argmax
+PROMPT_IDS = list(range(20_000, 20_300))  # a 300-token prompt
+SHADOWS = ("shadow-1", "shadow-2", "shadow-3")
+
+PRIMARY = """
+import asyncio, json, sys, types
+from tensorverse.testing.fake_engine import FakeEngine
+from tensorverse.testing.fake_upstream import FakeUpstream
+async def main():
+    base, prompt = int(sys.argv[1]), json.loads(sys.argv[2])
+    d = FakeEngine(vocab=int(sys.argv[4]), agree_base=base, prompt_ids=prompt)  # its dictionary: /tokenize, /detokenize
+    tok = types.SimpleNamespace(h_tokenize=d._tokenize, h_detokenize=d._detokenize)
+    f = await FakeUpstream(token_base=base, prompt_ids=prompt, tokenizer=tok).start(int(sys.argv[3]))
+    f.requests = type("Drop", (), {"append": lambda self, x: None, "__len__": lambda self: 0})()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+ENGINES = """
+import asyncio, json, sys
+import aiohttp
+from tensorverse.testing.fake_engine import FakeEngine
+cfg = json.loads(sys.argv[1])
+async def main():
+    engines = []
+    for i, name in enumerate(cfg["names"]):
+        engines.append(await FakeEngine(sink=cfg["sink"], vocab=cfg["vocab"], agree_base=cfg["base"],
+                                        runtime=i + 1, step_s=cfg["step_s"], model=name, seed=0,
+                                        max_rows=cfg["max_rows"], prompt_ids=cfg["prompt"]).start())
+    print("ready", json.dumps({e.model: e.port for e in engines}), flush=True)
+    busy = []
+    session = aiohttp.ClientSession()
+
+    async def drive(e, k):
+        # the work an attached engine does (forced and free runs, every row captured and reduced
+        # at the source, encoded), with its sink detached: nothing reaches a proxy
+        n = 0
+        while True:
+            n += 1
+            xargs = {"tv_capture": f"busy-{e.model}-{k}-{n}", "tv_compact": 20, "tv_close": 0.1}
+            if n % 2:
+                xargs["tv_force"] = [cfg["base"] + i for i in range(cfg["tokens"])]
+            body = {"prompt": cfg["prompt"], "max_tokens": cfg["tokens"], "logprobs": 5, "vllm_xargs": xargs}
+            async with session.post(e.url + "/completions", json=body) as r:
+                await r.read()
+
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        if line[0] == "busy":
+            for e in engines:
+                e.tap.sink = None  # rows reduced and encoded, then discarded (counted as dropped_sink)
+            busy += [asyncio.create_task(drive(e, k)) for e in engines for k in range(int(line[1]))]
+            print("ok", flush=True)
+        elif line[0] == "idle":
+            for t in busy:
+                t.cancel()
+            busy = []
+            print("ok", flush=True)
+        elif line[0] == "stats":
+            for e in engines:
+                await asyncio.to_thread(e.flush, 60)
+            print(json.dumps({e.model: e.tap.stats() for e in engines}), flush=True)
+    await session.close()
+    for e in engines:
+        await e.close()
+asyncio.run(main())
+"""
+
+
+class Engines:
+    """The three shadow engines in their own process, driven over stdin."""
+
+    def __init__(self, sink: str, token: str, tokens: int, step_s: float, log: Path) -> None:
+        cfg = {"names": list(SHADOWS), "sink": sink, "vocab": VOCAB, "base": TOKEN_BASE, "step_s": step_s,
+               "max_rows": 4096, "prompt": PROMPT_IDS, "tokens": tokens}
+        env = {**os.environ, "TENSORVERSE_CAPTURE_TOKEN": token, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-c", ENGINES, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(log, "ab"), env=env, cwd=ROOT,
+                                     start_new_session=True, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith("ready"):
+            raise RuntimeError(f"engines did not start: {line!r} (rc {self.proc.poll()})")
+        self.ports: dict[str, int] = json.loads(line.split(" ", 1)[1])
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return json.loads(self.ask("stats"))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def family_cpu_ms(pid: int) -> float:
+    """CPU of ``pid`` and every living descendant (the proxy's analysis worker)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_ms(p)
+        except OSError:
+            continue
+        todo += kids.get(p, [])
+    return total
+
+
+async def agents(url: str, seconds: float, concurrency: int, tokens: int, first_s: float,
+                 token_s: float) -> dict[str, Any]:
+    """``concurrency`` agents streaming chat turns with tools for ``seconds``; every stream is
+    checked whole (``check_stream``)."""
+    headers = {"Content-Type": "application/json", "X-Fake-Events": str(tokens), "Authorization": "Bearer bench",
+               "X-Fake-First-Delay": str(first_s), "X-Fake-Delay": str(token_s)}
+    tools = [{"type": "function", "function": {"name": "show_interface", "parameters": {"type": "object"}}}]
+    ttft: list[float] = []
+    errors: list[str] = []
+    n = 0
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async def agent(a: int) -> None:
+            nonlocal n
+            k = 0
+            while time.monotonic() < deadline:
+                k += 1
+                body = json.dumps({"model": "fake", "stream": True, "tools": tools, "max_tokens": tokens,
+                                   "messages": [{"role": "user", "content": f"agent {a} turn {k} {time.time_ns()}"}]})
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                        first, chunks = None, []
+                        async for chunk in r.content.iter_any():
+                            if first is None:
+                                first = time.perf_counter()
+                            chunks.append(chunk)
+                        bad = check_stream(r.status, b"".join(chunks), tokens)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    bad = f"{type(e).__name__}: {e}"
+                if bad is not None:
+                    errors.append(bad)
+                    continue
+                ttft.append(((first or time.perf_counter()) - t0) * 1000)
+                n += 1
+
+        await asyncio.gather(*(agent(a) for a in range(concurrency)))
+    return {"turns": n, "errors": len(errors), "why": errors[:3], "ttft_ms": ttft}
+
+
+def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace, work: Path,
+             primary_url: str) -> dict[str, Any]:
+    """One proxy (``[capture] logits = mode``) through every level; a row of figures per level."""
+    admin_port = free_port()
+    engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.tokens, a.engine_step_ms / 1000,
+                      work / f"engines-{mode}.log")
+    shadows = {n: f"http://127.0.0.1:{p}/v1" for n, p in engines.ports.items()}
+    cfg = proxy_config(primary_url, work / f"store-{mode}", shadows=shadows, admin_port=admin_port,
+                       capture={"sample": 1.0, "per_minute": 0, "modes": ["forced", "free"], "logits": mode},
+                       shadow={"queue_size": a.queue, "workers": 4, "analysis_workers": 1},
+                       recording={"top_logprobs": 5})
+    for sh in cfg["shadows"]:
+        sh.update(capture="full", timeout_s=60, concurrency=a.shadow_concurrency)
+    proxy = ProxyProc(work / f"proxy-{mode}", cfg).start()
+    rows: list[dict[str, Any]] = []
+    try:
+        for c in levels:
+            s0, cpu0 = proxy.stats(), family_cpu_ms(proxy.pid)
+            t0 = time.monotonic()
+            load = asyncio.run(agents(proxy.url, seconds, c, a.tokens, a.first_ms / 1000, a.token_ms / 1000))
+            proxy.wait_shadows_idle(timeout=600)
+            s1, cpu1 = proxy.stats(), family_cpu_ms(proxy.pid)
+            turns_shadowed = (s1.get("shadow") or {}).get("turns_done", 0) - (s0.get("shadow") or {}).get("turns_done", 0)
+            ing0, ing1 = s0.get("ingest") or {}, s1.get("ingest") or {}
+            cpu_s = (cpu1 - cpu0) / 1000
+            tokens = turns_shadowed * a.tokens
+            row = {"concurrency": c, "turns": load["turns"], "errors": load["errors"], "why": load["why"],
+                   "ttft_p50_ms": round(pct(load["ttft_ms"], 0.5), 2), "ttft_p99_ms": round(pct(load["ttft_ms"], 0.99), 2),
+                   "shadowed_turns": turns_shadowed,
+                   "shed_turns": (s1.get("shadow") or {}).get("dropped_queue_full", 0)
+                   - (s0.get("shadow") or {}).get("dropped_queue_full", 0),
+                   "shadowed_tokens": tokens, "wall_s": round(time.monotonic() - t0, 2),
+                   "proxy_cpu_s": round(cpu_s, 3),
+                   "shadowed_tokens_per_s_per_core": round(tokens / cpu_s, 1) if cpu_s > 0 else None,
+                   "wire_bytes": ing1.get("bytes", 0) - ing0.get("bytes", 0),
+                   "rows": ing1.get("rows", 0) - ing0.get("rows", 0),
+                   "rows_compact": ing1.get("rows_compact", 0) - ing0.get("rows_compact", 0),
+                   **{f"{k}_kb": v for k, v in proxy.memory_kb().items()}}
+            row["wire_bytes_per_shadowed_token"] = round(row["wire_bytes"] / tokens, 1) if tokens else None
+            rows.append(row)
+            print(f"{mode:8s} c={c:<3d} {row['turns']:5d} turns, {turns_shadowed:7.1f} shadowed, "
+                  f"{row['shed_turns']} shed, proxy {cpu_s:6.2f} CPU-s -> "
+                  f"{row['shadowed_tokens_per_s_per_core']} shadowed tokens/s/core, "
+                  f"{row['wire_bytes_per_shadowed_token']} B/token, TTFT p99 {row['ttft_p99_ms']} ms, "
+                  f"heap {row['anon_kb'] / 1024:.0f} MiB (RSS {row['rss_kb'] / 1024:.0f})", file=sys.stderr, flush=True)
+        taps = engines.stats()
+        final = proxy.stats()
+        # the same engines kept busy by their own driver; the proxy's shadows detached
+        idle_rows = None
+        if mode == "evidence":
+            proxy.stop()
+            cfg2 = {**cfg, "shadows": [], "store": {"path": str(work / "store-detached")}}
+            proxy = ProxyProc(work / "proxy-detached", cfg2).start()
+            engines.ask(f"busy {a.busy_per_engine}")
+            load = asyncio.run(agents(proxy.url, seconds, levels[-1], a.tokens, a.first_ms / 1000, a.token_ms / 1000))
+            engines.ask("idle")
+            idle_rows = {"concurrency": levels[-1], "turns": load["turns"], "errors": load["errors"],
+                         "ttft_p99_ms": round(pct(load["ttft_ms"], 0.99), 2)}
+            print(f"detached c={levels[-1]:<3d} {load['turns']:5d} turns, engines busy: TTFT p99 "
+                  f"{idle_rows['ttft_p99_ms']} ms", file=sys.stderr, flush=True)
+    finally:
+        proxy.stop()
+        engines.close()
+    return {"levels": rows, "taps": taps, "ingest": final.get("ingest") or {}, "detached": idle_rows}
+
+
+def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
+    """Rows the taps captured that are neither stored by the proxy nor counted as dropped."""
+    captured = sum(t.get("rows_captured", 0) for t in taps.values())
+    dropped_at_tap = sum(t.get(k, 0) for t in taps.values() for k in ("dropped_no_buffer", "dropped_sink",
+                                                                        "dropped_encode", "rows_discarded"))
+    stored = ingest.get("rows", 0)
+    counted = (ingest.get("duplicates", 0) + ingest.get("rows_dropped_store_full", 0)
+               + ingest.get("rows_dropped_store_error", 0))
+    return {"captured": captured, "dropped_at_tap": dropped_at_tap, "stored": stored, "counted_at_proxy": counted,
+            "lost_silently": captured - dropped_at_tap - stored - counted}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", default="1,2,4,8", help="agent concurrency levels, stepped up")
+    ap.add_argument("--seconds", type=float, default=15.0, help="agent load per level")
+    ap.add_argument("--tokens", type=int, default=48, help="output tokens per turn")
+    ap.add_argument("--first-ms", type=float, default=50.0, help="the primary's time to first token")
+    ap.add_argument("--token-ms", type=float, default=5.0, help="the primary's time between tokens")
+    ap.add_argument("--engine-step-ms", type=float, default=1.0, help="a shadow engine's decode step")
+    ap.add_argument("--shadow-concurrency", type=int, default=4, help="requests in flight per shadow")
+    ap.add_argument("--queue", type=int, default=64, help="[shadow] queue_size: past it turns are shed")
+    ap.add_argument("--busy-per-engine", type=int, default=4, help="the detached run's requests per engine")
+    ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each")
+    a = ap.parse_args()
+    levels = [int(x) for x in a.levels.split(",")]
+    seconds = a.seconds
+    if a.quick:
+        levels, seconds = [1, 4], 6.0
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tv-prodload-") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        primary = spawn([sys.executable, "-c", textwrap.dedent(PRIMARY), str(TOKEN_BASE), json.dumps(PROMPT_IDS),
+                         str(port), str(VOCAB)])
+        try:
+            primary_url = f"http://127.0.0.1:{port}"
+            full = run_mode("full", levels, seconds, a, work, primary_url)
+            ev = run_mode("evidence", levels, seconds, a, work, primary_url)
+        finally:
+            primary.kill()
+            primary.wait(10)
+    top_e, top_f = ev["levels"][-1], full["levels"][-1]
+    lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
+    det = ev["detached"] or {}
+    errors = sum(r["errors"] for r in ev["levels"] + full["levels"]) + det.get("errors", 0)
+    heap = [r["anon_kb"] for r in ev["levels"]]
+    result = {
+        "benchmark": "production_load",
+        "vocab": VOCAB, "shadows": len(SHADOWS), "modes": ["forced", "free"], "levels": levels,
+        "seconds_per_level": seconds, "tokens_per_turn": a.tokens,
+        "shadowed_tokens_per_s_per_core": top_e["shadowed_tokens_per_s_per_core"],
+        "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],
+        "wire_bytes_per_shadowed_token": top_e["wire_bytes_per_shadowed_token"],
+        "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
+        "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)
+        if top_e["wire_bytes_per_shadowed_token"] and top_f["wire_bytes_per_shadowed_token"] else None,
+        "primary_ttft_p99_ms": top_e["ttft_p99_ms"], "detached_ttft_p99_ms": det.get("ttft_p99_ms"),
+        "primary_ttft_p99_ratio": round(top_e["ttft_p99_ms"] / det["ttft_p99_ms"], 3)
+        if det.get("ttft_p99_ms") else None,
+        "rows_lost_silently": lost_e["lost_silently"] + lost_f["lost_silently"],
+        "rows": {"evidence": lost_e, "full": lost_f},
+        "rows_sent_in_full_by_reason": {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in ev["taps"].values())
+                                        for r in sorted({k for t in ev["taps"].values()
+                                                         for k in (t.get("rows_evidence") or {})})},
+        "shed_turns": sum(r["shed_turns"] for r in ev["levels"]),
+        "heap_growth_ratio": round(heap[-1] / heap[0], 3) if len(heap) > 1 else 1.0,
+        "heap_mib": [round(h / 1024, 1) for h in heap],
+        "errors": errors,
+        "per_level": {"evidence": ev["levels"], "full": full["levels"], "detached": det},
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    return finish("production_load", result, extra_ok=errors == 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
