@@ -223,9 +223,23 @@ async def agents(url: str, seconds: float, concurrency: int, tokens: int, first_
     return {"turns": n, "errors": len(errors), "why": errors[:3], "ttft_ms": ttft}
 
 
+def flipped_comparisons(store_path: Path) -> int:
+    """Comparisons in the store (read-only, after the proxy stopped) that found a flip."""
+    from tensorverse.store import Store
+
+    st = Store.open(store_path, readonly=True)
+    try:
+        return sum(1 for ses in st.iter_sessions() for t in st.iter_turns(ses["id"]) for r in st.iter_runs(t["id"])
+                   for c in st.iter_comparisons(r["id"]) if c.get("flips"))
+    finally:
+        st.close()
+
+
 def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace, work: Path,
-             primary_url: str) -> dict[str, Any]:
-    """One proxy (``[capture] logits = mode``) through every level; a row of figures per level."""
+             primary_url: str, *, detached: bool = True) -> dict[str, Any]:
+    """One proxy (``[capture] logits = mode``) through every level; a row of figures per level.
+    With ``detached`` (evidence only) the same agents run once more at the highest level against a
+    proxy without shadows, the engines kept as busy by their own driver."""
     admin_port = free_port()
     engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.tokens, a.engine_step_ms / 1000,
                       work / f"engines-{mode}.log")
@@ -272,7 +286,7 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
         final = proxy.stats()
         # the same engines kept busy by their own driver; the proxy's shadows detached
         idle_rows = None
-        if mode == "evidence":
+        if mode == "evidence" and detached:
             proxy.stop()
             cfg2 = {**cfg, "shadows": [], "store": {"path": str(work / "store-detached")}}
             proxy = ProxyProc(work / "proxy-detached", cfg2).start()
@@ -286,7 +300,8 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
     finally:
         proxy.stop()
         engines.close()
-    return {"levels": rows, "taps": taps, "ingest": final.get("ingest") or {}, "detached": idle_rows}
+    return {"levels": rows, "taps": taps, "ingest": final.get("ingest") or {}, "detached": idle_rows,
+            "flipped_comparisons": flipped_comparisons(Path(cfg["store"]["path"]))}
 
 
 def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
@@ -355,6 +370,7 @@ def main() -> int:
                                         for r in sorted({k for t in ev["taps"].values()
                                                          for k in (t.get("rows_evidence") or {})})},
         "shed_turns": sum(r["shed_turns"] for r in ev["levels"]),
+        "flipped_comparisons": {"evidence": ev["flipped_comparisons"], "full": full["flipped_comparisons"]},
         "heap_growth_ratio": round(heap[-1] / heap[0], 3) if len(heap) > 1 else 1.0,
         "heap_mib": [round(h / 1024, 1) for h in heap],
         "errors": errors,

@@ -1,0 +1,37 @@
+"""The production-load path end to end, small: the real proxy process with three ``FakeEngine``
+shadows at Qwen3's vocabulary posting through the real capture tap, evidence at the source.
+What ``benchmarks/production_load.py`` measures at saturation must first be whole: every turn
+shadowed on every shadow, every captured row stored (none lost, none dropped), most rows compact,
+the flips the engines' runtimes make found by the comparisons."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks import production_load as PL
+
+
+def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compare_every_turn(tmp_path: Path):
+    a = argparse.Namespace(tokens=48, first_ms=5.0, token_ms=1.0, engine_step_ms=1.0, shadow_concurrency=4,
+                           queue=64, busy_per_engine=1)
+    port = PL.free_port()
+    primary = PL.spawn([sys.executable, "-c", PL.textwrap.dedent(PL.PRIMARY), str(PL.TOKEN_BASE),
+                        PL.json.dumps(PL.PROMPT_IDS), str(port), str(PL.VOCAB)])
+    try:
+        out = PL.run_mode("evidence", [2], 3.0, a, tmp_path, f"http://127.0.0.1:{port}", detached=False)
+    finally:
+        primary.kill()
+        primary.wait(10)
+    (level,) = out["levels"]
+    assert level["errors"] == 0 and level["turns"] >= 4
+    assert level["shadowed_turns"] == level["turns"] and level["shed_turns"] == 0
+    rows = PL.lost_silently(out["taps"], out["ingest"])
+    # forced and free on three shadows: a row per output token of every run, all stored
+    assert rows["captured"] == level["turns"] * 6 * 48 == rows["stored"]
+    assert rows["lost_silently"] == 0 and rows["dropped_at_tap"] == 0 and rows["counted_at_proxy"] == 0
+    assert level["rows_compact"] >= 0.8 * level["rows"]  # only the evidence travels in full
+    full = {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in out["taps"].values()) for r in ("flip", "close")}
+    assert full["flip"] > 0 and full["close"] > 0
+    assert out["flipped_comparisons"] > 0  # the comparisons found the runtimes' flips
