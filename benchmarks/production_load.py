@@ -27,9 +27,10 @@ shadow backlog has drained, so the CPU it took is all in the window.
 
 Figures (``targets.toml``): ``shadowed_tokens_per_s_per_core`` at the highest level with evidence
 at the source; ``wire_bytes_per_shadowed_token`` against ``full_wire_bytes_per_shadowed_token``
-(full capture, same levels, same run); ``primary_ttft_p99_ratio``: the TTFT p99 at the highest
-level with the shadows attached against the same load with the proxy's shadows detached while the
-same engines are kept as busy by a driver of their own (so the ratio measures the proxy, not the
+(full capture, same levels, same run); ``primary_ttft_p99_ratio``: the agents' TTFT p99 at the
+highest level with the shadows attached and saturated against a second proxy without shadows on
+the same machine at the same time, in alternating rounds (the engines stay busy with the first
+one's backlog, so the ratio measures what the shadow work does to the relay in its process, not the
 machine); ``rows_lost_silently``: rows the taps captured that are neither stored nor counted as
 dropped anywhere (target 0); ``heap_growth_ratio``: the proxy's anonymous memory (``RssAnon``: the
 heap, what a leak grows; the store's LMDB map is file pages the kernel can drop) at the end over
@@ -82,7 +83,6 @@ asyncio.run(main())
 
 ENGINES = """
 import asyncio, json, sys
-import aiohttp
 from tensorverse.testing.fake_engine import FakeEngine
 cfg = json.loads(sys.argv[1])
 async def main():
@@ -92,41 +92,16 @@ async def main():
                                         runtime=i + 1, step_s=cfg["step_s"], model=name, seed=0,
                                         max_rows=cfg["max_rows"], prompt_ids=cfg["prompt"]).start())
     print("ready", json.dumps({e.model: e.port for e in engines}), flush=True)
-    busy = []
-    session = aiohttp.ClientSession()
-
-    async def drive(e, k):
-        # the work an attached engine does (forced and free runs, every row captured and reduced
-        # at the source, encoded), with its sink detached: nothing reaches a proxy
-        n = 0
-        while True:
-            n += 1
-            xargs = {"tv_capture": f"busy-{e.model}-{k}-{n}", "tv_compact": 20, "tv_close": 0.1}
-            if n % 2:
-                xargs["tv_force"] = [cfg["base"] + i for i in range(cfg["tokens"])]
-            body = {"prompt": cfg["prompt"], "max_tokens": cfg["tokens"], "logprobs": 5, "vllm_xargs": xargs}
-            async with session.post(e.url + "/completions", json=body) as r:
-                await r.read()
-
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := (await reader.readline()).decode().split():
-        if line[0] == "busy":
-            for e in engines:
-                e.tap.sink = None  # rows reduced and encoded, then discarded (counted as dropped_sink)
-            busy += [asyncio.create_task(drive(e, k)) for e in engines for k in range(int(line[1]))]
-            print("ok", flush=True)
-        elif line[0] == "idle":
-            for t in busy:
-                t.cancel()
-            busy = []
+        if line[0] == "noop":
             print("ok", flush=True)
         elif line[0] == "stats":
             for e in engines:
                 await asyncio.to_thread(e.flush, 60)
             print(json.dumps({e.model: e.tap.stats() for e in engines}), flush=True)
-    await session.close()
     for e in engines:
         await e.close()
 asyncio.run(main())
@@ -236,10 +211,10 @@ def flipped_comparisons(store_path: Path) -> int:
 
 
 def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace, work: Path,
-             primary_url: str, *, detached: bool = True) -> dict[str, Any]:
+             primary_url: str, *, detached: bool = True, sections: dict[str, Any] | None = None) -> dict[str, Any]:
     """One proxy (``[capture] logits = mode``) through every level; a row of figures per level.
-    With ``detached`` (evidence only) the same agents run once more at the highest level against a
-    proxy without shadows, the engines kept as busy by their own driver."""
+    With ``detached`` (evidence only) the agents then alternate, in rounds at the highest level,
+    between this proxy and a second one without shadows (``primary_ttft_p99_ratio``)."""
     admin_port = free_port()
     engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.tokens, a.engine_step_ms / 1000,
                       work / f"engines-{mode}.log")
@@ -247,7 +222,7 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
     cfg = proxy_config(primary_url, work / f"store-{mode}", shadows=shadows, admin_port=admin_port,
                        capture={"sample": 1.0, "per_minute": 0, "modes": ["forced", "free"], "logits": mode},
                        shadow={"queue_size": a.queue, "workers": 4, "analysis_workers": 1},
-                       recording={"top_logprobs": 5})
+                       recording={"top_logprobs": 5}, **(sections or {}))
     for sh in cfg["shadows"]:
         sh.update(capture="full", timeout_s=60, concurrency=a.shadow_concurrency)
     proxy = ProxyProc(work / f"proxy-{mode}", cfg).start()
@@ -284,19 +259,36 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
                   f"heap {row['anon_kb'] / 1024:.0f} MiB (RSS {row['rss_kb'] / 1024:.0f})", file=sys.stderr, flush=True)
         taps = engines.stats()
         final = proxy.stats()
-        # the same engines kept busy by their own driver; the proxy's shadows detached
+        # the agents' TTFT with the shadows attached and saturated, against a second proxy without
+        # shadows on the same machine at the same time (the engines busy with the first one's
+        # backlog): in alternating rounds, so that a change of the machine's load hits both alike
         idle_rows = None
         if mode == "evidence" and detached:
-            proxy.stop()
-            cfg2 = {**cfg, "shadows": [], "store": {"path": str(work / "store-detached")}}
-            proxy = ProxyProc(work / "proxy-detached", cfg2).start()
-            engines.ask(f"busy {a.busy_per_engine}")
-            load = asyncio.run(agents(proxy.url, seconds, levels[-1], a.tokens, a.first_ms / 1000, a.token_ms / 1000))
-            engines.ask("idle")
-            idle_rows = {"concurrency": levels[-1], "turns": load["turns"], "errors": load["errors"],
-                         "ttft_p99_ms": round(pct(load["ttft_ms"], 0.99), 2)}
-            print(f"detached c={levels[-1]:<3d} {load['turns']:5d} turns, engines busy: TTFT p99 "
-                  f"{idle_rows['ttft_p99_ms']} ms", file=sys.stderr, flush=True)
+            cfg2 = {**cfg, "proxy": {"listen": f"127.0.0.1:{free_port()}"}, "shadows": [],
+                    "admin": {**cfg["admin"], "listen": f"127.0.0.1:{free_port()}"},
+                    "store": {"path": str(work / "store-detached")}}
+            other = ProxyProc(work / "proxy-detached", cfg2).start()
+            att: list[float] = []
+            det: list[float] = []
+            errors = 0
+            try:
+                for _ in range(a.rounds):
+                    for target, into in ((proxy, att), (other, det)):
+                        load = asyncio.run(agents(target.url, a.round_s, levels[-1], a.tokens, a.first_ms / 1000,
+                                                  a.token_ms / 1000))
+                        into += load["ttft_ms"]
+                        errors += load["errors"]
+                shed = (proxy.stats().get("shadow") or {}).get("dropped_queue_full", 0) - \
+                    (final.get("shadow") or {}).get("dropped_queue_full", 0)
+            finally:
+                other.stop()
+            idle_rows = {"concurrency": levels[-1], "rounds": a.rounds, "round_s": a.round_s, "errors": errors,
+                         "attached_turns": len(att), "detached_turns": len(det), "attached_shed_turns": shed,
+                         "attached_ttft_p50_ms": round(pct(att, 0.5), 2), "detached_ttft_p50_ms": round(pct(det, 0.5), 2),
+                         "attached_ttft_p99_ms": round(pct(att, 0.99), 2), "detached_ttft_p99_ms": round(pct(det, 0.99), 2)}
+            print(f"rounds   c={levels[-1]:<3d} TTFT p99 attached {idle_rows['attached_ttft_p99_ms']} ms "
+                  f"({len(att)} turns, {shed} shed), detached {idle_rows['detached_ttft_p99_ms']} ms ({len(det)} turns)",
+                  file=sys.stderr, flush=True)
     finally:
         proxy.stop()
         engines.close()
@@ -326,13 +318,14 @@ def main() -> int:
     ap.add_argument("--engine-step-ms", type=float, default=1.0, help="a shadow engine's decode step")
     ap.add_argument("--shadow-concurrency", type=int, default=4, help="requests in flight per shadow")
     ap.add_argument("--queue", type=int, default=64, help="[shadow] queue_size: past it turns are shed")
-    ap.add_argument("--busy-per-engine", type=int, default=4, help="the detached run's requests per engine")
-    ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the attached / detached TTFT comparison")
+    ap.add_argument("--round-s", type=float, default=10.0, help="agent load per side and round")
+    ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each, 2 rounds of 4 s")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
     seconds = a.seconds
     if a.quick:
-        levels, seconds = [1, 4], 6.0
+        levels, seconds, a.rounds, a.round_s = [1, 4], 6.0, 2, 4.0
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tv-prodload-") as tmp:
         work = Path(tmp)
@@ -361,9 +354,9 @@ def main() -> int:
         "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
         "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)
         if top_e["wire_bytes_per_shadowed_token"] and top_f["wire_bytes_per_shadowed_token"] else None,
-        "primary_ttft_p99_ms": top_e["ttft_p99_ms"], "detached_ttft_p99_ms": det.get("ttft_p99_ms"),
-        "primary_ttft_p99_ratio": round(top_e["ttft_p99_ms"] / det["ttft_p99_ms"], 3)
-        if det.get("ttft_p99_ms") else None,
+        "primary_ttft_p99_ms": det.get("attached_ttft_p99_ms"), "detached_ttft_p99_ms": det.get("detached_ttft_p99_ms"),
+        "primary_ttft_p99_ratio": round(det["attached_ttft_p99_ms"] / det["detached_ttft_p99_ms"], 3)
+        if det.get("detached_ttft_p99_ms") else None,
         "rows_lost_silently": lost_e["lost_silently"] + lost_f["lost_silently"],
         "rows": {"evidence": lost_e, "full": lost_f},
         "rows_sent_in_full_by_reason": {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in ev["taps"].values())

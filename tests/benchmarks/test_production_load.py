@@ -15,7 +15,7 @@ from benchmarks import production_load as PL
 
 def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compare_every_turn(tmp_path: Path):
     a = argparse.Namespace(tokens=48, first_ms=5.0, token_ms=1.0, engine_step_ms=1.0, shadow_concurrency=4,
-                           queue=64, busy_per_engine=1)
+                           queue=64)
     port = PL.free_port()
     primary = PL.spawn([sys.executable, "-c", PL.textwrap.dedent(PL.PRIMARY), str(PL.TOKEN_BASE),
                         PL.json.dumps(PL.PROMPT_IDS), str(port), str(PL.VOCAB)])
