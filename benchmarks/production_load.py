@@ -67,14 +67,30 @@ PROMPT_IDS = list(range(20_000, 20_300))  # a 300-token prompt
 SHADOWS = ("shadow-1", "shadow-2", "shadow-3")
 
 PRIMARY = """
-import asyncio, json, sys, types
-from tensorverse.testing.fake_engine import FakeEngine
+import asyncio, functools, json, sys, types
+from tensorverse.testing.fake_engine import FakeEngine, _Req
 from tensorverse.testing.fake_upstream import FakeUpstream
+base, prompt = int(sys.argv[1]), json.loads(sys.argv[2])
+# the model the shadows stand for, at the primary's runtime (0: no flips): its dictionary
+# (/tokenize, /detokenize) and its top logprobs, so the primary records the close calls they meet
+d = FakeEngine(vocab=int(sys.argv[4]), agree_base=base, prompt_ids=prompt)
+
+@functools.lru_cache(maxsize=4096)
+def tops(i, k):
+    x, w, r, shift = d._agree(_Req(prompt=prompt, max_tokens=0, opt=None, logprobs=0, done=None,
+                                   out=[base + j for j in range(i)]))
+    return d._agree_logprobs(x, w, r, shift, max(k, 1))[1]
+
+class Primary(FakeUpstream):
+    def _chat_lp(self, i, top, as_ids):
+        pairs = tops(i, top or 1)
+        name = lambda t: f"token_id:{t}" if as_ids else d.piece(t)
+        return {"token": name(pairs[0][0]), "logprob": pairs[0][1], "bytes": [116],
+                "top_logprobs": [{"token": name(t), "logprob": lp, "bytes": [116]} for t, lp in pairs[: top or 0]]}
+
 async def main():
-    base, prompt = int(sys.argv[1]), json.loads(sys.argv[2])
-    d = FakeEngine(vocab=int(sys.argv[4]), agree_base=base, prompt_ids=prompt)  # its dictionary: /tokenize, /detokenize
     tok = types.SimpleNamespace(h_tokenize=d._tokenize, h_detokenize=d._detokenize)
-    f = await FakeUpstream(token_base=base, prompt_ids=prompt, tokenizer=tok).start(int(sys.argv[3]))
+    f = await Primary(token_base=base, prompt_ids=prompt, tokenizer=tok).start(int(sys.argv[3]))
     f.requests = type("Drop", (), {"append": lambda self, x: None, "__len__": lambda self: 0})()
     print("ready", flush=True)
     await asyncio.Event().wait()
