@@ -23,18 +23,21 @@ What it shares with vLLM and the real plugin, so the probe is tested end to end:
 Tensorverse's tests measure it against it (``tests/replay/test_batch_noise.py``,
 ``tests/matrix/test_concurrency_axis.py``); it is no model.
 
-**``agree_base``: a shadow of a fake primary, at a real vocabulary.** With ``agree_base=B`` the rows
-stand in for another runtime of the model behind :class:`~tensorverse.testing.fake_upstream.FakeUpstream`
-(``token_base=B``), whose output token at position ``i`` is ``B + i`` whatever the prompt: that token
-is the row's argmax, a clear winner except at a seeded ``2 * flip_rate`` share of positions where a
-runner-up is one bfloat16 step (0.0625 at these logits) below it. An engine with ``runtime != 0`` puts the runner-up ahead at
-half of those (seeded by ``runtime``): its forced runs flip there and its free runs say the
-runner-up, about ``flip_rate`` of positions; ``runtime=0`` is the primary's own runtime and never
-flips. Rows are bfloat16 values (captured as a bf16 tensor, as a bf16 model's plugin captures
-them): a seeded base row (``vocab`` normals, drawn once) rotated by a hash of the context, with
-the two tokens set: cheap enough (tens of microseconds) that a load benchmark at
-Qwen3's 151,936 ids measures the capture path and the proxy, not the fake's arithmetic. Its
-log-sum-exp and top logprobs are computed from the base's, exactly (float64).
+**``agree_base``: a shadow of a fake primary, at a real vocabulary.** With ``agree_base=B`` the
+rows stand in for another runtime of the model behind
+:class:`~tensorverse.testing.fake_upstream.FakeUpstream` (``token_base=B``), whose output token at
+position ``i`` is ``B + i`` whatever the prompt. That token is the row's argmax, a clear winner
+except at a seeded ``2 * flip_rate`` share of positions where a runner-up is one bfloat16 step
+below it (0.0625 at Qwen3's width). An engine with ``runtime != 0`` puts the runner-up one step
+ahead at half of those (seeded by ``runtime``): its forced runs flip there and its free runs say
+the runner-up, at about ``flip_rate`` of positions; ``runtime=0`` is the primary's own runtime and
+never flips. Rows are bfloat16 values, captured as a bf16 tensor as a bf16 model's plugin captures
+them: a seeded base row (``vocab`` normals, drawn once) rotated by a hash of the context, with the
+two tokens set, cheap enough (tens of microseconds) that a load benchmark at Qwen3's 151,936 ids
+measures the capture path and the proxy, not the fake's arithmetic. The log-sum-exp and top
+logprobs are computed from the base's, exactly (float64). ``prompt_ids``: what ``/tokenize``
+renders any chat request to (the fake primary serves that prompt); ``/detokenize`` gives
+FakeUpstream's text of its ids.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ class FakeEngine:
             self._top = float(b64.max())
             self._order = np.argsort(-b64, kind="stable")[:64]  # the base's best ids, best first
             self._exp_sum = float(np.exp(b64 - self._top).sum())  # of the base, relative to its max
+            self._win = _bf16(np.array([self._top + 1.0], dtype=np.float32))[0]  # the argmax's logit
+            self._step = np.float32(np.spacing(self._win) * 65536)  # one bfloat16 step at that logit
+            self._second = _bf16(np.array([self._top + 0.5], dtype=np.float32))[0]  # a clear second
         self.vocab = vocab
         self.batch_variant = batch_variant
         self.noise = noise
@@ -174,15 +180,13 @@ class FakeEngine:
         h = zlib.crc32(np.asarray([self.seed, pos], dtype=np.int64).tobytes())
         r = (w + 1 + h % (V - 1)) % V
         near = (h >> 8) % 1_000_000 < 2 * self.flip_rate * 1_000_000
-        top = _bf16(np.float32([self._top + 1.0]))
-        ulp = float(np.spacing(top[0].astype(np.float32)) * 65536)  # one bfloat16 step at that logit
-        x[w] = top[0]
+        x[w] = self._win
         if not near:
-            x[r] = _bf16(np.float32([self._top + 0.5]))[0]  # a clear second
+            x[r] = self._second
         elif self.runtime and zlib.crc32(np.asarray([self.seed, pos, self.runtime], dtype=np.int64).tobytes()) % 2:
-            x[r] = np.float32(top[0] + ulp)  # this runtime's rounding puts the runner-up ahead: a flip
+            x[r] = self._win + self._step  # this runtime's rounding puts the runner-up ahead: a flip
         else:
-            x[r] = np.float32(top[0] - ulp)  # a near tie: one bfloat16 step apart
+            x[r] = self._win - self._step  # a near tie: one bfloat16 step apart
         return x, w, r, shift
 
     def _agree_logprobs(self, x: np.ndarray, w: int, r: int, shift: int,
