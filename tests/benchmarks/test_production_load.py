@@ -2,7 +2,7 @@
 shadows at Qwen3's vocabulary posting through the real capture tap, evidence at the source.
 What ``benchmarks/production_load.py`` measures at saturation must first be whole: every turn
 shadowed on every shadow, every captured row stored (none lost, none dropped), most rows compact,
-the flips the engines' runtimes make found by the comparisons."""
+the flips the engines' runtimes make sent in full and found by the comparisons."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     assert rows["captured"] == level["turns"] * 6 * 48 == rows["stored"]
     assert rows["lost_silently"] == 0 and rows["dropped_at_tap"] == 0 and rows["counted_at_proxy"] == 0
     assert level["rows_compact"] >= 0.8 * level["rows"]  # only the evidence travels in full
-    full = {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in out["taps"].values()) for r in ("flip", "close")}
-    assert full["flip"] > 0 and full["close"] > 0
+    full = {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in out["taps"].values())
+            for r in ("flip", "requested", "close")}
+    # the flips, and the positions the proxy asked for (the primary's close calls, capped, and the
+    # sample); the engines' near ties are all one bf16 step apart, at the cap's cut: none close
+    assert full["flip"] > 0 and full["requested"] > 0 and full["close"] == 0
     assert out["flipped_comparisons"] > 0  # the comparisons found the runtimes' flips
