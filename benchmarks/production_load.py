@@ -6,7 +6,8 @@ offered load stepped up to saturation, full capture against evidence at the sour
 What runs, each in its own process:
 
 * the primary: :class:`~tensorverse.testing.fake_upstream.FakeUpstream` (a streaming chat model:
-  ``--first-ms`` to its first token, ``--tokens`` output tokens ``--token-ms`` apart);
+  ``--first-ms`` to its first token, ``--tokens`` output tokens ``--token-ms`` apart), recording
+  the top logprobs of the model the shadows stand for (its close calls), with its ``/tokenize``;
 * three shadows: :class:`~tensorverse.testing.fake_engine.FakeEngine` with ``agree_base`` rows at
   151,936 ids (the primary's tokens are their argmax; each runtime flips about 2 % of positions at
   near ties), speaking the capture plugin's protocol: forced and free runs with the plugin's
@@ -112,9 +113,7 @@ async def main():
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := (await reader.readline()).decode().split():
-        if line[0] == "noop":
-            print("ok", flush=True)
-        elif line[0] == "stats":
+        if line[0] == "stats":
             for e in engines:
                 await asyncio.to_thread(e.flush, 60)
             print(json.dumps({e.model: e.tap.stats() for e in engines}), flush=True)
@@ -125,11 +124,12 @@ asyncio.run(main())
 
 
 class Engines:
-    """The three shadow engines in their own process, driven over stdin."""
+    """The three shadow engines in their own process; ``stats`` (over stdin) flushes their taps and
+    answers their counters."""
 
-    def __init__(self, sink: str, token: str, tokens: int, step_s: float, log: Path) -> None:
+    def __init__(self, sink: str, token: str, step_s: float, log: Path) -> None:
         cfg = {"names": list(SHADOWS), "sink": sink, "vocab": VOCAB, "base": TOKEN_BASE, "step_s": step_s,
-               "max_rows": 4096, "prompt": PROMPT_IDS, "tokens": tokens}
+               "max_rows": 4096, "prompt": PROMPT_IDS}
         env = {**os.environ, "TENSORVERSE_CAPTURE_TOKEN": token, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-c", ENGINES, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(log, "ab"), env=env, cwd=ROOT,
@@ -232,7 +232,7 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
     With ``detached`` (evidence only) the agents then alternate, in rounds at the highest level,
     between this proxy and a second one without shadows (``primary_ttft_p99_ratio``)."""
     admin_port = free_port()
-    engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.tokens, a.engine_step_ms / 1000,
+    engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.engine_step_ms / 1000,
                       work / f"engines-{mode}.log")
     shadows = {n: f"http://127.0.0.1:{p}/v1" for n, p in engines.ports.items()}
     cfg = proxy_config(primary_url, work / f"store-{mode}", shadows=shadows, admin_port=admin_port,
