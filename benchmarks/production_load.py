@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import aiohttp
 
@@ -69,7 +70,7 @@ SHADOWS = ("shadow-1", "shadow-2", "shadow-3")
 
 PRIMARY = """
 import asyncio, functools, json, sys, types
-from tensorverse.testing.fake_engine import FakeEngine, _Req
+from tensorverse.testing.fake_engine import FakeEngine
 from tensorverse.testing.fake_upstream import FakeUpstream
 base, prompt = int(sys.argv[1]), json.loads(sys.argv[2])
 # the model the shadows stand for, at the primary's runtime (0: no flips): its dictionary
@@ -78,9 +79,7 @@ d = FakeEngine(vocab=int(sys.argv[4]), agree_base=base, prompt_ids=prompt)
 
 @functools.lru_cache(maxsize=4096)
 def tops(i, k):
-    x, w, r, shift = d._agree(_Req(prompt=prompt, max_tokens=0, opt=None, logprobs=0, done=None,
-                                   out=[base + j for j in range(i)]))
-    return d._agree_logprobs(x, w, r, shift, max(k, 1))[1]
+    return d.top_logprobs(prompt, [base + j for j in range(i)], max(k, 1))
 
 class Primary(FakeUpstream):
     def _chat_lp(self, i, top, as_ids):
@@ -121,6 +120,19 @@ async def main():
         await e.close()
 asyncio.run(main())
 """
+
+
+@contextlib.contextmanager
+def primary() -> Iterator[str]:
+    """The fake primary in its own process; its URL."""
+    port = free_port()
+    proc = spawn([sys.executable, "-c", textwrap.dedent(PRIMARY), str(TOKEN_BASE), json.dumps(PROMPT_IDS), str(port),
+                  str(VOCAB)])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 class Engines:
@@ -345,16 +357,9 @@ def main() -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tv-prodload-") as tmp:
         work = Path(tmp)
-        port = free_port()
-        primary = spawn([sys.executable, "-c", textwrap.dedent(PRIMARY), str(TOKEN_BASE), json.dumps(PROMPT_IDS),
-                         str(port), str(VOCAB)])
-        try:
-            primary_url = f"http://127.0.0.1:{port}"
+        with primary() as primary_url:
             full = run_mode("full", levels, seconds, a, work, primary_url)
             ev = run_mode("evidence", levels, seconds, a, work, primary_url)
-        finally:
-            primary.kill()
-            primary.wait(10)
     top_e, top_f = ev["levels"][-1], full["levels"][-1]
     lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
     det = ev["detached"] or {}

@@ -31,6 +31,7 @@ def test_agree_rows_are_bfloat16_with_exact_float64_log_sum_exp_and_top_logprobs
         assert [t for t, _ in tops] == order
         assert [lp for _, lp in tops] == pytest.approx([x64[t] - ref_lse for t in order], abs=1e-12)
         assert {w, r} == set(order[:2]) and w == 1000 + n
+        assert e.top_logprobs([7, 8, 9], list(range(n)), 20) == tops  # what a fake primary records
 
 
 def test_agree_engine_follows_the_primary_and_flips_only_where_its_runtime_says():

@@ -211,6 +211,13 @@ class FakeEngine:
         tops.sort(key=lambda e: (-e[1], e[0]))
         return lse, tops[:k]
 
+    def top_logprobs(self, prompt: list[int], out: list[int], k: int) -> list[tuple[int, float]]:
+        """``agree_base``: the top ``k`` (id, logprob) of the row after ``prompt + out`` (what a fake
+        primary of the same model records as its top logprobs)."""
+        x, w, r, shift = self._agree(_Req(prompt=list(prompt), max_tokens=0, opt=None, logprobs=0,
+                                          done=None, out=list(out)))  # type: ignore[arg-type]
+        return self._agree_logprobs(x, w, r, shift, k)[1]
+
     def row(self, req: _Req, batch_size: int) -> np.ndarray:
         """The logits row of ``req``'s next position in a batch of ``batch_size`` requests."""
         pos = len(req.out)

@@ -7,7 +7,6 @@ the flips the engines' runtimes make sent in full and found by the comparisons."
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from benchmarks import production_load as PL
@@ -16,14 +15,8 @@ from benchmarks import production_load as PL
 def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compare_every_turn(tmp_path: Path):
     a = argparse.Namespace(tokens=48, first_ms=5.0, token_ms=1.0, engine_step_ms=1.0, shadow_concurrency=4,
                            queue=64)
-    port = PL.free_port()
-    primary = PL.spawn([sys.executable, "-c", PL.textwrap.dedent(PL.PRIMARY), str(PL.TOKEN_BASE),
-                        PL.json.dumps(PL.PROMPT_IDS), str(port), str(PL.VOCAB)])
-    try:
-        out = PL.run_mode("evidence", [2], 3.0, a, tmp_path, f"http://127.0.0.1:{port}", detached=False)
-    finally:
-        primary.kill()
-        primary.wait(10)
+    with PL.primary() as url:
+        out = PL.run_mode("evidence", [2], 3.0, a, tmp_path, url, detached=False)
     (level,) = out["levels"]
     assert level["errors"] == 0 and level["turns"] >= 4
     assert level["shadowed_turns"] == level["turns"] and level["shed_turns"] == 0
