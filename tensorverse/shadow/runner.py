@@ -246,14 +246,29 @@ class ShadowRunner:
         have: set[int] = set()
         deadline = t0 + self.rows_timeout_s
         error = None
+        # Rows this process commits (the proxy's ingest) are announced by the store: a waiter wakes
+        # on its last row and never reads the store for them. Rows written by another process are
+        # found by polling the store, as are any once their run is forgotten by the announcements.
+        arrivals = getattr(self.store, "arrivals", None)
         while True:
+            if arrivals is not None:
+                need = [p for p in positions if p not in have]
+                have |= await arrivals.wait(run_id, need, min(self.rows_poll_s, max(0.0, deadline - _now())),
+                                            compact=self.evidence is not None)
+                if len(have) >= len(positions):
+                    break
+                if arrivals.knows(run_id) and _now() < deadline:
+                    continue
             try:
                 await asyncio.to_thread(self._present, run_id, positions, have, False)
             except Exception as e:  # noqa: BLE001 - a reader hiccup: keep polling until the deadline
                 error = f"{type(e).__name__}: {e}"
             if len(have) >= len(positions) or _now() >= deadline:
                 break
-            await asyncio.sleep(self.rows_poll_s)
+            if arrivals is None:
+                await asyncio.sleep(self.rows_poll_s)
+        if arrivals is not None:
+            arrivals.forget(run_id)
         if len(have) < len(positions):
             try:
                 await asyncio.to_thread(self._present, run_id, positions, have, True)

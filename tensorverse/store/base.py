@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import lmdb
 
 from tensorverse.store import blobs, schema
+from tensorverse.store.arrivals import RowArrivals
 from tensorverse.store.writer import ResizeLock, Writer, adopt_map_size
 
 log = logging.getLogger("tensorverse.store")
@@ -84,6 +85,7 @@ class StoreBase:
     _resize_lock: ResizeLock
     _refused_sessions: OrderedDict[str, None]
     _writer: Writer | None
+    arrivals: RowArrivals
 
     def _version(self, txn: lmdb.Transaction) -> int | None:
         raw = txn.get(b"format_version", db=self._dbs[schema.META])

@@ -37,6 +37,7 @@ from tensorverse.store.base import (
 )
 from tensorverse.store.edits import StoreEdits
 from tensorverse.store.writer import ResizeLock, StoreFullError, Writer
+from tensorverse.store.arrivals import RowArrivals
 from tensorverse.store.writes import StoreWrites
 
 
@@ -68,6 +69,7 @@ class Store(StoreWrites, StoreEdits):
         self._resize_lock = ResizeLock()
         self._refused_sessions: OrderedDict[str, None] = OrderedDict()
         self._writer: Writer | None = None
+        self.arrivals = RowArrivals()  # rows this process commits, for its own waiters
         if not readonly:
             # The map may have been grown by an earlier run: never shrink below the file.
             used = (self.path / "data.mdb").stat().st_size

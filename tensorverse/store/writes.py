@@ -156,7 +156,16 @@ class StoreWrites(StoreBase):
                     txn.delete(key, db=edb)
             return len(keyed)
 
-        return self.submit(op)
+        fut = self.submit(op)
+        full = [int(r[0]) for r in rows if not (len(r) > 3 and r[3])]
+        compact = [int(r[0]) for r in rows if len(r) > 3 and r[3]]
+
+        def announce(f: Future) -> None:  # in the writer thread, once committed
+            if not f.cancelled() and f.exception() is None:
+                self.arrivals.add(run_id, full, compact)
+
+        fut.add_done_callback(announce)
+        return fut
 
     def apply_compaction(self, turn_id: str, record: dict, changes: Sequence[RowChange]) -> Future:
         """Compact one turn's rows in one transaction (`tensorverse.store.compaction`): each

@@ -482,3 +482,53 @@ def test_token_pieces_are_asked_once_per_id_and_a_backend_without_detokenize_onc
     assert got == [[fake.decode_one(t) for t in (3, 4, 3, 5)], [fake.decode_one(t) for t in (5, 4, 6, 6)]]
     assert sorted(asked) == [[3], [4], [5], [6]]  # 6 is the only new id of the second turn
     assert 1 <= len(asked_gone) <= 3  # the first turn's requests, in flight together; none after
+
+
+def test_wait_rows_wakes_on_announced_rows_without_reading_the_store(store, monkeypatch):
+    reads = []
+    real = store.read_row
+    monkeypatch.setattr(store, "read_row", lambda *a: reads.append(a) or real(*a))
+
+    async def main():
+        async with ShadowRunner(store, [], rows_timeout_s=10) as r:
+            # the plugin's batches: the first one in before the run's response, the last one later
+            await asyncio.wrap_future(store.write_rows("run1", [(0, b"a")]))
+
+            async def later():
+                await asyncio.sleep(0.5)
+                await asyncio.wrap_future(store.write_rows("run1", [(1, b"b")]))
+            task = asyncio.create_task(later())
+            out = await r.wait_rows("run1", [0, 1])
+            await task
+            return out
+
+    out = run(main())
+    assert out["complete"] and out["present"] == 2
+    assert out["waited_s"] < 5.0
+    assert reads == []  # the store announced its commits; no poll read a row
+
+
+def test_wait_rows_finds_rows_another_process_wrote_by_polling(store, tmp_path):
+    other = type(store).open(store.path, durable=False)  # another writer: its commits are not announced here
+    try:
+        other.write_rows("run2", [(0, b"a"), (1, b"b"), (2, b"c")]).result()
+
+        async def main():
+            async with ShadowRunner(store, [], rows_timeout_s=5) as r:
+                return await r.wait_rows("run2", [0, 1, 2])
+
+        out = run(main())
+    finally:
+        other.close()
+    assert out["complete"] and out["present"] == 3
+
+
+def test_wait_rows_reports_the_positions_still_missing_at_its_deadline(store):
+    store.write_rows("run3", [(0, b"a")]).result()
+
+    async def main():
+        async with ShadowRunner(store, [], rows_timeout_s=0.3) as r:
+            return await r.wait_rows("run3", [0, 1, 2])
+
+    out = run(main())
+    assert (out["complete"], out["present"], out["missing"]) == (False, 1, [1, 2])
