@@ -273,6 +273,12 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
                    - (s0.get("shadow") or {}).get("dropped_queue_full", 0),
                    "shadowed_tokens": tokens, "wall_s": round(time.monotonic() - t0, 2),
                    "proxy_cpu_s": round(cpu_s, 3),
+                   # what /metrics reads as tensorverse:shadow_headroom (1 - busy worker time over
+                   # workers x wall time): near 0 where the tee sheds
+                   "shadow_headroom": round(max(0.0, 1 - ((s1.get("shadow") or {}).get("busy_s", 0.0)
+                                                          - (s0.get("shadow") or {}).get("busy_s", 0.0))
+                                                / (max(1, (s1.get("shadow") or {}).get("workers", 0))
+                                                   * (time.monotonic() - t0))), 3),
                    "shadowed_tokens_per_s_per_core": round(tokens / cpu_s, 1) if cpu_s > 0 else None,
                    "wire_bytes": ing1.get("bytes", 0) - ing0.get("bytes", 0),
                    "rows": ing1.get("rows", 0) - ing0.get("rows", 0),
@@ -283,7 +289,8 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
             print(f"{mode:8s} c={c:<3d} {row['turns']:5d} turns, {turns_shadowed:7.1f} shadowed, "
                   f"{row['shed_turns']} shed, proxy {cpu_s:6.2f} CPU-s -> "
                   f"{row['shadowed_tokens_per_s_per_core']} shadowed tokens/s/core, "
-                  f"{row['wire_bytes_per_shadowed_token']} B/token, TTFT p99 {row['ttft_p99_ms']} ms, "
+                  f"{row['wire_bytes_per_shadowed_token']} B/token, headroom {row['shadow_headroom']}, "
+                  f"TTFT p99 {row['ttft_p99_ms']} ms, "
                   f"heap {row['anon_kb'] / 1024:.0f} MiB (RSS {row['rss_kb'] / 1024:.0f})", file=sys.stderr, flush=True)
         taps = engines.stats()
         final = proxy.stats()

@@ -202,6 +202,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "turns not shadowed, by the capture policy's reason", ("reason",)),
     MetricSpec("tensorverse_shadow_queue_depth", "gauge", "turns waiting on the shadow queue"),
     MetricSpec("tensorverse_shadow_queue_capacity", "gauge", "size of the shadow queue"),
+    MetricSpec("tensorverse_shadow_busy_seconds", "counter",
+               "worker-seconds the shadow tee spent on turns (its rate over tensorverse_shadow_workers "
+               "is the pipeline's load; one minus it, its headroom)"),
+    MetricSpec("tensorverse_shadow_workers", "gauge", "shadow tee workers (turns processed at once)"),
     # -- capture ---------------------------------------------------------------------------------
     MetricSpec("tensorverse_capture_rows", "counter", "logits rows received on /ingest and stored"),
     MetricSpec("tensorverse_capture_compact_rows", "counter",
@@ -714,6 +718,8 @@ class MetricsCollector:
         yield counter("tensorverse_shadow_dropped", sh.get("dropped_queue_full", 0))
         yield gauge("tensorverse_shadow_queue_depth", sh.get("queue_depth", 0))
         yield gauge("tensorverse_shadow_queue_capacity", sh.get("queue_size", 0))
+        yield counter("tensorverse_shadow_busy_seconds", sh.get("busy_s", 0.0))
+        yield gauge("tensorverse_shadow_workers", sh.get("workers", 0))
         skipped = counter("tensorverse_shadow_skipped", labels=("reason",))
         got = sh.get("skipped") or {}
         for reason in dict.fromkeys([*SKIP_REASONS, *got]):

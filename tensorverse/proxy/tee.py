@@ -135,17 +135,20 @@ class ShadowTee(Addon):
         self.budget = budget
         self._queue: asyncio.Queue | None = None
         self._workers: list[asyncio.Task] = []
+        self._busy_since: dict[int, float] = {}  # worker -> when its turn began (the busy time so far counts)
         self.counters: dict[str, Any] = {
             "queued": 0,
             "dropped_queue_full": 0,
             "skipped": {},
             "turns_done": 0,
+            "busy_s": 0.0,  # worker-seconds spent on turns: over workers x wall time, the pipeline's load
             "backend": {b.name: {"ok": 0, "failed": 0, "timed_out": 0} for b in self.backends},
         }
 
     def stats(self) -> dict[str, Any]:
-        out = {**self.counters, "queue_depth": self._queue.qsize() if self._queue else 0,
-               "queue_size": self.queue_size}
+        busy = self.counters["busy_s"] + sum(time.monotonic() - t0 for t0 in self._busy_since.values())
+        out = {**self.counters, "busy_s": round(busy, 3), "workers": self.n_workers if self._workers else 0,
+               "queue_depth": self._queue.qsize() if self._queue else 0, "queue_size": self.queue_size}
         if self.budget is not None:
             out["gpu"] = self.budget.stats()
         return out
@@ -155,7 +158,7 @@ class ShadowTee(Addon):
         for b in self.backends:
             b._sem = asyncio.Semaphore(b.concurrency)
         if self.runner is not None and self.backends:
-            self._workers = [asyncio.get_running_loop().create_task(self._work()) for _ in range(self.n_workers)]
+            self._workers = [asyncio.get_running_loop().create_task(self._work(i)) for i in range(self.n_workers)]
 
     async def stop(self) -> None:
         close = getattr(self.runner, "close", None)
@@ -202,10 +205,11 @@ class ShadowTee(Addon):
         self.counters["queued"] += 1
 
     # -- the shadows' side ------------------------------------------------------------------------
-    async def _work(self) -> None:
+    async def _work(self, worker: int) -> None:
         assert self._queue is not None
         while True:
             turn, fut = await self._queue.get()
+            self._busy_since[worker] = t0 = time.monotonic()
             try:
                 await self._process(turn, fut)
             except asyncio.CancelledError:
@@ -213,6 +217,8 @@ class ShadowTee(Addon):
             except Exception:
                 log.exception("shadow tee: turn %s failed", turn.get("id"))
             finally:
+                del self._busy_since[worker]
+                self.counters["busy_s"] += time.monotonic() - t0
                 self._queue.task_done()
 
     async def _process(self, turn: dict, fut: Any) -> None:

@@ -127,3 +127,23 @@ def test_slow_shadows_do_not_slow_the_primary(fake, make_proxy):
     a = sorted(_post(base, 40))[20]
     b = sorted(_post(teed, 40))[20]
     assert b < a * 1.5 + 0.002
+
+
+def test_busy_seconds_count_each_workers_time_on_turns_for_the_headroom(fake, make_proxy, settle):
+    runner = Runner(delay=0.3)
+    proxy = make_proxy(fake.url, runner=runner, tee_backends=[TeeBackend("s1", "s1", concurrency=2)],
+                       shadow={"workers": 2})
+    _post(proxy, 4)
+    time.sleep(0.15)
+    mid = proxy.tee.stats()
+    assert mid["workers"] == 2
+    assert mid["busy_s"] >= 0.2  # the turns in progress count before they end
+    settle(proxy, timeout=10)
+    st = proxy.tee.stats()
+    assert 4 * 0.3 <= st["busy_s"] < 4 * 0.3 + 1.0  # four turns of 0.3 s, each counted once
+    with httpx.Client() as c:
+        metrics = c.get(proxy.admin_url + "/metrics").text
+    assert "tensorverse_shadow_workers 2.0" in metrics
+    busy = float(next(line.split()[1] for line in metrics.splitlines()
+                      if line.startswith("tensorverse_shadow_busy_seconds_total ")))
+    assert busy >= st["busy_s"]
