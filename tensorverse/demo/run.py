@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tensorverse.demo.decide import DEFAULT_MAX_SECONDS, DEFAULT_MAX_TURNS
 from tensorverse.ports import free_port
 from tensorverse.proxy.loop import LoopThread
 from tensorverse.store import records
@@ -78,6 +79,9 @@ class DemoOptions:
     shadow_timeout_s: float = 600.0
     ready_timeout_s: float = 900.0
     model_dir: Path | None = None  # serve this model instead of building the demo model
+    decide: bool = True  # after the scripted session, held-out sessions until the shadow under test is decided
+    max_turns: int = DEFAULT_MAX_TURNS  # ... or it has this many tool-calling turns
+    max_seconds: float = DEFAULT_MAX_SECONDS  # ... or this long passed (inf: --until-decided)
 
 
 class Progress:
@@ -382,13 +386,15 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
     return summary
 
 
-def session_verdicts(store: Any, session_id: str) -> dict[str, Any]:
-    """Every shadow's verdict (docs/verdict.md) over this session's turns, default policy."""
+def session_verdicts(store: Any, session_id: str | list[str]) -> dict[str, Any]:
+    """Every shadow's verdict (docs/verdict.md) over this session's turns (or these sessions'),
+    default policy."""
     from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json
     from tensorverse.exporters.comparison_rows import from_store
 
     policy = VerdictPolicy()
-    rows = [r for r in from_store(store) if r.session_id == session_id]
+    wanted = {session_id} if isinstance(session_id, str) else set(session_id)
+    rows = [r for r in from_store(store) if r.session_id in wanted]
     return verdicts_json(verdicts(rows, policy), policy)
 
 
@@ -451,7 +457,17 @@ def format_verdict(v: dict[str, Any]) -> list[str]:
 
 
 def format_summary(s: dict[str, Any], transcript: Any = None) -> str:
-    lines = [f"session {s['session_id']}: {s['turns']} model turns, {s['output_tokens']} output tokens"]
+    lines: list[str] = []
+    d = s.get("decided")
+    if d:  # the verdict over every session of the demo leads
+        from tensorverse.demo.decide import format_decision_head
+
+        lines += format_decision_head(d, format_decision(d["verdict"]) if d.get("verdict") else None,
+                                      d.get("first_broken_call"), d.get("viewer_link"), d.get("stop_text", ""),
+                                      d.get("cpu_seconds"))
+        lines.append("")
+        lines.append("the scripted session:")
+    lines.append(f"session {s['session_id']}: {s['turns']} model turns, {s['output_tokens']} output tokens")
     lines.append("")
     if s.get("under_test"):
         lines += format_verdict(s["under_test"])
@@ -668,20 +684,51 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
                                         for s, m in zip(servers, mem)}}
         say("waiting for the shadows (forced + free runs on every turn, full logits captured) ...")
         t_sh = time.monotonic()
-        loop.run(proxy.core.drain(60), timeout=90)
-        while True:
-            done = loop.run(proxy.tee.drain(15), timeout=opts.shadow_timeout_s + 30)
-            st = proxy.tee.stats()
-            if done:
-                break
-            say(f"  shadow queue: {st.get('queue_depth', '?')} turn(s) waiting ({time.monotonic() - t_sh:.0f} s)")
-            if time.monotonic() - t_sh > opts.shadow_timeout_s * 2:
-                say("  giving up on the shadows that are still running")
-                break
-        loop.run(proxy.core.drain(30), timeout=60)
-        store.submit(lambda txn: None).result(60)
+
+        def drain_shadows(quiet: bool = False) -> None:
+            assert loop is not None and proxy is not None and store is not None
+            t0 = time.monotonic()
+            loop.run(proxy.core.drain(60), timeout=90)
+            while True:
+                done = loop.run(proxy.tee.drain(15), timeout=opts.shadow_timeout_s + 30)
+                st = proxy.tee.stats()
+                if done:
+                    break
+                if not quiet:
+                    say(f"  shadow queue: {st.get('queue_depth', '?')} turn(s) waiting ({time.monotonic() - t0:.0f} s)")
+                if time.monotonic() - t0 > opts.shadow_timeout_s * 2:
+                    say("  giving up on the shadows that are still running")
+                    break
+            loop.run(proxy.core.drain(30), timeout=60)
+            store.submit(lambda txn: None).result(60)
+
+        drain_shadows()
         say(f"shadows done in {time.monotonic() - t_sh:.0f} s")
         progress.mark("shadows")
+
+        # 6b. run until decided: held-out sessions until the shadow under test has a verdict
+        from tensorverse.demo import decide
+
+        def run_batch(i: int) -> str:
+            tasks, router = decide.heldout_batch(i)
+            bsid = f"{sid}-b{i + 1}"
+            run_session(client, demo_model.MODEL_NAME, script=tasks, router=router, session_id=bsid)
+            drain_shadows(quiet=True)
+            return bsid
+
+        def verdict_of(sessions: list[str]) -> dict[str, Any] | None:
+            assert store is not None
+            shadows = session_verdicts(store, sessions)["shadows"]
+            return next((x for x in shadows if x["backend"] == under_test), None)
+
+        if opts.decide:
+            say(f"running until {under_test} is decided: held-out sessions of {decide.TASKS_PER_BATCH} tasks, "
+                f"at most {opts.max_turns} tool-calling turns"
+                + (f" or {opts.max_seconds:.0f} s" if opts.max_seconds != float("inf") else ""))
+        decided = decide.run_until_decided(under_test, sid, run_batch=run_batch, verdict_of=verdict_of, say=say,
+                                           max_turns=opts.max_turns, max_seconds=opts.max_seconds,
+                                           enabled=opts.decide)
+        progress.mark("decide")
         mem = [s.memory() for s in servers]
         server_memory["rss_after_shadows_gib"] = round(sum(m["rss"] for m in mem) / 2**30, 2)
         loop.run(proxy.close())
@@ -693,7 +740,15 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         from tensorverse.demo.model import load_tokenizer
         from tensorverse.viz.export import export_session
 
-        summary = summarize_session(store, sid, load_tokenizer(), under_test=under_test)
+        tok = load_tokenizer()
+        summary = summarize_session(store, sid, tok, under_test=under_test)
+        dd = decided.as_dict()
+        broken = decide.first_broken_call(store, decided.sessions, under_test, lambda t: _token_text(tok, t))
+        dd.update(first_broken_call=broken, cpu_seconds=round(decide.runs_seconds(store, decided.sessions, under_test), 1),
+                  stop_text=decide.stop_reason_text(decided, opts.max_turns, opts.max_seconds),
+                  viewer_link=decide.viewer_link(f"http://{opts.host}:{opts.port}", broken) if broken and opts.view
+                  else None)
+        summary["decided"] = dd
         summary["steps_s"] = dict(progress.steps)
         summary["tasks"] = opts.tasks
         summary["server_memory"] = server_memory
@@ -727,7 +782,8 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
             store.close()
 
 
-def serve_viewer(store_path: Path, host: str, port: int, session_id: str, say: Callable[[str], None]) -> int:
+def serve_viewer(store_path: Path, host: str, port: int, session_id: str, say: Callable[[str], None],
+                 broken: dict[str, Any] | None = None) -> int:
     from aiohttp import web
 
     from tensorverse.store import Store
@@ -740,6 +796,10 @@ def serve_viewer(store_path: Path, host: str, port: int, session_id: str, say: C
     try:
         app = create_app(store, host=host)
         say(f"viewer: http://{host}:{port}/#/s/{session_id}   (Ctrl-C stops it)")
+        if broken is not None:
+            from tensorverse.demo.decide import viewer_link
+
+            say(f"the first broken tool call: {viewer_link(f'http://{host}:{port}', broken)}")
         web.run_app(app, host=host, port=port, print=None, access_log=None, handle_signals=True)
     finally:
         store.close()
@@ -764,7 +824,8 @@ def main(opts: DemoOptions) -> int:
             return 1
         if opts.view:
             try:
-                serve_viewer(Path(opts.out).resolve() / "store", opts.host, opts.port, res.session_id, progress)
+                serve_viewer(Path(opts.out).resolve() / "store", opts.host, opts.port, res.session_id, progress,
+                             (res.summary.get("decided") or {}).get("first_broken_call"))
             except KeyboardInterrupt:
                 pass
             progress("viewer stopped")

@@ -51,7 +51,8 @@ def test_demo_verdict_per_shadow(tmp_path, capsys):
     from tensorverse.exporters.export import export_store
     from tensorverse.store import Store
 
-    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=2, runtimes=("fp8_kv", "fp32", "secondary"), view=False))
+    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=2, runtimes=("fp8_kv", "fp32", "secondary"), view=False,
+                                 decide=False))
     out = capsys.readouterr().out
     printed = json.loads((tmp_path / "demo" / "summary.json").read_text())
     by = {v["backend"]: v for v in printed["verdict"]["shadows"]}

