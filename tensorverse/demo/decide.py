@@ -158,16 +158,39 @@ def first_broken_call(store: Any, sessions: list[str], backend: str, token_text:
             cand = extract_tool_calls(free.text or "")
             d = cmp.divergence or {}
             flip = (cmp.attribution or {}).get("flip") or {}
+            pos = d.get("position")
+            forced_margin, forced_ref = _forced_margin(store, runs.get((backend, "forced")), pos)
             return {"session_id": sid, "turn": t.index, "turn_id": t.id, "verdict": cmp.verdict,
                     "primary_call": _calls_text(ref.calls), "shadow_call": _calls_text(cand.calls),
-                    "position": d.get("position"), "token": d.get("ref_token"), "cand_token": d.get("cand_token"),
+                    "position": pos, "token": d.get("ref_token"), "cand_token": d.get("cand_token"),
                     "token_text": token_text(d.get("ref_token")), "cand_token_text": token_text(d.get("cand_token")),
-                    "margin": flip.get("margin"), "flip_class": cmp.flip_class}
+                    "margin": flip.get("margin"), "forced_margin": forced_margin, "forced_ref": forced_ref,
+                    "flip_class": cmp.flip_class}
     return None
 
 
+def _forced_margin(store: Any, forced: Any, position: int | None) -> tuple[float | None, str | None]:
+    """The forced comparison's margin (p1 - p2 of its reference) at ``position``: the free run left
+    the primary's path there, on the primary's exact prefix, which is what the forced run decodes."""
+    from tensorverse.store import records
+
+    if forced is None or forced.status != "ok" or position is None:
+        return None, None
+    cmps = [c for c in map(records.comparison, store.iter_comparisons(forced.id))
+            if c.mode == "forced" and c.status == "ok" and not c.noise_floor]
+    for c in sorted(cmps, key=lambda c: c.kind != "full"):  # full rows first
+        margins = (c.metrics or {}).get("margin") or []
+        positions = c.positions or list(range(len(margins)))
+        if position in positions:
+            i = positions.index(position)
+            if i < len(margins) and margins[i] is not None:
+                return float(margins[i]), c.ref_backend
+    return None, None
+
+
 def viewer_link(base: str, b: dict[str, Any]) -> str:
-    """The viewer at the turn's free runs, the position where the shadow left the primary selected."""
+    """The viewer at the turn's free runs, the position where the shadow left the primary selected
+    (``base`` the viewer's URL; empty: the fragment alone)."""
     pos = b.get("position")
     return f"{base}/#/t/{b['turn_id']}?mode=free" + (f"&p={pos}" if pos is not None else "")
 
@@ -198,14 +221,19 @@ def format_decision_head(d: dict[str, Any], decision_text: str | None, broken: d
     if broken is None:
         lines.append(f"  no broken tool call: every free run of {d['backend']} called the primary's tools")
         return lines
-    mg = f"{abs(broken['margin']):.4f} nats" if broken.get("margin") is not None else "unknown"
+    if broken.get("forced_margin") is not None:
+        mg = f"margin p1-p2 = {abs(broken['forced_margin']):.4f} under {broken['forced_ref']}"
+    elif broken.get("margin") is not None:
+        mg = f"the primary's margin {abs(broken['margin']):.4f} nats"
+    else:
+        mg = "margin unknown"
     lines += [f"  first broken tool call ({broken['verdict']}), session {broken['session_id']} turn {broken['turn']}:",
               f"    primary:  {broken['primary_call']}",
               f"    {d['backend'] + ':':<9} {broken['shadow_call']}"]
     if broken.get("position") is not None:
         lines.append(f"    left the primary's path at output position {broken['position']}: primary "
                      f"{broken['token_text']!r}, {d['backend']} {broken['cand_token_text']!r} "
-                     f"(the primary's margin {mg})")
+                     f"({mg})")
     if link:
         lines.append(f"  viewer: {link}")
     return lines

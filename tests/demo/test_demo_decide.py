@@ -125,7 +125,8 @@ def test_the_summary_leads_with_the_verdict_and_the_broken_call_side_by_side():
          "first_broken_call": {"session_id": "s-b1", "turn": 3, "turn_id": "t-3", "verdict": "wrong_arguments",
                                "primary_call": 'show_interface(interface="Gi0/0/3")',
                                "shadow_call": 'show_interface(interface="Gi0/0/2")',
-                               "position": 9, "token_text": "3", "cand_token_text": "2", "margin": -0.0125}}
+                               "position": 9, "token_text": "3", "cand_token_text": "2", "margin": -0.0125,
+                               "forced_margin": None, "forced_ref": None}}
     s = {"session_id": "s", "turns": 0, "output_tokens": 0, "backends": {}, "decided": d}
     lines = format_summary(s).splitlines()
     assert lines[0] == "fp32: no verdict (no comparison with the primary)"
@@ -138,3 +139,6 @@ def test_the_summary_leads_with_the_verdict_and_the_broken_call_side_by_side():
                         "(the primary's margin 0.0125 nats)")
     assert lines[6] == "  viewer: http://127.0.0.1:8765/#/t/t-3?mode=free&p=9"
     assert lines.index("the scripted session:") > 6
+    # the forced run's margin at that position, where there is one, is the one shown
+    d["first_broken_call"].update(forced_margin=0.9918, forced_ref="secondary")
+    assert format_summary(s).splitlines()[5].endswith("(margin p1-p2 = 0.9918 under secondary)")

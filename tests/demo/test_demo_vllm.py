@@ -222,6 +222,9 @@ def _loop_ran_one_batch_and_stopped_at_its_cap(printed, out, store_dir, ut):
     assert d["verdict"] == mine and d["tool_call_turns"] == mine["tool_call_turns"]
     assert d["tool_call_turns"] > printed["under_test"]["verdict"]["tool_call_turns"]
     assert d["cpu_seconds"] > 0
+    b = d["first_broken_call"]
+    if b is not None and b["position"] is not None:  # the forced run's margin where the free run left
+        assert b["forced_margin"] is not None and b["forced_ref"] == "secondary"
     assert f"{ut}: undecided after" in out or f"{ut}: {d['decision'].upper()} after" in out
     assert "(batch 1, " in out  # the live line of the batch
     summary_at = out.index("the scripted session:")
