@@ -138,8 +138,10 @@ def _calls_text(calls: Iterable[Any]) -> str:
 def first_broken_call(store: Any, sessions: list[str], backend: str, token_text: Callable[[int | None], str]
                       ) -> dict[str, Any] | None:
     """The first free run of ``backend`` (sessions in order, turns in order) whose tool calls
-    differ from the primary's: both calls, the token where the run left the primary's path and the
-    primary's margin there (its recorded logprobs: top-1 minus the shadow's token, nats)."""
+    differ from the primary's: both calls, the token where the run left the primary's path, and
+    the margin there: the forced comparison's (p1 - p2 of its reference, ``forced_margin``) and the
+    free flip's attribution (``margin``: logit difference in nats, where the primary's recorded
+    top-k holds both tokens)."""
     from tensorverse.analysis.toolcalls import extract_tool_calls
     from tensorverse.store import records
 
