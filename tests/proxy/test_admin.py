@@ -162,3 +162,37 @@ def test_a_big_ingest_body_is_checked_off_the_loop_all_or_nothing(fake, make_pro
         r = c.post(proxy.admin_url + "/ingest", content=good, headers=auth)
         assert r.status_code == 200 and r.json()["rows"] == 4
     assert proxy.store.read_rows("big") == list(enumerate(blobs))
+
+
+def test_the_dedupe_window_remembers_the_last_frames_stored_and_forgets_older_ones(tmp_path):
+    """A batch sent again within the window is counted as duplicates and not stored twice; a frame
+    older than the window (dedupe = 4 frames here) is taken as new. Different origins never clash."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from tensorverse.proxy.admin import Ingest
+    from tensorverse.store import Store
+
+    store = Store.open(tmp_path / "store", durable=False)
+    ingest = Ingest(store, "t", dedupe=4)
+    auth = {"Authorization": "Bearer t", "Content-Type": CONTENT_TYPE}
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/ingest", ingest.handle)
+        async with TestClient(TestServer(app)) as c:
+            async def post(body):
+                r = await c.post("/ingest", data=body, headers=auth)
+                return await r.json()
+            out = [await post(_frames("r", 3, origin=1))]               # seqs 1-3 of origin 1
+            out.append(await post(_frames("r", 3, origin=2)))           # the same seqs, origin 2: new
+            out.append(await post(_frames("r", 3, origin=2)))           # sent again: duplicates
+            out.append(await post(_frames("r", 1, origin=1)))           # seq 1 of origin 1: forgotten
+            return out
+    try:
+        out = asyncio.run(main())
+    finally:
+        store.close()
+    assert [(o["rows"], o["duplicates"]) for o in out] == [(3, 0), (3, 0), (0, 3), (1, 0)]
