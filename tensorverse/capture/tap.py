@@ -93,8 +93,10 @@ def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int
     """Mask ``logits`` in place so row ``rows[i]`` samples ``tokens[i]`` whatever the sampler.
 
     Every other entry becomes ``-inf`` and the forced token becomes 0.0 (probability 1 after
-    softmax, at any temperature, top-k/top-p, min-p or penalty). No host-device sync: on CUDA
-    the index tensors travel with a non-blocking copy from pinned memory.
+    softmax, at any temperature, top-k/top-p, min-p or penalty). No host-device sync: values are
+    written by ``fill_``/``index_fill_`` with the scalar as a kernel argument (``row[t] = 0.0``
+    copies a host scalar to the device, a sync CUDA's debug mode caught on a GPU), and on CUDA the
+    index tensors travel with a non-blocking copy from pinned memory.
     """
     if not rows:
         return
@@ -102,14 +104,14 @@ def force_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int
         for r, t in zip(rows, tokens):
             row = logits[r]
             row.fill_(float("-inf"))
-            row[t] = 0.0
+            row[t:t + 1].fill_(0.0)
         return
     rt = torch.tensor([list(rows), list(tokens)], dtype=torch.long,
                       pin_memory=logits.device.type == "cuda")
     if logits.device.type != "cpu":
         rt = rt.to(logits.device, non_blocking=True)
-    logits[rt[0]] = float("-inf")
-    logits[rt[0], rt[1]] = 0.0
+    logits.index_fill_(0, rt[0], float("-inf"))
+    logits.index_put_((rt[0], rt[1]), torch.zeros((), dtype=logits.dtype, device=logits.device))
 
 
 class RowSlot:
