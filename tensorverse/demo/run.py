@@ -744,11 +744,12 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
         summary = summarize_session(store, sid, tok, under_test=under_test)
         dd = decided.as_dict()
         broken = decide.first_broken_call(store, decided.sessions, under_test, lambda t: _token_text(tok, t))
+        link = None
+        if broken is not None:
+            link = (decide.viewer_link(f"http://{opts.host}:{opts.port}", broken) if opts.view
+                    else f"tensorverse view --store {store_path}, then {decide.viewer_link('', broken)}")
         dd.update(first_broken_call=broken, cpu_seconds=round(decide.runs_seconds(store, decided.sessions, under_test), 1),
-                  stop_text=decide.stop_reason_text(decided, opts.max_turns, opts.max_seconds),
-                  viewer_link=None if broken is None else
-                  decide.viewer_link(f"http://{opts.host}:{opts.port}", broken) if opts.view else
-                  f"tensorverse view --store {store_path}, then {decide.viewer_link('', broken)}")
+                  stop_text=decide.stop_reason_text(decided, opts.max_turns, opts.max_seconds), viewer_link=link)
         summary["decided"] = dd
         summary["steps_s"] = dict(progress.steps)
         summary["tasks"] = opts.tasks

@@ -134,11 +134,14 @@ class Ingest:
             return self._json(400, error=str(e))
         by_run: dict[str, list[tuple]] = defaultdict(list)
         dup = 0
+        fresh: list[int] = []  # the dedupe keys of the frames to store
         for f in frames:
-            key = (f.origin << 64) | f.seq
-            if f.seq and key in self._seen:
-                dup += 1
-                continue
+            if f.seq:
+                key = (f.origin << 64) | f.seq
+                if key in self._seen:
+                    dup += 1
+                    continue
+                fresh.append(key)
             by_run[f.capture_id].append((f.position, f.blob, f.engine, f.compact))
         try:
             futures = [self.store.write_rows(run_id, rows) for run_id, rows in by_run.items()]
@@ -152,12 +155,10 @@ class Ingest:
             self.counters["rows_dropped_store_error"] += sum(len(r) for r in by_run.values())
             log.warning("ingest: cannot store rows: %s", e)
             return self._json(500, error=f"cannot store rows: {type(e).__name__}")
-        for f in frames:  # remember only what was committed
-            if f.seq:
-                key = (f.origin << 64) | f.seq
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self._seen_order.append(key)
+        for key in fresh:  # remember only what was committed
+            if key not in self._seen:  # (a frame twice in one batch)
+                self._seen.add(key)
+                self._seen_order.append(key)
         while len(self._seen_order) > self._dedupe:
             self._seen.discard(self._seen_order.popleft())
         rows = sum(len(r) for r in by_run.values())

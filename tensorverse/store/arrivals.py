@@ -20,13 +20,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 MAX_RUNS = 4096  # runs remembered; a run's rows are waited for within seconds of their commit
+MAX_POSITIONS = 262_144  # and positions over all of them (a few MiB), whichever bound comes first
 
 
 class RowArrivals:
     """Positions committed per run, for in-process waiters (`wait`)."""
 
-    def __init__(self, max_runs: int = MAX_RUNS) -> None:
+    def __init__(self, max_runs: int = MAX_RUNS, max_positions: int = MAX_POSITIONS) -> None:
         self.max_runs = max(1, int(max_runs))
+        self.max_positions = max(1, int(max_positions))
+        self._positions = 0  # over every remembered run
         self._lock = threading.Lock()
         # run id -> (positions stored in full, positions stored compact: the last write of each wins)
         self._runs: OrderedDict[str, tuple[set[int], set[int]]] = OrderedDict()
@@ -44,12 +47,17 @@ class RowArrivals:
             else:
                 self._runs.move_to_end(run_id)
             f, c = set(full), set(compact)
+            before = len(sets[0]) + len(sets[1])
             sets[0].difference_update(c)
             sets[0].update(f)
             sets[1].difference_update(f)
             sets[1].update(c)
-            while len(self._runs) > self.max_runs:
-                self._runs.popitem(last=False)
+            self._positions += len(sets[0]) + len(sets[1]) - before
+            # runs nobody waits for (rows of another process's runs, rows after their wait) go
+            # oldest first; the run just announced stays
+            while len(self._runs) > 1 and (len(self._runs) > self.max_runs or self._positions > self.max_positions):
+                _, (of, oc) = self._runs.popitem(last=False)
+                self._positions -= len(of) + len(oc)
             for w in self._waiters.get(run_id, ()):
                 w[2].difference_update(sets[0])
                 if w[3]:
@@ -66,7 +74,9 @@ class RowArrivals:
 
     def forget(self, run_id: str) -> None:
         with self._lock:
-            self._runs.pop(run_id, None)
+            sets = self._runs.pop(run_id, None)
+            if sets is not None:
+                self._positions -= len(sets[0]) + len(sets[1])
 
     async def wait(self, run_id: str, positions: Sequence[int], timeout: float, *,
                    compact: bool = True) -> set[int]:

@@ -125,3 +125,16 @@ def test_waiters_on_two_loops_are_each_woken():
     for th in threads:
         th.join(timeout=5)
     assert results == [{0, 1}, {0, 1}]
+
+
+def test_remembered_positions_are_bounded_over_all_runs():
+    arr = RowArrivals(max_runs=100, max_positions=10)
+    arr.add("a", full=range(6))
+    arr.add("b", full=range(6))  # 12 positions: the oldest run goes
+    assert (arr.knows("a"), arr.knows("b")) == (False, True)
+    arr.add("c", full=range(20))  # one run over the bound alone is kept: it is the one announced
+    assert (arr.knows("b"), arr.knows("c")) == (False, True)
+    arr.forget("c")
+    arr.add("d", full=range(5))
+    arr.add("e", full=range(5))
+    assert (arr.knows("d"), arr.knows("e")) == (True, True)  # forgetting gave its positions back
