@@ -19,7 +19,10 @@ expansion of the shipped parameters and the cache live elsewhere and can change 
 * Loss only on the assistant's turns (tool calls, final answers, ``<|im_end|>``).
 
 Deterministic: ``torch.manual_seed``, deterministic algorithms, a fixed thread count, data from
-seeded ``random.Random``; the same spec, code, tokenizer and torch give the same bytes.
+seeded ``random.Random``; the same spec, code, tokenizer, torch and device give the same bytes.
+The steps run on the CPU or on a GPU (``device="cuda"``: float32 without TF32, the math attention
+kernel, deterministic cuBLAS); the data (:func:`training_data`, the tokenizer's part) can be
+rendered on one machine and trained on another (:func:`save_data`, :func:`load_data`).
 """
 
 from __future__ import annotations
@@ -32,41 +35,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tensorverse.demo import corpus
+from tensorverse.demo.spec import DEFAULT_SPEC, MODEL_NAME, DemoSpec
 from tensorverse.rig import models as rig_models
 
-TRAINER_VERSION = 2  # 2: the trainer in its own module (the cache key hashes it, not model.py)
-MODEL_NAME = "netops-demo"  # the served model name too
+__all__ = ["DEFAULT_SPEC", "MODEL_NAME", "DemoSpec"]  # re-exported: the spec's names where they always were
 
-
-@dataclass(frozen=True)
-class DemoSpec(rig_models.ModelSpec):
-    """The demo model: a rig :class:`~tensorverse.rig.models.ModelSpec` (the architecture, written
-    by the rig's checkpoint writer) plus how it is trained."""
-
-    name: str = MODEL_NAME
-    intermediate_size: int = 384
-    num_hidden_layers: int = 3
-    tie_word_embeddings: bool = False  # the compact head is trained apart from the embeddings
-    unused_embed_std: float = 0.02
-    steps: int = 1500
-    tokens_per_step: int = 2400  # continuation tokens (after the shared prefix) per step
-    max_tasks: int = 4  # tasks per training session: 1..max_tasks
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    answer_weight: float = 0.5  # loss weight of final-answer tokens (tool calls weigh 1)
-    value_weight: float = 3.0  # loss weight of argument values in tool calls (copied from the context)
-    threads: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tie_word_embeddings:
-            raise ValueError("the demo model has an untied LM head (unused rows are 0, their embeddings are not)")
-
-
-DEFAULT_SPEC = DemoSpec()
+TRAINER_VERSION = 3  # 2: the trainer in its own module (the cache key hashes it, not model.py); 3: the spec
+# apart (tensorverse.demo.spec), epochs, a device, rendered data and checkpoints (the same weights as 2)
 TRAIN_SEED_BASE = 1_000_003  # training sessions: Random(TRAIN_SEED_BASE + spec.seed)
 
 
@@ -243,7 +218,7 @@ def _modules():
             self.register_buffer("inv_freq", inv, persistent=False)
 
         def rope(self, start: int, n: int):
-            pos = torch.arange(start, start + n, dtype=torch.float32)
+            pos = torch.arange(start, start + n, dtype=torch.float32, device=self.inv_freq.device)
             f = torch.outer(pos, self.inv_freq)
             emb = torch.cat([f, f], dim=-1)
             return emb.cos()[None, None], emb.sin()[None, None]
@@ -302,40 +277,142 @@ def _batches(samples: list[Sample], spec: DemoSpec, rng: random.Random) -> list[
     return batches
 
 
+@dataclass
+class TrainingData:
+    """What a training reads: the shared prefix, the compact vocabulary (sorted token ids) and the
+    sessions rendered as :class:`Sample` (in generation order). Made by :func:`training_data`
+    (the chat template and the tokenizer, a few milliseconds a session), saved with
+    :func:`save_data` so that another machine (a GPU) can train from it without the tokenizer."""
+
+    prefix_ids: list[int]
+    vocab: list[int]
+    samples: list[Sample]
+    seconds: float = 0.0
+
+
+def data_sessions(spec: DemoSpec) -> int:
+    """How many training sessions a spec renders: enough distinct sessions for ``steps / epochs``
+    steps of ``tokens_per_step`` tokens (each session is seen ``epochs`` times)."""
+    avg_tokens = 45 + 115 * (1 + spec.max_tasks) / 2
+    return int(math.ceil(spec.steps / spec.epochs) * spec.tokens_per_step / avg_tokens * 1.15) + 16
+
+
+def training_data(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print,
+                  every: int = 2000) -> TrainingData:
+    """Render the spec's training sessions (:func:`train_sessions`) with the tokenizer, logging
+    progress every ``every`` sessions."""
+    t0 = time.monotonic()
+    rend = Renderer(load_tokenizer())
+    n = data_sessions(spec)
+    samples = []
+    for i, s in enumerate(train_sessions(spec, n)):
+        samples.append(rend.sample(s, spec.answer_weight, spec.value_weight))
+        if every and (i + 1) % every == 0:
+            el = time.monotonic() - t0
+            log(f"data: {i + 1}/{n} sessions rendered, {el:.0f} s elapsed, ~{el / (i + 1) * (n - i - 1):.0f} s left")
+    vocab_set = set(rend.prefix_ids)
+    for smp in samples:
+        vocab_set.update(smp.ids)
+    vocab_set.add(rend.im_end)
+    return TrainingData(list(rend.prefix_ids), sorted(vocab_set), samples, round(time.monotonic() - t0, 1))
+
+
+_DATA_FORMAT = 1
+
+
+def save_data(data: TrainingData, path, key: str) -> None:
+    """Write ``data`` to ``path`` (a NumPy ``.npz``, compressed) under ``key`` (what it was made
+    from: the recipe's :func:`tensorverse.demo.model.training_key`). Token ids are stored as compact indices
+    (uint16) and loss weights as float16 (their values, 0, 0.5, 1 and 3, are exact in it)."""
+    import numpy as np
+
+    index = {t: i for i, t in enumerate(data.vocab)}
+    ids = np.fromiter((index[t] for smp in data.samples for t in smp.ids), dtype=np.uint16)
+    w = np.fromiter((x for smp in data.samples for x in smp.weights), dtype=np.float32)
+    w16 = w.astype(np.float16)
+    if not np.array_equal(w16.astype(np.float32), w):
+        raise ValueError("a loss weight is not exact in float16")
+    meta = json.dumps({"format": _DATA_FORMAT, "key": key, "seconds": data.seconds})
+    with open(path, "wb") as f:
+        np.savez_compressed(f, meta=np.frombuffer(meta.encode(), dtype=np.uint8),
+                            prefix_ids=np.asarray(data.prefix_ids, dtype=np.int64),
+                            vocab=np.asarray(data.vocab, dtype=np.int64),
+                            lengths=np.asarray([len(smp.ids) for smp in data.samples], dtype=np.int64),
+                            ids=ids, weights=w16)
+
+
+def load_data(path, key: str | None = None) -> TrainingData:
+    """Read what :func:`save_data` wrote; with ``key``, refuse data made from other inputs."""
+    import numpy as np
+
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        if meta.get("format") != _DATA_FORMAT:
+            raise ValueError(f"{path}: training data format {meta.get('format')}, this trainer reads {_DATA_FORMAT}")
+        if key is not None and meta.get("key") != key:
+            raise ValueError(f"{path}: training data of key {str(meta.get('key'))[:16]}, this spec's is {key[:16]}")
+        vocab = [int(t) for t in z["vocab"]]
+        ids = z["ids"].astype(np.int64)
+        w = z["weights"].astype(np.float32)
+        samples, at = [], 0
+        for n in z["lengths"].tolist():
+            samples.append(Sample([vocab[i] for i in ids[at:at + n].tolist()], w[at:at + n].tolist()))
+            at += n
+        return TrainingData([int(t) for t in z["prefix_ids"]], vocab, samples, float(meta.get("seconds", 0.0)))
+
+
 def train(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print,
-          on_step: Callable[[int, Any, list[int]], None] | None = None) -> tuple[Any, list[int], dict[str, Any]]:
-    """Train; returns (compact model, compact vocab, training log)."""
+          on_step: Callable[[int, Any, list[int]], None] | None = None, data: TrainingData | None = None,
+          device: str = "cpu", checkpoint: str | None = None, checkpoint_every: int = 500,
+          key: str = "") -> tuple[Any, list[int], dict[str, Any]]:
+    """Train; returns (compact model, compact vocab, training log). ``data`` defaults to
+    :func:`training_data` (rendered here); ``device`` is where the steps run (``"cuda"``: about 50
+    ms a step on an H200, host-bound, against about 1.1 s on two CPU cores; deterministic on the
+    same GPU and torch, not bit-equal to a CPU training).
+
+    ``checkpoint``: a file where the model, the optimizer and the losses so far are saved every
+    ``checkpoint_every`` steps (atomically), and from which a training of the same ``key`` resumes
+    (a training stopped at any point and resumed ends with the same bytes as one run straight
+    through: the batches are fixed by the seed before the first step)."""
+    import contextlib
+    import os
+    import warnings
+
     import torch
     from torch.nn import functional as F
 
     t_start = time.monotonic()
-    torch.set_num_threads(spec.threads)
-    torch.manual_seed(spec.seed)
-    torch.use_deterministic_algorithms(True)
-    tok = load_tokenizer()
-    rend = Renderer(tok)
+    cuda = device.startswith("cuda")
+    attention: Any = contextlib.nullcontext()
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on CPU, not TF32
+        torch.backends.cudnn.allow_tf32 = False
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # Data: enough sessions for every step (each used once), grouped by length.
-    avg_tokens = 45 + 115 * (1 + spec.max_tasks) / 2
-    n_sessions = int(spec.steps * spec.tokens_per_step / avg_tokens * 1.15) + 16
-    samples = [rend.sample(s, spec.answer_weight, spec.value_weight) for s in train_sessions(spec, n_sessions)]
-    vocab_set = set(rend.prefix_ids)
-    for s in samples:
-        vocab_set.update(s.ids)
-    vocab_set.add(rend.im_end)
-    vocab = sorted(vocab_set)
+        attention = sdpa_kernel(SDPBackend.MATH)  # the fused kernels' backward is not deterministic
+    else:
+        torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    # on a GPU an op without a deterministic kernel warns (recorded in the log) rather than stops
+    torch.use_deterministic_algorithms(True, warn_only=cuda)
+    if data is None:
+        data = training_data(spec, log=log)
+    samples, vocab = data.samples, data.vocab
     index = {t: i for i, t in enumerate(vocab)}
     rng = random.Random(spec.seed)
-    batches = _batches(samples, spec, rng)
-    while len(batches) < spec.steps:  # not expected; reuse from the start
-        batches += batches[: spec.steps - len(batches)]
-    t_data = time.monotonic() - t_start
+    batches: list[list[Sample]] = []
+    while len(batches) < spec.steps:  # an epoch: every session once, batches reshuffled
+        batches += _batches(samples, spec, rng)
+    batches = batches[: spec.steps]
+    t_data = data.seconds + (time.monotonic() - t_start)
     log(f"data: {len(samples)} sessions, {sum(len(s.ids) for s in samples)} tokens, compact vocabulary "
-        f"{len(vocab)} ids, prefix {len(rend.prefix_ids)} tokens ({t_data:.1f} s)")
+        f"{len(vocab)} ids, prefix {len(data.prefix_ids)} tokens ({t_data:.1f} s); {spec.steps} steps on {device}")
 
     Model = _modules()
     model = Model(spec, vocab)
     _init(model, spec)
+    model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n != "embed.weight")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
@@ -347,58 +424,95 @@ def train(spec: DemoSpec = DEFAULT_SPEC, *, log: Callable[[str], None] = print,
         t = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
         return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
-    prefix = torch.tensor([[index[t] for t in rend.prefix_ids]])
+    prefix = torch.tensor([[index[t] for t in data.prefix_ids]], device=device)
     P = prefix.shape[1]
     losses: list[float] = []
+    first = 0
+    if checkpoint is not None and os.path.isfile(checkpoint):
+        ck = torch.load(checkpoint, map_location=device, weights_only=True)
+        if ck.get("key") != key or ck.get("vocab") != vocab:
+            log(f"not resuming from {checkpoint}: another training's checkpoint")
+        else:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["opt"])
+            losses, first = list(ck["losses"]), int(ck["step"])
+            log(f"resuming from {checkpoint} at step {first}/{spec.steps}")
+
+    def save_checkpoint(step: int) -> None:
+        tmp = f"{checkpoint}.tmp"
+        torch.save({"key": key, "step": step, "vocab": vocab, "model": model.state_dict(), "opt": opt.state_dict(),
+                    "losses": losses}, tmp)
+        os.replace(tmp, str(checkpoint))
+
     t_train = time.monotonic()
     model.train()
-    for step in range(spec.steps):
-        batch = batches[step]
-        S = max(len(s.ids) for s in batch)
-        ids = torch.zeros((len(batch), S), dtype=torch.long)
-        w = torch.zeros((len(batch), S))
-        for b, s in enumerate(batch):
-            ids[b, : len(s.ids)] = torch.tensor([index[t] for t in s.ids])
-            w[b, : len(s.ids)] = torch.tensor(s.weights)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        _, past = model(prefix)
-        # continuation: all prefix keys, causal within itself (right padding is harmless)
-        mask = torch.ones((S, P + S), dtype=torch.bool)
-        mask[:, P:] = torch.tril(torch.ones((S, S), dtype=torch.bool))
-        h, _ = model(ids, past=past, start=P, mask=mask)
-        # predict ids[:, i] from position i-1 (the first from the prefix's last position)
-        logits = model.logits(h[:, :-1])
-        target = ids[:, 1:]
-        weight = w[:, 1:]
-        # ids[:, 0] is "<|im_start|>" of the first user turn: never a target (weight 0)
-        loss_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-        loss = (loss_tok * weight.reshape(-1)).sum() / weight.sum().clamp_min(1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step + 1, model, vocab)
-        if (step + 1) % 25 == 0 or step == 0 or step + 1 == spec.steps:
-            el = time.monotonic() - t_train
-            eta = el / (step + 1) * (spec.steps - step - 1)
-            log(f"step {step + 1}/{spec.steps}  loss {sum(losses[-25:]) / len(losses[-25:]):.4f}  "
-                f"lr {lr_at(step):.2e}  {el:.0f} s elapsed, ~{eta:.0f} s left")
+    with warnings.catch_warnings(record=True) as seen, attention:
+        warnings.simplefilter("always")
+        for step in range(first, spec.steps):
+            batch = batches[step]
+            S = max(len(s.ids) for s in batch)
+            ids = torch.zeros((len(batch), S), dtype=torch.long)
+            w = torch.zeros((len(batch), S))
+            for b, s in enumerate(batch):
+                ids[b, : len(s.ids)] = torch.tensor([index[t] for t in s.ids])
+                w[b, : len(s.ids)] = torch.tensor(s.weights)
+            ids, w = ids.to(device), w.to(device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            _, past = model(prefix)
+            # continuation: all prefix keys, causal within itself (right padding is harmless)
+            mask = torch.ones((S, P + S), dtype=torch.bool, device=device)
+            mask[:, P:] = torch.tril(torch.ones((S, S), dtype=torch.bool, device=device))
+            h, _ = model(ids, past=past, start=P, mask=mask)
+            # predict ids[:, i] from position i-1 (the first from the prefix's last position)
+            logits = model.logits(h[:, :-1])
+            target = ids[:, 1:]
+            weight = w[:, 1:]
+            # ids[:, 0] is "<|im_start|>" of the first user turn: never a target (weight 0)
+            loss_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+            loss = (loss_tok * weight.reshape(-1)).sum() / weight.sum().clamp_min(1.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+            opt.step()
+            losses.append(loss.item())
+            if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == spec.steps):
+                save_checkpoint(step + 1)
+            if on_step is not None:
+                on_step(step + 1, model, vocab)
+            if (step + 1) % 25 == 0 or step == first or step + 1 == spec.steps:
+                el = time.monotonic() - t_train
+                eta = el / (step + 1 - first) * (spec.steps - step - 1)
+                log(f"step {step + 1}/{spec.steps}  loss {sum(losses[-25:]) / len(losses[-25:]):.4f}  "
+                    f"lr {lr_at(step):.2e}  {el:.0f} s elapsed, ~{eta:.0f} s left")
+    nondeterministic = sorted({str(wm.message).split("\n")[0] for wm in seen if "determinis" in str(wm.message)})
+    for wm in seen:
+        if str(wm.message).split("\n")[0] not in nondeterministic:
+            warnings.warn_explicit(wm.message, wm.category, wm.filename, wm.lineno)
     model.eval()
+    model.to("cpu")
     info = {
         "train_seconds": round(time.monotonic() - t_train, 1),
         "data_seconds": round(t_data, 1),
         "total_seconds": round(time.monotonic() - t_start, 1),
+        "resumed_at_step": first,
         "sessions": len(samples),
         "tokens": sum(len(s.ids) for s in samples),
         "compact_vocab": len(vocab),
         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 5),
         "loss_curve": [round(sum(losses[i:i + 25]) / len(losses[i:i + 25]), 4) for i in range(0, len(losses), 25)],
         "threads": spec.threads,
+        "device": _device_name(torch, device),
+        "torch": str(torch.__version__),
+        "nondeterministic_ops": nondeterministic,
     }
     return model, vocab, info
+
+
+def _device_name(torch, device: str) -> str:
+    if device.startswith("cuda"):
+        return f"cuda ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 # -- the trained parameters: compact (what is shipped) ----------------------------------------

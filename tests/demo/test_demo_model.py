@@ -184,10 +184,11 @@ def test_build_trains_with_a_reason_when_the_shipped_model_does_not_fit(use_ship
     monkeypatch.setenv("TENSORVERSE_CACHE", str(short_training[4]))
     assert M.is_built(SHORT) and not M.needs_training(SHORT) and M.model_path(SHORT) == short_training[0]
     parts = M.training_key_parts(T.DEFAULT_SPEC)
-    edited = parts | {"sources": parts["sources"] | {"corpus.py": "0" * 64}, "torch": "9.9.9"}
+    assert "torch" not in parts  # the machine is recorded with a training, not part of its recipe
+    edited = parts | {"sources": parts["sources"] | {"corpus.py": "0" * 64}, "trainer_version": 99}
     assert M.key_differences(parts, edited) == [
         f"sources corpus.py: shipped {parts['sources']['corpus.py'][:12]}, here {'0' * 12}",
-        f"torch: shipped {parts['torch']}, here 9.9.9"]
+        f"trainer_version: shipped {parts['trainer_version']}, here 99"]
     assert M.training_key(T.DEFAULT_SPEC, edited) != M.training_key(T.DEFAULT_SPEC)
 
 
@@ -235,7 +236,7 @@ def test_cli_refuses_ship_without_train(capsys):
 
 
 def test_shipped_model_is_this_codes_training():
-    """Fails when trainer.py, corpus.py, the spec, the tokenizer or torch change without a new
+    """Fails when trainer.py, corpus.py, the spec's values or the tokenizer change without a new
     shipped model: `python -m tensorverse.demo.model --train --ship` remakes it (else every fresh
     `make demo` trains for minutes)."""
     assert M.shipped_fit(T.DEFAULT_SPEC) == []
@@ -318,3 +319,54 @@ def test_score_takes_either_spelling_of_a_port_the_tool_takes_in_either_form():
     ]
     r = M.score(outputs, prompts)
     assert (r["exact"], r["equivalent"], r["right_tool"], r["well_formed"]) == (0.2, 0.6, 1.0, 1.0)
+
+
+# -- training elsewhere: rendered data, checkpoints, exports ----------------------------------
+
+
+TINY = dataclasses.replace(T.DEFAULT_SPEC, steps=4, tokens_per_step=600, warmup_steps=2)
+
+
+def test_rendered_data_saved_and_loaded_is_the_same_training_input(tmp_path):
+    data = T.training_data(TINY, log=lambda m: None)
+    T.save_data(data, tmp_path / "d.npz", key="k1")
+    back = T.load_data(tmp_path / "d.npz", key="k1")
+    assert back.prefix_ids == data.prefix_ids and back.vocab == data.vocab
+    assert [(s.ids, s.weights) for s in back.samples] == [(s.ids, s.weights) for s in data.samples]
+    with pytest.raises(ValueError):
+        T.load_data(tmp_path / "d.npz", key="k2")  # another recipe's sessions are refused
+
+
+def test_a_training_stopped_and_resumed_from_its_checkpoint_ends_with_the_same_bytes(tmp_path):
+    data = T.training_data(TINY, log=lambda m: None)
+    straight, vocab, _ = T.train(TINY, data=data, log=lambda m: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(step, model, vocab):
+        if step == 2:
+            raise Stop
+
+    ck = str(tmp_path / "ck.pt")
+    with pytest.raises(Stop):
+        T.train(TINY, data=data, log=lambda m: None, checkpoint=ck, checkpoint_every=2, key="k",
+                on_step=stop_after_two)
+    logs: list[str] = []
+    resumed, _, info = T.train(TINY, data=data, log=logs.append, checkpoint=ck, checkpoint_every=2, key="k")
+    assert info["resumed_at_step"] == 2 and len(info["loss_curve"]) == 1
+    _assert_bit_identical(T.compact_state(straight), T.compact_state(resumed))
+    # a checkpoint of another recipe is not resumed from
+    _, _, other = T.train(TINY, data=data, log=lambda m: None, checkpoint=ck, key="another")
+    assert other["resumed_at_step"] == 0
+
+
+def test_an_exported_training_is_shipped_only_under_its_own_recipe(tmp_path):
+    data = T.training_data(TINY, log=lambda m: None)
+    model, vocab, info = T.train(TINY, data=data, log=lambda m: None)
+    M.export_training(model, vocab, info, TINY, tmp_path / "t.pt")
+    back, back_vocab, back_info = M.load_export(tmp_path / "t.pt", TINY)
+    assert back_vocab == vocab and back_info["device"] == info["device"]
+    _assert_bit_identical(T.compact_state(model), T.compact_state(back))
+    with pytest.raises(ValueError):
+        M.load_export(tmp_path / "t.pt", dataclasses.replace(TINY, steps=5))
