@@ -1,7 +1,8 @@
 """The bundles made on this project's machines (examples/rig-bundles/) pass the checker against the
 shipped corpus, and say what was measured there: on the Xeon that recorded the corpus the
 reference reproduces its tokens, the noise point never flips, and FP8 KV-cache flips more than
-fp32; on the AMD EPYC, tensor parallelism flips a tool-call argument that TP1 keeps."""
+fp32; on both AMD EPYCs, tensor parallelism flips a tool-call argument that TP1 keeps, and on the
+one with AVX-512 TP2's second start flips exactly the same positions (the layout's, not noise)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,29 @@ def test_the_amd_bundle_shows_tp2_flipping_a_tool_argument_that_tp1_keeps():
     cube = merge_bundles([amd])
     data = site_data(cube, marginals(cube))
     assert "parallel" in cube.axes and {m["setting"]: m["axis"] for m in data["marginals"]}["tp2"] == "parallel"
+
+
+def test_the_avx512_amd_bundle_shows_tp2_flips_are_the_layouts_not_noise():
+    amd = check_bundle(str(DIR / "amd-epyc-avx512-cpu-v3.tvbundle"), known_corpora())
+    assert amd.manifest["suite"]["name"] == "cpu-v3"
+    assert amd.ran == ["bf16", "bf16_noise", "fp32", "fp16", "fp8_kv_e4m3", "fp8_kv_e5m2", "fp8_weights", "threads_2",
+                       "tp2", "tp2_noise"]
+
+    def flips(name):
+        return {(r["case"], r["position"]) for r in amd.positions if r["setting"] == name and r["flip"]}
+
+    # this machine reproduces every recorded token at TP1, on both starts
+    assert flips("bf16") == flips("bf16_noise") == set()
+    # TP2 flips the description argument of demo-07's tool call (a near tie) and an exact tie of
+    # demo-05, and TP2 started again flips exactly those: tensor parallelism's own order of sums
+    assert flips("tp2") == flips("tp2_noise") == {("demo-07-set-description", 43), ("demo-05-mac-owner", 22)}
+    free = {(r["setting"], r["case"]): r for r in amd.free}
+    assert free[("tp2", "demo-07-set-description")]["verdict"] == "value_mismatch"
+    assert free[("tp2_noise", "demo-07-set-description")]["verdict"] == "value_mismatch"
+    assert free[("bf16", "demo-07-set-description")]["diverged"] is False
+    s = amd.summaries
+    assert s["tp2"]["kl_mean"] == s["tp2_noise"]["kl_mean"] > 0
+    # FP8 KV cache runs here (AVX-512): e5m2 flips the most, as on the Xeon
+    assert s["fp8_kv_e5m2"]["flips"] > s["fp8_kv_e4m3"]["flips"] > 0 and s["threads_2"]["flips"] == 0
+    status = {x["name"]: x["status"] for x in amd.manifest["settings"]}
+    assert status["pp2"] == "refused"
