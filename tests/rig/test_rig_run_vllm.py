@@ -76,6 +76,39 @@ def test_the_same_command_again_resumes_and_writes_the_same_bytes_but_created(bu
     assert mx == my
 
 
+def test_tp2_departs_from_tp1_and_tp2_started_again_flips_exactly_the_same(bundles):
+    """``--settings tp2,tp2_noise`` in the same work directory (the bf16 reference is reused, not
+    started again). TP2 sums in another order than TP1 (KL > 0 against the rig's own bf16); where it
+    departs from TP1 (on the AMD EPYCs: the description argument of demo-07's tool call) its free
+    run departs too; its second start flips exactly the same positions with the same KL: TP2
+    against itself is within noise (none), so its flips are the layout's, classed like any other."""
+    from tensorverse.matrix.launcher import cores_refusal
+
+    d, work, a, b = bundles
+    t = d / "tp.tvbundle"
+    assert cli_main(["rig", "run", "--out", str(t), "--work", str(work), "--settings", "tp2,tp2_noise",
+                     "--no-noise", "--label", "profile TP", "--json"]) == 0
+    ct = _check(t)
+    if cores_refusal({"--tensor-parallel-size": 2}) is not None:  # a 1-core machine: refused, said why
+        assert ct.ran == ["bf16"] and {s["name"]: s["status"] for s in ct.manifest["settings"]}["tp2"] == "refused"
+        return
+    assert ct.ran == ["bf16", "tp2", "tp2_noise"]
+
+    def flips(name):
+        return {(r["case"], r["turn"], r["position"]): r for r in ct.positions if r["setting"] == name and r["flip"]}
+
+    s = ct.summaries
+    assert s["tp2"]["kl_mean"] > 0 == s["bf16"]["kl_mean"]
+    assert flips("tp2").keys() == flips("tp2_noise").keys() and s["tp2"]["kl_mean"] == s["tp2_noise"]["kl_mean"]
+    assert all(r["flip_class"] in ("tie", "near_tie", "noise", "runtime") for r in flips("tp2").values())
+    free = {(r["setting"], r["case"]): r for r in ct.free}
+    for case, _turn, _pos in flips("tp2").keys() - flips("bf16").keys():
+        assert free[("tp2", case)]["diverged"] and free[("tp2_noise", case)]["diverged"]
+    for x in ct.manifest["settings"]:
+        if x["name"] != "bf16":
+            assert "--tensor-parallel-size" in x["vllm_args"]
+
+
 @pytest.mark.browser
 def test_a_flip_of_one_profile_and_not_the_other_shows_in_the_site(bundles, tmp_path):
     """FP8 weights (profile A) flip positions where profile B's settings do not (the pair is taken
