@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--data-only needs --data FILE")
     if (args.export or args.checkpoint) and not args.train:
         ap.error("--export and --checkpoint need --train")
+    if args.from_export and args.train:
+        ap.error("--from-export uses a training made elsewhere: not with --train")
     if args.print_path:
         print(model_path(spec))
         return 0

@@ -228,6 +228,11 @@ def test_cli_refuses_ship_without_train(capsys):
     with pytest.raises(SystemExit) as e:
         M.main(["--ship"])
     assert e.value.code == 2 and "--ship needs --train" in capsys.readouterr().err
+    for argv in (["--train", "--from-export", "t.pt"], ["--export", "t.pt"], ["--data-only"], ["--epochs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            M.main(argv)
+        assert e.value.code == 2, argv
+    capsys.readouterr()
     assert M.main(["--print-path"]) == 0
     assert capsys.readouterr().out.strip() == str(M.model_path())
 
