@@ -447,6 +447,24 @@ def load_export(path: Path, spec: DemoSpec):
     return trainer.compact_model(x["compact"], x["vocab"], spec), list(x["vocab"]), dict(x["info"])
 
 
+def spec_override(item: str) -> dict[str, Any]:
+    """``FIELD=VALUE`` -> ``{FIELD: value}``, the value typed as the spec's field (int, float,
+    bool, str); ValueError for an unknown field or a value of another type."""
+    name, sep, raw = item.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(DemoSpec)}
+    if not sep or name not in fields:
+        raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
+    kind = type(getattr(DEFAULT_SPEC, name))
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(raw)
+            return {name: raw.lower() == "true"}
+        return {name: kind(raw)}
+    except ValueError:
+        raise ValueError(f"--set {item!r}: {name} takes a {kind.__name__}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorverse.demo.model", description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", action="store_true",
@@ -456,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tensorverse/demo/data/)")
     ap.add_argument("--steps", type=int, help="override the number of training steps (another cache entry)")
     ap.add_argument("--epochs", type=int, help="override how often each training session is seen (another cache entry)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="sets",
+                    help="override any field of the spec (tensorverse/demo/spec.py), e.g. --set lr=0.006 "
+                         "--set tokens_per_step=9600 (another recipe, another cache entry)")
     ap.add_argument("--checkpoint", type=Path, metavar="FILE",
                     help="with --train: save the training's state to FILE every 500 steps and resume from it "
                          "(a stopped training goes on where it was, to the same bytes)")
@@ -473,8 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-export", type=Path, metavar="FILE",
                     help="use the training in FILE (written by --export) instead of training here")
     args = ap.parse_args(argv)
-    over = {k: v for k, v in (("steps", args.steps), ("epochs", args.epochs)) if v is not None}
+    over: dict[str, Any] = {}
     try:
+        for item in args.sets:
+            over.update(spec_override(item))
+        over.update({k: v for k, v in (("steps", args.steps), ("epochs", args.epochs)) if v is not None})
         spec = dataclasses.replace(DEFAULT_SPEC, **over)
     except ValueError as e:
         ap.error(str(e))

@@ -224,11 +224,19 @@ def test_an_expansion_off_its_content_hash_is_refused(use_shipped, monkeypatch):
         shipped.expand_shipped(SHORT)
 
 
+def test_set_overrides_any_field_of_the_spec_typed_as_the_field():
+    assert M.spec_override("lr=0.006") == {"lr": 0.006}
+    assert M.spec_override("tokens_per_step=9600") == {"tokens_per_step": 9600}
+    assert M.spec_override("tie_word_embeddings=False") == {"tie_word_embeddings": False}
+    assert M.spec_override("name=x=y") == {"name": "x=y"}
+
+
 def test_cli_refuses_ship_without_train(capsys):
     with pytest.raises(SystemExit) as e:
         M.main(["--ship"])
     assert e.value.code == 2 and "--ship needs --train" in capsys.readouterr().err
-    for argv in (["--train", "--from-export", "t.pt"], ["--export", "t.pt"], ["--data-only"], ["--epochs", "0"]):
+    for argv in (["--train", "--from-export", "t.pt"], ["--export", "t.pt"], ["--data-only"], ["--epochs", "0"],
+                 ["--set", "lr"], ["--set", "colour=red"], ["--set", "steps=1.5"], ["--set", "tie_word_embeddings=yes"]):
         with pytest.raises(SystemExit) as e:
             M.main(argv)
         assert e.value.code == 2, argv
