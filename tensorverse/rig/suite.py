@@ -19,9 +19,10 @@ twice (``tp2``, ``tp2_noise``: the layout's own noise point); pipeline paralleli
 brings (its corpus recorded from it and named by its content hash: ``rig run --corpus DIR``),
 bf16 with FlashAttention on one GPU as the reference, one change per setting over attention
 backends, KV-cache dtypes, FP8 weights, tensor parallelism up to 8 GPUs, NCCL's algorithm and
-protocol at TP2 and batch invariance. A setting needs the GPUs it names (``nvidia-smi``); on a
-machine without them every setting is refused with the count, which ``rig run --dry-run`` shows
-with each setting's exact command line and environment. No GPU has run it yet.
+protocol at TP2, TP2 started twice (its own noise point) and batch invariance. A setting needs
+the GPUs it names (``nvidia-smi``); on a machine without them every setting is refused with the
+count, which ``rig run --dry-run`` shows with each setting's exact command line and environment.
+No GPU has run it yet.
 """
 
 from __future__ import annotations
@@ -178,6 +179,9 @@ GPU_V1 = Suite(
         _gpu("kv_fp8_e5m2", "kv_cache_dtype", "fp8_e5m2", {"--kv-cache-dtype": "fp8_e5m2"}),
         _gpu("fp8_weights", "quantization", "fp8 (online)", {"--quantization": "fp8"}),
         _gpu("tp2", "parallel", "tensor 2", _TP2_GPU),
+        # TP2 on a second server start: on vLLM-CPU TP2's flips are the same on every start (the
+        # layout's order of sums, cpu-v3); on GPUs NCCL may pick another algorithm per start
+        _gpu("tp2_noise", "parallel", "tensor 2, second server", _TP2_GPU, {"TENSORVERSE_RIG_REPLICA": "2"}),
         _gpu("tp4", "parallel", "tensor 4", {"--tensor-parallel-size": 4}),
         _gpu("tp8", "parallel", "tensor 8", {"--tensor-parallel-size": 8}),
         # the collective's settings only act with several ranks: these change NCCL at TP2 (their

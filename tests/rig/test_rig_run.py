@@ -127,6 +127,8 @@ def test_gpu_v1_dry_run_prints_every_point_and_refuses_each_without_its_gpus(mon
     ring = next(p for p in points if p.name == "tp2_nccl_ring")
     assert ring.env["NCCL_ALGO"] == "Ring" and ring.env["VLLM_ATTENTION_BACKEND"] == "FLASH_ATTN"
     assert next(p for p in points if p.name == "attn_triton").env["VLLM_ATTENTION_BACKEND"] == "TRITON_ATTN"
+    noise = next(p for p in points if p.name == "tp2_noise")
+    assert noise.env["TENSORVERSE_RIG_REPLICA"] == "2" and "--tensor-parallel-size" in noise.command
     # a rig with 4 GPUs runs everything up to TP4
     monkeypatch.setattr("tensorverse.replay.rig._gpus", lambda: {"count": 4, "models": ["H100"]})
     monkeypatch.setattr("tensorverse.matrix.launcher.on_cpu", lambda: False)  # it has nvidia-smi
