@@ -19,7 +19,7 @@ directory transfer, since ``tensorverse replay --executor ray`` uses them too.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 from tensorverse.cluster.options import RAY_MISSING, ExecutorOptions, ExecutorUnavailable
 
@@ -30,12 +30,17 @@ __all__ = ["Executor", "LocalExecutor", "make_executor", "OnDone", "Log"]
 
 OnDone = Callable[["RunRequest", dict[str, Any]], None]
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 class Executor(Protocol):
     name: str
 
     def run(self, reqs: Sequence[RunRequest], on_done: OnDone, *, log: Log, parallel: int = 1) -> None:
         """Run every request; ``on_done`` once per request, in the driver's thread of control."""
+
+    def call(self, fn: Callable[[], T], like: RunRequest) -> T:
+        """``fn()`` where ``like``'s point would run (its machine, with the resources it asks):
+        what a rig run asks of the machine before its points (fingerprint, refusals)."""
 
     def close(self) -> None:
         """Release what the executor holds (a Ray connection it made)."""
@@ -58,6 +63,9 @@ class LocalExecutor:
             return
         with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="matrix") as pool:
             list(pool.map(one, reqs))
+
+    def call(self, fn: Callable[[], T], like: RunRequest) -> T:
+        return fn()
 
     def close(self) -> None:
         pass

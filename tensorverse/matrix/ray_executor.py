@@ -280,6 +280,14 @@ class RayExecutor:
         finally:
             prog.close()
 
+    def call(self, fn: Any, like: RunRequest) -> Any:
+        """``fn()`` as a Ray task asking what ``like``'s point asks (so it lands on a node where
+        that point could run)."""
+        import ray
+
+        ask = point_resources(like.spec.effective(like.settings), self.opts, cluster_has_gpus=self.has_gpus)
+        return ray.get(ray.remote(fn).options(max_retries=self.opts.max_retries, **ask).remote())
+
     def _collect(self, ref: Any, req: RunRequest) -> dict[str, Any]:
         """The task's record, its run directory installed in ``OUT/runs``; a lost task's record
         (``task_failed``, not cached)."""

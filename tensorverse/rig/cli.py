@@ -3,6 +3,7 @@
     tensorverse rig run --out BUNDLE [--suite cpu-v3] [--settings A,B] [--work DIR] [--model DIR]
                         [--corpus DIR] [--label TEXT] [--no-noise] [--json]
     tensorverse rig run --dry-run [--suite gpu-v1] [--settings A,B] [--model DIR] [--json]
+    tensorverse rig run --out BUNDLE --executor ray [--ray-address ADDR] [--ray-resource NAME=AMOUNT] ...
                                                  # every point's command and environment, refusals
     tensorverse rig suites                       # the suites, their settings and corpora
 
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from tensorverse.cluster.options import add_executor_arguments
 from tensorverse.rig.suite import DEFAULT_SUITE
 
 __all__ = ["register"]
@@ -53,6 +55,7 @@ def register(sub: argparse._SubParsersAction, *,
     r.add_argument("--label", default=None, help="how the rig is shown (default: its GPU or CPU model)")
     r.add_argument("--no-noise", action="store_true", help="skip the same-config noise point (no 'noise' class)")
     r.add_argument("--json", action="store_true", help="print the summaries as one JSON object")
+    add_executor_arguments(r, what="setting")
     r.set_defaults(func=lambda a: _run(a, default_model))
     s = acts.add_parser("suites", help="list the suites with their settings and corpora")
     s.set_defaults(func=_suites)
@@ -114,12 +117,22 @@ def _run(args: argparse.Namespace, default_model: Callable[[Callable[[str], None
     if need:
         print(f"tensorverse rig run: {need}", file=sys.stderr)
         return 2
+    executor = None
+    if args.executor != "local":
+        from tensorverse.cluster.options import ExecutorUnavailable, executor_options
+        from tensorverse.matrix.executor import make_executor
+
+        try:
+            executor = make_executor(executor_options(args, progress=True))
+        except (ExecutorUnavailable, ValueError) as e:
+            print(f"tensorverse rig run: {e}", file=sys.stderr)
+            return 2
     try:
         su = suite(args.suite)
         names = [x.strip() for x in args.settings.split(",") if x.strip()] if args.settings else None
         opts = RigRunOptions(out=args.out, suite=su, settings=names, work=args.work, model_dir=args.model,
                              default_model=default_model, corpus=args.corpus,
-                             label=args.label, noise=not args.no_noise)
+                             label=args.label, noise=not args.no_noise, executor=executor)
         res = rig_run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (KeyError, RigRunError) as e:
         print(f"tensorverse rig run: {e.args[0] if e.args else e}", file=sys.stderr)
@@ -128,6 +141,9 @@ def _run(args: argparse.Namespace, default_model: Callable[[Callable[[str], None
         print("tensorverse rig run: interrupted; finished points are kept in "
               f"{args.work or str(args.out) + '.work'}; the same command resumes", file=sys.stderr)
         return 130
+    finally:
+        if executor is not None:
+            executor.close()
     if args.json:
         print(json.dumps({"bundle": str(res.path), "summaries": res.summaries,
                           "settings": [o.as_dict() for o in res.outcomes]}, indent=1))

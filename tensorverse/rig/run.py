@@ -54,6 +54,10 @@ class RigRunOptions:
     noise: bool = True
     ready_timeout_s: float = 900.0
     created: str | None = None
+    # where the points run: None, here, one server after another; an executor of
+    # tensorverse.matrix.executor (--executor ray: the points as Ray tasks, the fingerprint and the
+    # refusals taken on a node where the reference would run)
+    executor: Any = None
 
     @property
     def work_dir(self) -> Path:
@@ -194,6 +198,18 @@ def _model(opts: RigRunOptions, corpus: Any, log: Callable[[str], None]) -> Path
     return mdir
 
 
+def _other_hardware(fp: dict[str, Any], host: dict[str, Any] | None) -> str | None:
+    """Why a point's host (its run record's ``host``) is not the rig ``fp`` describes (its GPU
+    models and count), or None: with ``--executor ray`` the points run on cluster nodes."""
+    want, got = fp.get("gpus") or None, (host or {}).get("gpus") or None
+    if want is None and got is None:
+        return None
+    if want is None or got is None or want.get("models") != got.get("models") or want.get("count") != got.get("count"):
+        return f"GPUs {got and got.get('models')} x {got and got.get('count')}, the rig's {want and want.get('models')}" \
+               f" x {want and want.get('count')}"
+    return None
+
+
 def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunResult:
     from tensorverse.bundle.known import known_corpus
     from tensorverse.bundle.make import SettingOutcome, make_bundle, rig_id
@@ -214,42 +230,69 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
     except (OSError, ValueError) as e:
         raise RigRunError(f"suite {suite.name}'s corpus {corpus_dir}: {e}") from None
     mdir = _model(opts, kc, log)
-    fp = rig_fingerprint()
-    label = opts.label or (", ".join(fp["gpus"]["models"]) if fp.get("gpus") else None) or fp["cpu"]["model"] or "cpu"
     spec = _spec(suite, chosen, mdir, kc.model["name"], opts.ready_timeout_s)
     basis = {c["id"]: {str(t["index"]): list(t["reference"]["output_token_ids"]) for t in c["turns"]}
              for c in corpus.cases}
     work = opts.work_dir
     work.mkdir(parents=True, exist_ok=True)
+    reqs = {s.name: RunRequest(spec=spec, corpus=str(corpus_dir), out=work, settings=point_settings(s),
+                               label=s.name, basis=basis) for s in chosen}
+
+    def probe() -> tuple[dict[str, Any], dict[str, str | None]]:
+        """The rig's fingerprint and each setting's refusal, taken where the points run."""
+        return rig_fingerprint(), {s.name: _refusal(s, server_settings(spec.effective(reqs[s.name].settings)))
+                                   for s in chosen}
+
+    ex = opts.executor
+    fp, refusals = ex.call(probe, reqs[suite.reference]) if ex is not None else probe()
+    label = opts.label or (", ".join(fp["gpus"]["models"]) if fp.get("gpus") else None) or fp["cpu"]["model"] or "cpu"
     log(f"rig {rig_id(fp, label)} ({label}); suite {suite.name}: {len(chosen)} settings over {kc.cases} cases, "
-        f"{kc.positions} positions; work in {work}")
-    outcomes: list[SettingOutcome] = []
-    runs: dict[str, dict[str, Any]] = {}
+        f"{kc.positions} positions; work in {work}" + (f"; points on {ex.describe()}" if ex is not None
+                                                        and hasattr(ex, "describe") else ""))
     from tensorverse import __version__
 
     provenance: dict[str, Any] = {"tensorverse": __version__, "suite": suite.name, "model_dir_name": mdir.name,
                                   "points": {}}
+    bases: dict[str, dict[str, Any]] = {}
+    recs: dict[str, dict[str, Any]] = {}
+    pending: list[tuple[int, Setting]] = []
     for i, s in enumerate(chosen, 1):
-        base = dict(name=s.name, axis=s.axis, value=s.value, vllm_args=(), env=dict(s.env))
-        req = RunRequest(spec=spec, corpus=str(corpus_dir), out=work, settings=point_settings(s),
-                         label=s.name, basis=basis)
+        req = reqs[s.name]
         eff = spec.effective(req.settings)
-        why = _refusal(s, server_settings(eff))
         # the server's options after model, name, host and port (the same on every rig)
         argv = build_command("python", "MODEL", spec.served_name, 0, server_settings(eff))[11:]
-        base.update(vllm_args=tuple(argv), env={k: str(v) for k, v in eff.items() if not is_option(k)})
+        bases[s.name] = dict(name=s.name, axis=s.axis, value=s.value, vllm_args=tuple(argv),
+                             env={k: str(v) for k, v in eff.items() if not is_option(k)})
+        why = refusals[s.name]
         if why:
             if s.name == suite.reference:
                 raise RigRunError(f"the reference setting {s.name} cannot run here: {why}")
             log(f"[{i}/{len(chosen)}] {s.name}: {why}")
-            outcomes.append(SettingOutcome(status="refused", reason=why, **base))
             continue
         rec = load_run(work, req.key)
         if rec is not None and rec.get("status") in ("ok", "start_failed"):
             log(f"[{i}/{len(chosen)}] {s.name}: done in an earlier run (resumed)")
+            recs[s.name] = rec
         else:
+            pending.append((i, s))
+    if ex is None:  # here, one server at a time
+        for i, s in pending:
             log(f"[{i}/{len(chosen)}] {s.name} ({s.axis} = {s.value}) ...")
-            rec = run_config(req, log=lambda m, n=i: log(f"[{n}/{len(chosen)}] {m}"))
+            recs[s.name] = run_config(reqs[s.name], log=lambda m, n=i: log(f"[{n}/{len(chosen)}] {m}"))
+    elif pending:  # every point at once: the executor places them
+        by_key = {reqs[s.name].key: s.name for _, s in pending}
+        log(f"{len(pending)} setting(s) to run: {', '.join(s.name for _, s in pending)}")
+        ex.run([reqs[s.name] for _, s in pending], lambda req, rec: recs.__setitem__(by_key[req.key], rec),
+               log=log, parallel=len(pending))
+    outcomes: list[SettingOutcome] = []
+    runs: dict[str, dict[str, Any]] = {}
+    for s in chosen:
+        base = bases[s.name]
+        if refusals[s.name]:
+            outcomes.append(SettingOutcome(status="refused", reason=refusals[s.name], **base))
+            continue
+        rec = recs[s.name]
+        eff = spec.effective(reqs[s.name].settings)
         provenance["points"][s.name] = {"status": rec.get("status"), "command": _portless(rec.get("command") or [])[3:],
                                         "effective": eff, "vllm": rec.get("vllm"), "host": rec.get("host"),
                                         "error": rec.get("error"), "log_tail": _tail(rec.get("log_excerpt"))}
@@ -259,6 +302,10 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
                 raise RigRunError(f"the reference setting {s.name} did not run ({rec.get('error')}); "
                                   f"see {work}")
             continue
+        other = _other_hardware(fp, rec.get("host"))
+        if other:
+            raise RigRunError(f"setting {s.name} ran on other hardware than the rig's ({other}); a bundle is one "
+                              "rig: pin the points to one kind of node (--ray-resource)")
         runs[s.name] = rec
         outcomes.append(SettingOutcome(status="ran", **base))
 

@@ -2,7 +2,8 @@
 machine (two rig profiles: different labels and settings sets, sharing one work directory), each
 accepted by ``tensorverse report check``; the same command again resumes every point and writes
 the same bytes; a position that FP8 weights flip on one profile and fp32 does not on the other
-shows as such in the hypercube site (asserted in headless Chromium)."""
+shows as such in the hypercube site (asserted in headless Chromium); the same points run as Ray
+tasks (``--executor ray``) give the same bundle rows; TP2 and its second start flip alike."""
 
 from __future__ import annotations
 
@@ -107,6 +108,36 @@ def test_tp2_departs_from_tp1_and_tp2_started_again_flips_exactly_the_same(bundl
     for x in ct.manifest["settings"]:
         if x["name"] != "bf16":
             assert "--tensor-parallel-size" in x["vllm_args"]
+
+
+@pytest.mark.ray
+def test_rig_run_on_ray_writes_the_bundle_a_local_run_writes(bundles, tmp_path, capsys):
+    """``--executor ray`` on a fresh two-CPU local Ray cluster: the fingerprint and the refusals
+    are taken by a task where the reference would run, the points run as Ray tasks (each asking
+    both CPUs: one server at a time), their run directories come back into a new work directory,
+    and the bundle has profile B's rows, free runs and summaries exactly (its points ran here)."""
+    import json
+
+    import ray
+
+    from tensorverse.bundle.io import open_bundle
+
+    d, work, a, b = bundles
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        code = cli_main(["rig", "run", "--out", str(tmp_path / "ray.tvbundle"), "--work", str(tmp_path / "w"),
+                         "--settings", "fp32", "--no-noise", "--label", "profile B", "--executor", "ray",
+                         "--ray-cpus-per-point", "2"])
+    finally:
+        ray.shutdown()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "2 setting(s) to run: bf16, fp32" in err and "Ray cluster: 1 node(s)" in err
+    on_ray, here = _check(tmp_path / "ray.tvbundle"), _check(b)
+    assert on_ray.ran == ["bf16", "fp32"] and on_ray.rig["id"] == here.rig["id"]  # one machine
+    assert on_ray.positions == here.positions and on_ray.free == here.free and on_ray.summaries == here.summaries
+    prov = json.loads(open_bundle(tmp_path / "ray.tvbundle").members["provenance.json"])
+    assert sorted(prov["points"]) == ["bf16", "fp32"] and all(p["host"] for p in prov["points"].values())
 
 
 @pytest.mark.browser
