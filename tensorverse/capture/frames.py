@@ -36,7 +36,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from tensorverse.store.engine_state import ENGINE_STATE_SIZE, EngineState, EngineStateError
 
@@ -102,6 +102,17 @@ def encode_frame(capture_id: str, position: int, blob: bytes, *, seq: int, origi
     return body + _CRC.pack(zlib.crc32(body))
 
 
+class _Where(NamedTuple):
+    """Where a frame starts, for :class:`FrameError`'s message (``frame 3 at byte 120 of 900``)."""
+
+    frame: int
+    off: int
+    n: int
+
+    def __str__(self) -> str:
+        return f"frame {self.frame} at byte {self.off} of {self.n}"
+
+
 def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
     """Yield the frames of ``buf`` in order.
 
@@ -115,7 +126,7 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
     off = 0
     index = 0
     while off < n:
-        where = f"frame {index} at byte {off} of {n}"
+        where = _Where(index, off, n)  # formatted only into an error
         if n - off < HEADER_SIZE:
             raise FrameError(f"{where}: truncated header ({n - off} of {HEADER_SIZE} bytes)")
         magic, version, flags, id_len, origin, seq, position, blob_len = _HEAD.unpack_from(view, off)

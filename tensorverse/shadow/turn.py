@@ -39,10 +39,33 @@ def _ids(value: Any, what: str) -> list[int]:
     return out
 
 
+_TOKEN_ID = "token_id:"
+
+
+def _completions_topk(entry: dict) -> list[list[float]] | None:
+    """The common case of :func:`normalize_topk`, read without the general parser: a completions
+    answer's ``{"token_id:N": logprob}`` with float logprobs in (-9999, 0]. None for anything else
+    (the general parser decides it). About three times faster: a shadow run of n tokens parses n of
+    these (six runs a turn behind three shadows), on the relay's loop."""
+    d: dict[int, float] = {}
+    for k, v in entry.items():
+        if type(k) is not str or type(v) is not float or not -9999.0 < v <= 0.0 or not k.startswith(_TOKEN_ID):
+            return None
+        try:
+            d[int(k[9:])] = v
+        except ValueError:
+            return None
+    return [[t, -nlp] for nlp, t in sorted([(-lp, t) for t, lp in d.items()])]
+
+
 def normalize_topk(entry: Any) -> list[list[float]] | None:
     """One position's top-k logprobs as ``[[token_id, logprob], ...]``, most likely first."""
     if entry is None:
         return None
+    if type(entry) is dict and "top_logprobs" not in entry:
+        fast = _completions_topk(entry)
+        if fast is not None:
+            return fast
     from tensorverse.analysis.topk import parse_top_logprobs
 
     try:

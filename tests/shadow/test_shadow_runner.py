@@ -123,6 +123,39 @@ def test_parse_answers():
         parse_completion({"choices": [{"text": "x"}]})
 
 
+def test_normalize_topk_reads_completions_answers_exactly_as_the_general_parser():
+    """The fast path for ``{"token_id:N": logprob}`` gives what the general parser gives, ties
+    (lower id first), duplicates, the -9999 sentinel, positive, NaN and bad keys included."""
+    import math
+    import random
+
+    from tensorverse.analysis.topk import parse_top_logprobs
+    from tensorverse.shadow import turn as turn_mod
+
+    def general(entry):
+        try:
+            d = parse_top_logprobs(entry)
+        except ValueError:
+            return None
+        return [[int(t), (lp if math.isfinite(lp) else -9999.0)]
+                for t, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+    rng = random.Random(7)
+    odd = [-9999.0, -1e6, 0.0, -0.0, 1e-7, 2.0, math.nan, -math.inf, -0.5]
+    entries = [{"token_id:3": -0.5, "token_id:1": -0.5, "token_id:2": -0.25},  # a tie: lower id first
+               {"token_id:7": -0.1, "token_id:07": -0.3},  # one id twice: the last wins
+               {"token_id:x": -0.1}, {"7": -0.1}, {5: -0.1}, {"token_id:4": "-0.1"}, {}]
+    for _ in range(400):
+        entries.append({f"token_id:{rng.randrange(50)}": (rng.choice(odd) if rng.random() < 0.1
+                                                           else -rng.random() * 20)
+                        for _ in range(rng.randrange(1, 8))})
+    fast_hits = 0
+    for e in entries:
+        assert turn_mod.normalize_topk(e) == general(e), e
+        fast_hits += turn_mod._completions_topk(e) is not None
+    assert fast_hits > 100  # the fast path is taken for the common case
+
+
 def test_turn_from_the_proxys_record():
     turn = {"id": "t9", "session_id": "s", "backend": "primary", "prompt_token_ids": [1, 2],
             "output_token_ids": [5, 6], "text": "hi", "tool_calls": [],
