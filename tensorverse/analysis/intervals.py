@@ -45,7 +45,8 @@ import numpy.typing as npt
 
 Counts = Union[Sequence[float], npt.NDArray[np.floating]]  # one entry per cluster
 
-__all__ = ["Interval", "wilson", "cluster_bootstrap", "REPLICATES", "SEED", "CONFIDENCE", "CLUSTER_METHOD"]
+__all__ = ["Interval", "wilson", "cluster_bootstrap", "cluster_bootstrap_difference", "REPLICATES", "SEED",
+           "CONFIDENCE", "CLUSTER_METHOD"]
 
 REPLICATES = 2000
 SEED = 20261202
@@ -114,3 +115,50 @@ def cluster_bootstrap(numerator: Counts, positions: Counts, *, replicates: int =
     alpha = 1.0 - confidence
     lo, hi = (float(x) for x in np.quantile(stats, [alpha / 2, 1 - alpha / 2]))
     return Interval(est, min(lo, est), max(hi, est), c, int(total))
+
+
+def cluster_bootstrap_difference(numerator: Counts, positions: Counts, base_numerator: Counts,
+                                 base_positions: Counts, *, replicates: int = REPLICATES,
+                                 confidence: float = CONFIDENCE, seed: int = SEED) -> Interval:
+    """``sum(numerator) / sum(positions) - sum(base_numerator) / sum(base_positions)``: one
+    pooled rate minus another over the **same clusters** (turns; a side that did not run a turn
+    has 0 and 0 there), with the percentile interval of the cluster bootstrap, both sides drawn
+    together (a turn drawn counts on both: the pairing that makes a difference between settings
+    far narrower than two separate intervals suggest).
+
+    Where the two sides' positions are proportional turn by turn (each side ran every turn, on
+    as many points: ``base_positions = r * positions``) the difference is one ratio of sums,
+    ``sum(numerator - base_numerator / r) / sum(positions)``, and this *is*
+    :func:`cluster_bootstrap` of it: with one run a side, the paired interval of the hypercube
+    site's ``vs_reference`` (:mod:`tensorverse.hypercube.stats`), the same numbers for the same
+    turns. Otherwise clusters are drawn as distinct (numerator, positions, base numerator, base
+    positions) rows and both ratios recomputed per replicate. ``positions`` of the result is the
+    first side's."""
+    a = np.asarray(numerator, dtype=np.float64)
+    p = np.asarray(positions, dtype=np.float64)
+    b = np.asarray(base_numerator, dtype=np.float64)
+    q = np.asarray(base_positions, dtype=np.float64)
+    if not (a.shape == p.shape == b.shape == q.shape) or a.ndim != 1:
+        raise ValueError(f"cluster_bootstrap_difference: four 1-D arrays over the same clusters expected, got "
+                         f"{a.shape}, {p.shape}, {b.shape}, {q.shape}")
+    c = int(a.shape[0])
+    tp, tq = float(p.sum()), float(q.sum())
+    if c == 0 or tp <= 0 or tq <= 0:
+        return Interval(None, None, None, c, int(tp))
+    r = tq / tp
+    if np.allclose(q, r * p, rtol=1e-12, atol=0.0):  # proportional: one ratio of sums
+        return cluster_bootstrap(a - b / r, p, replicates=replicates, confidence=confidence, seed=seed)
+    est = float(a.sum()) / tp - float(b.sum()) / tq
+    if c < 2:
+        return Interval(est, None, None, c, int(tp))
+    rows, counts = np.unique(np.stack([a, p, b, q], axis=1), axis=0, return_counts=True)
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(c, counts / c, size=replicates).astype(np.float64)
+    dp, dq = w @ rows[:, 1], w @ rows[:, 3]
+    ok = (dp > 0) & (dq > 0)  # a replicate that drew no position of a side has no difference
+    stats = ((w @ rows[:, 0]) / np.where(dp > 0, dp, 1.0) - (w @ rows[:, 2]) / np.where(dq > 0, dq, 1.0))[ok]
+    if stats.size == 0:
+        return Interval(est, None, None, c, int(tp))
+    alpha = 1.0 - confidence
+    lo, hi = (float(x) for x in np.quantile(stats, [alpha / 2, 1 - alpha / 2]))
+    return Interval(est, min(lo, est), max(hi, est), c, int(tp))

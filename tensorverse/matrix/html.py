@@ -86,13 +86,15 @@ def render_html(report: Mapping[str, Any]) -> str:
     parts.append("<h2>Marginal effects</h2>")
     for axis, vals in (report.get("marginals") or {}).items():
         parts.append(f"<table><tr><th>{esc(axis)}</th><th>points</th><th>positions</th><th>flip rate</th>"
-                     "<th>95% CI</th><th>KL mean</th><th>effect</th></tr>")
+                     "<th>95% CI</th><th>KL mean</th><th>effect</th><th>effect 95% CI</th></tr>")
         for v in vals:
             ci = v.get("flip_rate_ci") or [None, None]
+            eci = v.get("effect_ci") or [None, None]
             parts.append(f"<tr><th>{esc(render_value(v['value']))}</th><td>{esc(len(v['points']))}</td>"
                          f"<td>{esc(v['positions'])}</td><td>{esc(_pct(v.get('flip_rate')))}</td>"
                          f"<td>{esc(_pct(ci[0]))} – {esc(_pct(ci[1]))}</td><td>{esc(_sci(v.get('kl_mean')))}</td>"
-                         f"<td>{esc(_pct(v.get('effect'), sign=True))}</td></tr>")
+                         f"<td>{esc(_pct(v.get('effect'), sign=True))}</td>"
+                         f"<td>{esc(_pct(eci[0], sign=True))} – {esc(_pct(eci[1], sign=True))}</td></tr>")
         parts.append("</table>")
     parts.append("<h2>Points</h2><table><tr><th>point</th><th>status</th><th>positions</th><th>flips</th>"
                  "<th>flip rate</th><th>KL mean</th><th>free diverged vs ref</th><th>start s</th>"

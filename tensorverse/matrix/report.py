@@ -14,7 +14,7 @@ machines.
                  "stop_s", "total_s"}, "summary": {replay's summary}, "free_vs_reference":
                  {"turns", "diverged", "verdicts"}}],
      "marginals": {KEY: [{"value", "points", "positions", "flips", "flip_rate", "flip_rate_ci",
-                          "mean_point_flip_rate", "kl_mean", "toolcall_mismatch_rate", "effect"}]},
+                          "mean_point_flip_rate", "kl_mean", "toolcall_mismatch_rate", "effect", "effect_ci"}]},
      "wall_s"}
 
 No prompt or output text is written (the run directories' stores hold the rows and texts).
@@ -204,6 +204,14 @@ def _f(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _effect(v: Mapping[str, Any]) -> str:
+    """A marginal's effect with its paired interval (``+0.0859 [+0.0487, +0.1473]``)."""
+    e, ci = v.get("effect"), v.get("effect_ci")
+    if e is None:
+        return "-"
+    return f"{e:+.4f}" + (f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else "")
+
+
 def render_table(report: Mapping[str, Any]) -> str:
     """Points (status, flip rate with CI, same_top_p, KL, free divergence vs the reference,
     timings), then one block per axis with its marginal effect."""
@@ -237,13 +245,13 @@ def render_table(report: Mapping[str, Any]) -> str:
             out.append(f"{r['name']}: {r['error']}")
     for axis, vals in (report.get("marginals") or {}).items():
         mrows = [[axis, "points", "positions", "flip_rate [95% CI]", "mean point rate", "KL mean",
-                  "tool mismatch", "effect"]]
+                  "tool mismatch", "effect [95% CI]"]]
         for v in vals:
             ci = v.get("flip_rate_ci")
             mrows.append([render_value(v["value"]), str(len(v["points"])), str(v["positions"]),
                           f"{v['flip_rate']:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if v.get("flip_rate") is not None and ci else "-",
                           _f(v.get("mean_point_flip_rate"), ".4f"), _f(v.get("kl_mean"), ".2e"),
-                          _f(v.get("toolcall_mismatch_rate"), ".3f"), _f(v.get("effect"), "+.4f")])
+                          _f(v.get("toolcall_mismatch_rate"), ".3f"), _effect(v)])
         out.append("")
         out.append(format_table(mrows))
     return "\n".join(out)

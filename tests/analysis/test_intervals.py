@@ -9,7 +9,15 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from tensorverse.analysis.intervals import CONFIDENCE, REPLICATES, SEED, Interval, cluster_bootstrap, wilson
+from tensorverse.analysis.intervals import (
+    CONFIDENCE,
+    REPLICATES,
+    SEED,
+    Interval,
+    cluster_bootstrap,
+    cluster_bootstrap_difference,
+    wilson,
+)
 
 
 def _wilson_by_hand(k: int, n: int, confidence: float) -> tuple[float, float]:
@@ -102,3 +110,60 @@ def test_an_interval_missing_either_bound_has_no_bounds():
     assert Interval(0.1, None, 0.2, 2, 10).bounds() is None
     assert Interval(0.1, 0.05, 0.2, 2, 10).as_dict() == {"estimate": 0.1, "low": 0.05, "high": 0.2, "clusters": 2,
                                                           "positions": 10}
+
+
+def test_difference_of_proportional_sides_is_the_bootstrap_of_the_paired_difference():
+    """Each side ran every turn (one run each, or r times as many runs on the base): the
+    difference is one ratio of sums and its interval is :func:`cluster_bootstrap`'s, exactly."""
+    k, n = [0, 3, 0, 1, 0, 7, 0, 0], [12, 30, 9, 14, 20, 25, 11, 16]
+    b = [1, 0, 0, 1, 0, 2, 0, 0]
+    assert cluster_bootstrap_difference(k, n, b, n) == cluster_bootstrap(np.subtract(k, b), n)
+    b2, n2 = [2 * x + (i % 2) for i, x in enumerate(b)], [2 * x for x in n]  # two base runs a turn
+    iv = cluster_bootstrap_difference(k, n, b2, n2)
+    assert iv == cluster_bootstrap(np.subtract(k, np.divide(b2, 2.0)), n)
+    assert iv.estimate == pytest.approx(sum(k) / sum(n) - sum(b2) / sum(n2), rel=1e-12)
+
+
+def test_difference_of_unequal_sides_resamples_turns_on_both_sides_together():
+    """Turns one side lacks (0 and 0): the estimate is the pooled difference and the interval a
+    joint resampling of the turns (against a direct resampling, another generator)."""
+    rng = np.random.default_rng(3)
+    c = 50
+    n = rng.integers(20, 60, size=c)
+    q = np.where(rng.random(c) < 0.2, 0, n)  # the base lacks a fifth of the turns
+    k = np.where(rng.random(c) < 0.3, rng.integers(1, 6, size=c), 0)
+    b = np.where((rng.random(c) < 0.2) & (q > 0), 1, 0)
+    iv = cluster_bootstrap_difference(k, n, b, q, replicates=20000)
+    assert iv.estimate == pytest.approx(k.sum() / n.sum() - b.sum() / q.sum(), rel=1e-12)
+    idx = np.random.default_rng(99).integers(0, c, size=(20000, c))
+    stats = k[idx].sum(1) / n[idx].sum(1) - b[idx].sum(1) / q[idx].sum(1)
+    lo, hi = np.quantile(stats, [0.025, 0.975])
+    tol = 0.1 * stats.std()
+    assert abs(iv.low - lo) < tol and abs(iv.high - hi) < tol and iv.positions == int(n.sum())
+
+
+def test_difference_edges():
+    assert cluster_bootstrap_difference([], [], [], []).estimate is None
+    assert cluster_bootstrap_difference([1], [10], [0], [0]).estimate is None  # no base positions
+    one = cluster_bootstrap_difference([1], [10], [0], [5])
+    assert one.estimate == pytest.approx(0.1) and one.bounds() is None
+    with pytest.raises(ValueError):
+        cluster_bootstrap_difference([1, 2], [3, 4], [1], [3])
+
+
+def test_paired_difference_covers_the_true_effect_on_clustered_turns():
+    """Coverage by simulation on clustered data: turns differ in difficulty (a hard turn flips at
+    several positions under both settings), the candidate adds a fixed per-position rate; the 95 %
+    interval holds the true difference in at least 90 % of 300 simulated corpora of 60 turns."""
+    rng = np.random.default_rng(2026)
+    hits, sims = 0, 300
+    for _ in range(sims):
+        n = rng.integers(20, 80, size=60)
+        hard = rng.random(60) < 0.15  # a few hard turns: near ties everywhere
+        base_p = np.where(hard, 0.08, 0.002)
+        b = rng.binomial(n, base_p)
+        k = rng.binomial(n, base_p + 0.01)
+        true = 0.01
+        iv = cluster_bootstrap_difference(k, n, b, n, replicates=500)
+        hits += iv.low <= true <= iv.high
+    assert hits / sims >= 0.90

@@ -183,15 +183,16 @@ def test_intervals_are_wider_when_flips_cluster_in_few_turns():
 def test_matrix_replay_and_hypercube_give_one_interval_for_the_same_turns(checked):
     """The same turns, read by the three reports that show a flip rate per setting: the hypercube
     site (one rig), the matrix report's marginal of a value run by one point, and the replay
-    report's per-backend summary give the same turn-clustered interval."""
+    report's per-backend summary give the same turn-clustered interval; the matrix's effect
+    against the reference value and the site's ``vs_reference`` give the same paired one."""
     from tensorverse.matrix.hypercube import marginals as matrix_marginals
     from tensorverse.replay.report import summarize_backend
 
     one = merge_bundles(checked[:1])
     site = {m.setting: m for m in marginals(one)}
-    for setting in ("dtype_fp16", "quant_fp8"):
+
+    def point(setting):
         counts = [t for t in one.turn_counts if t.setting == setting]
-        assert len(counts) >= 2 and sum(t.flips for t in counts) > 0
         # the replay report reads forced runs per case and turn: the same turns as results cases
         cases = {}
         for t in counts:
@@ -200,14 +201,26 @@ def test_matrix_replay_and_hypercube_give_one_interval_for_the_same_turns(checke
                  "backends": {setting: {"forced": {"status": "ok", "n": t.positions, "flips": list(range(t.flips)),
                                                    "flip_classes": ["runtime"] * t.flips}}}})
         summary = summarize_backend(setting, list(cases.values()), is_reference=False)
-        point = {"name": setting, "status": "ok", "reference": False, "effective": {"axis": setting},
-                 "summary": summary}
-        matrix = matrix_marginals([point], {"axis": [setting]})["axis"][0]
+        return counts, {"name": setting, "status": "ok", "reference": False, "effective": {"axis": setting},
+                        "summary": summary}
+
+    ref_counts, ref_point = point(one.reference)
+    assert len(ref_counts) >= 2
+    for setting in ("dtype_fp16", "quant_fp8"):
+        counts, p = point(setting)
+        assert len(counts) >= 2 and sum(t.flips for t in counts) > 0
+        summary = p["summary"]
+        matrix = matrix_marginals([p], {"axis": [setting]})["axis"][0]
         rate = site[setting].flip_rate
         want = [round(rate.low, 6), round(rate.high, 6)]
         assert summary["flip_rate_ci"] == want
         assert matrix["flip_rate_ci"] == want
         assert matrix["flip_rate"] == pytest.approx(rate.estimate)
+        # the matrix's effect of the setting against the reference value is the site's paired
+        # vs_reference interval
+        effect = matrix_marginals([ref_point, p], {"axis": [one.reference, setting]})["axis"][1]
+        vs = site[setting].vs_reference
+        assert effect["effect_ci"] == vs.bounds() and effect["effect"] == pytest.approx(vs.estimate)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,6 +140,35 @@ def test_marginal_interval_clusters_the_same_turn_across_points():
     assert fp["flip_rate_ci"] == want and fp["flip_rate"] == pytest.approx(0.1)
 
 
+def test_marginal_effect_interval_is_the_paired_one_the_hypercube_gives_for_one_point_a_value():
+    """One point a value over the same turns: ``effect_ci`` is the cluster bootstrap of the
+    turn-by-turn difference of flips, the hypercube site's ``vs_reference`` interval; the base
+    value has none."""
+    from tensorverse.analysis.intervals import cluster_bootstrap
+
+    pts = [_pt("ref", {"d": "a"}, 0, 0, ref=True), _pt("b", {"d": "bf16"}, 10, 100), _pt("c", {"d": "fp32"}, 30, 100)]
+    bf, fp = marginals(pts, {"d": ["bf16", "fp32"]})["d"]
+    assert bf["effect_ci"] is None
+    d = [10 - 10, 10 - 0, 10 - 0] + [0] * 7  # fp32 flips in its first 3 turns, bf16 in its first one
+    assert fp["effect_ci"] == cluster_bootstrap(d, [10] * 10).bounds()
+    assert fp["effect"] == pytest.approx(0.2) and fp["effect_ci"][0] <= 0.2 <= fp["effect_ci"][1]
+
+
+def test_marginal_effect_interval_with_more_points_on_one_side_weighs_each_side_by_its_points():
+    pts = [_pt("ref", {"d": "a"}, 0, 0, ref=True), _pt("b", {"d": "bf16"}, 10, 100),
+           _pt("c", {"d": "fp32"}, 30, 100), _pt("e", {"d": "fp32"}, 20, 100)]
+    from tensorverse.analysis.intervals import cluster_bootstrap
+
+    fp = marginals(pts, {"d": ["bf16", "fp32"]})["d"][1]
+    assert fp["effect"] == pytest.approx(50 / 200 - 10 / 100)
+    # two fp32 points a turn (20 positions) against one bf16 point (10): fp32's flips minus
+    # twice bf16's, over fp32's positions, turn by turn
+    a = [10 + 10, 10 + 10, 10 + 0] + [0] * 7
+    b = [10] + [0] * 9
+    assert fp["effect_ci"] == cluster_bootstrap([x - 2 * y for x, y in zip(a, b)], [20] * 10).bounds()
+    assert fp["effect_ci"][0] <= fp["effect"] <= fp["effect_ci"][1]
+
+
 def test_html_heat_map_escapes_and_colours():
     pts = [_pt("<b>ref</b>", {"d": "bf16", "p": "1"}, 0, 0, ref=True), _pt("a", {"d": "bf16", "p": "2"}, 0, 10),
            _pt("b", {"d": "<i>fp32</i>", "p": "1"}, 5, 10), _pt("c", {"d": "<i>fp32</i>", "p": "2"}, 1, 10)]

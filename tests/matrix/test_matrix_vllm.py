@@ -85,6 +85,8 @@ def test_grid_completes_and_reports(grid, capsys):
     assert sorted(dt["bfloat16"]["points"]) == sorted([FP8_NAME] + [n for n in pts if n.startswith("dtype=bfloat16") and n != ref])
     assert dt["bfloat16"]["flips"] == fp8["flips"]
     assert dt["float32"]["effect"] == pytest.approx(dt["float32"]["flip_rate"] - dt["bfloat16"]["flip_rate"])
+    lo, hi = dt["float32"]["effect_ci"]  # paired over the corpus's turns
+    assert lo <= dt["float32"]["effect"] <= hi and dt["bfloat16"]["effect_ci"] is None
     # the broken point has no --block-size (None: vLLM's default) and a third --dtype
     assert [r["value"] for r in m[SECOND_AXIS[0]]][:2] == SECOND_AXIS[1]
     assert [r["value"] for r in m["--dtype"]] == ["bfloat16", "float32", "float99"]
