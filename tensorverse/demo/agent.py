@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from tensorverse.analysis.toolcalls import extract_tool_calls
 from tensorverse.demo.corpus import TOOLS, Router, SYSTEM_PROMPT
 
-__all__ = ["SCRIPT", "MAX_TASKS", "MAX_CALLS_PER_TASK", "api_messages", "demo_router", "run_session",
+__all__ = ["SCRIPT", "SCRIPT_CALLS", "TaskCheck", "script_check", "MAX_TASKS", "MAX_CALLS_PER_TASK", "api_messages", "demo_router", "run_session",
            "Transcript", "TurnLog"]
 
 # The scripted session: the tasks of the issue, in the order a network engineer might ask them
@@ -36,6 +36,17 @@ SCRIPT: tuple[str, ...] = (
     "Show the route for 10.12.40.0/24.",
 )
 MAX_TASKS = len(SCRIPT)
+# What each task of the script calls when it is done right, on :func:`demo_router`'s state, in
+# order: the production runtime's tool calls are checked against these (:func:`script_check`).
+SCRIPT_CALLS: tuple[tuple[tuple[str, dict[str, Any]], ...], ...] = (
+    (("configure_interface_description", {"interface": "GigabitEthernet0/0/1.201",
+                                          "description": "uplink to core-sw1"}),),
+    (("show_interface", {"interface": "GigabitEthernet0/0/1.201"}),),
+    (("show_mac_address_table", {"mac_address": "5c8a.38f2.1e04"}),
+     ("show_interface", {"interface": "GigabitEthernet0/0/3"})),  # the MAC's port, either spelling
+    (("show_vlan", {"vlan_id": 201}),),
+    (("show_ip_route", {"prefix": "10.12.40.0/24"}),),
+)
 MAX_CALLS_PER_TASK = 3
 MAX_TOKENS = 96
 
@@ -85,6 +96,42 @@ class Transcript:
     session_id: str
     messages: list[dict[str, Any]]
     turns: list[TurnLog]
+
+
+@dataclass(frozen=True)
+class TaskCheck:
+    """One scripted task of a transcript against :data:`SCRIPT_CALLS`: ``right`` when its tool
+    calls are the expected ones, in order (an interface the tool's schema takes "full or
+    abbreviated" in either spelling, as the held-out score counts it), and it ended with a plain
+    answer."""
+
+    task: int
+    right: bool
+    calls: list[dict[str, Any]]
+    expected: list[dict[str, Any]]
+    answered: bool
+
+
+def _same_request(name: str, arguments: Any) -> Any:
+    from tensorverse.demo.model import equivalent_call  # the held-out score's rule
+
+    return equivalent_call(name, arguments) if isinstance(arguments, dict) else (name, arguments)
+
+
+def script_check(transcript: Transcript) -> list[TaskCheck]:
+    """Each scripted task the transcript reached, checked against :data:`SCRIPT_CALLS` (the
+    transcript of :func:`run_session` with the default script)."""
+    out = []
+    for ti in sorted({e.task for e in transcript.turns}):
+        turns = [e for e in transcript.turns if e.task == ti]
+        calls = [{"name": c["name"], "arguments": c["arguments"]} for e in turns if e.kind == "call" for c in e.calls]
+        expected = SCRIPT_CALLS[ti] if ti < len(SCRIPT_CALLS) else ()
+        want: list[dict[str, Any]] = [{"name": n, "arguments": a} for n, a in expected]
+        answered = bool(turns) and turns[-1].kind == "answer"
+        same = [_same_request(c["name"], c["arguments"]) for c in calls] == \
+            [_same_request(n, a) for n, a in expected]
+        out.append(TaskCheck(ti, same and answered and bool(want), calls, want, answered))
+    return out
 
 
 def _message_calls(msg: Any) -> list[dict[str, Any]]:

@@ -673,6 +673,11 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
 
         transcript = run_session(client, demo_model.MODEL_NAME, tasks=opts.tasks, session_id=sid, on_turn=hook)
         say(f"agent done: {len(transcript.turns)} model turns in {time.monotonic() - t_agent:.1f} s")
+        from tensorverse.demo.agent import script_check
+
+        checks = script_check(transcript)
+        say(f"primary (production): {sum(c.right for c in checks)} of {len(checks)} scripted task(s) "
+            "called right" + "".join(f"; task {c.task + 1} called {c.calls or 'nothing'}" for c in checks if not c.right))
         progress.mark("agent")
 
         # 6. shadows

@@ -161,6 +161,41 @@ def test_agent_loop_runs_tools_and_grows_the_history():
         run_session(client, "m", tasks=0)
 
 
+def _log(task, kind, calls=()):
+    from tensorverse.demo.agent import TurnLog
+
+    return TurnLog(task, kind, "" if calls else "done", [{"name": n, "arguments": a} for n, a in calls])
+
+
+def test_script_check_takes_the_right_calls_in_either_spelling_and_names_each_wrong_task():
+    from tensorverse.demo.agent import SCRIPT_CALLS, Transcript, script_check
+
+    right = []
+    for ti, calls in enumerate(SCRIPT_CALLS):
+        right += [_log(ti, "call", [c]) for c in calls] + [_log(ti, "answer")]
+    assert [c.right for c in script_check(Transcript("s", [], right))] == [True] * len(SCRIPT_CALLS)
+    # the MAC task's port as the table printed it: the same request (show_interface takes both)
+    abbrev = [e if not (e.task == 2 and e.calls and e.calls[0]["name"] == "show_interface")
+              else _log(2, "call", [("show_interface", {"interface": "Gi0/0/3"})]) for e in right]
+    assert all(c.right for c in script_check(Transcript("s", [], abbrev)))
+    # the seed's broken runtime: another interface described; a task cut without an answer
+    wrong = [_log(0, "call", [("configure_interface_description",
+                               {"interface": "GigabitEthernet1/0/1.201", "description": "uplink to core-sw1"})]),
+             _log(0, "answer"), _log(1, "call", [SCRIPT_CALLS[1][0]]), _log(1, "malformed")]
+    checks = script_check(Transcript("s", [], wrong))
+    assert [(c.task, c.right, c.answered) for c in checks] == [(0, False, True), (1, False, False)]
+    assert checks[0].expected == [{"name": n, "arguments": a} for n, a in SCRIPT_CALLS[0]]
+
+
+def test_script_check_reads_a_session_the_agent_drove():
+    """The fake model describes the interface it was asked to relabel (wrong), describes it when
+    asked (right) and stops the MAC chase after the table lookup (wrong: the port is not shown)."""
+    from tensorverse.demo.agent import script_check
+
+    tr = run_session(_FakeClient(), "m", tasks=3, session_id="s1")
+    assert [(c.task, c.right) for c in script_check(tr)] == [(0, False), (1, True), (2, False)]
+
+
 # -- rendering with the real tokenizer -----------------------------------------------------------
 
 
