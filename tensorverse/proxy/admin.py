@@ -91,7 +91,7 @@ class Ingest:
     async def handle(self, request: web.Request) -> web.Response:
         from tensorverse.capture.frames import FrameError, parse_frames
         from tensorverse.store import StoreFullError
-        from tensorverse.store.compact import decode_compact
+        from tensorverse.store.compact import check_compact
         from tensorverse.store.schema import check_id
 
         if not self.token:
@@ -120,7 +120,7 @@ class Ingest:
                 try:
                     check_id(f.capture_id, "capture")
                     if f.compact:  # 180 bytes: checked here, so the store holds no garbage
-                        decode_compact(f.blob, record=f"{f.capture_id}@{f.position}")
+                        check_compact(f.blob, record=f"{f.capture_id}@{f.position}")
                 except ValueError as e:
                     raise FrameError(f"frame {i}: {e}") from None
             return frames

@@ -44,7 +44,7 @@ import numpy as np
 
 from tensorverse.store.codec import CodecError, row_checksum
 
-__all__ = ["CompactRow", "compact_row", "encode_compact", "decode_compact", "COMPACT_MAGIC", "DEFAULT_TOPK"]
+__all__ = ["check_compact", "CompactRow", "compact_row", "encode_compact", "decode_compact", "COMPACT_MAGIC", "DEFAULT_TOPK"]
 
 COMPACT_MAGIC = b"TVCR"
 _VERSION = 1
@@ -156,25 +156,48 @@ def encode_compact(c: CompactRow) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
+def check_compact(blob: bytes | memoryview, *, record: str = "") -> None:
+    """The checks of :func:`decode_compact` without building the row (ingest checks every
+    compact frame it is sent: about a fifth of the time of a decode); a bad blob raises
+    :class:`~tensorverse.store.codec.CodecError`."""
+    b = bytes(blob)
+    n, vocab = _checked_head(b, record)
+    ids = struct.unpack_from(f"<{n}i", b, _HEAD.size)
+    if n and (min(ids) < 0 or max(ids) >= vocab):
+        raise CodecError(f"{_where(record)}: a token id outside the vocabulary of {vocab}")
+
+
+def _where(record: str) -> str:
+    return f"compact row {record!r}" if record else "compact row"
+
+
+def _checked_head(b: bytes, record: str) -> tuple[int, int]:
+    """A compact blob's entries and vocabulary, after its crc32, header and length checks."""
+    if len(b) < _HEAD.size + _CRC.size:
+        raise CodecError(f"{_where(record)}: truncated ({len(b)} bytes)")
+    if _CRC.unpack_from(b, len(b) - 4)[0] != zlib.crc32(b[:-4]):
+        raise CodecError(f"{_where(record)}: checksum mismatch (corrupt or truncated)")
+    magic, version, code, k, e, vocab, _fp, _lse = _HEAD.unpack_from(b, 0)
+    if magic != COMPACT_MAGIC:
+        raise CodecError(f"{_where(record)}: not a compact row (magic {magic!r})")
+    if version != _VERSION:
+        raise CodecError(f"{_where(record)}: compact format {version}, this Tensorverse reads {_VERSION}")
+    if code not in _DTYPE_NAMES or k == 0:
+        raise CodecError(f"{_where(record)}: bad header")
+    n = k + e
+    if len(b) != _HEAD.size + 8 * n + _CRC.size:
+        raise CodecError(f"{_where(record)}: {len(b)} bytes for {n} entries")
+    return n, vocab
+
+
 def decode_compact(blob: bytes | memoryview, *, record: str = "") -> CompactRow:
     """Decode a compact blob, checked (the trailing crc32, the header, every id in the
     vocabulary); a bad blob raises :class:`~tensorverse.store.codec.CodecError`."""
-    where = f"compact row {record!r}" if record else "compact row"
+    where = _where(record)
     b = bytes(blob)
-    if len(b) < _HEAD.size + _CRC.size:
-        raise CodecError(f"{where}: truncated ({len(b)} bytes)")
-    if _CRC.unpack_from(b, len(b) - 4)[0] != zlib.crc32(b[:-4]):
-        raise CodecError(f"{where}: checksum mismatch (corrupt or truncated)")
-    magic, version, code, k, e, vocab, fp, lse = _HEAD.unpack_from(b, 0)
-    if magic != COMPACT_MAGIC:
-        raise CodecError(f"{where}: not a compact row (magic {magic!r})")
-    if version != _VERSION:
-        raise CodecError(f"{where}: compact format {version}, this Tensorverse reads {_VERSION}")
-    if code not in _DTYPE_NAMES or k == 0:
-        raise CodecError(f"{where}: bad header")
+    _checked_head(b, record)
+    _magic, _version, code, k, e, vocab, fp, lse = _HEAD.unpack_from(b, 0)
     n = k + e
-    if len(b) != _HEAD.size + 8 * n + _CRC.size:
-        raise CodecError(f"{where}: {len(b)} bytes for {n} entries")
     ids = np.frombuffer(b, dtype="<i4", count=n, offset=_HEAD.size).astype(np.int32)
     logits = np.frombuffer(b, dtype="<f4", count=n, offset=_HEAD.size + 4 * n).astype(np.float32)
     if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):

@@ -529,12 +529,18 @@ def _reblob(body: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def test_decode_compact_refuses_each_bad_field():
+@pytest.mark.parametrize("read", ["decode_compact", "check_compact"])
+def test_decode_compact_refuses_each_bad_field(read):
+    """Ingest's check (check_compact) refuses exactly what a decode refuses, with the same words."""
     import struct
 
+    from tensorverse.store import compact
+
+    check = getattr(compact, read)
     good = encode_compact(compact_row(np.arange(8, dtype=np.float32), k=3))
     body = bytearray(good[:-4])
     assert decode_compact(_reblob(bytes(body)), record="r@1").top(3) == [7, 6, 5]
+    assert compact.check_compact(_reblob(bytes(body)), record="r@1") is None
     cases = {0: (b"XVCR", "not a compact row"), 4: (b"\x02", "compact format 2"), 5: (b"\x09", "bad header"),
              6: (struct.pack("<H", 0), "bad header"), 8: (struct.pack("<H", 1), "bytes for 4 entries"),
              10: (struct.pack("<I", 7), "outside the vocabulary")}
@@ -542,17 +548,20 @@ def test_decode_compact_refuses_each_bad_field():
         b = bytearray(body)
         b[off:off + len(val)] = val
         with pytest.raises(CodecError, match=msg) as e:
-            decode_compact(_reblob(bytes(b)), record="r@1")
+            check(_reblob(bytes(b)), record="r@1")
         assert "compact row 'r@1'" in str(e.value)
     neg = bytearray(body)
     neg[26:30] = struct.pack("<i", -1)
     with pytest.raises(CodecError, match="outside"):
-        decode_compact(_reblob(bytes(neg)))
+        check(_reblob(bytes(neg)))
     edge = bytearray(body)
     edge[26:30] = struct.pack("<i", 0)  # id 0 is in the vocabulary
+    check(_reblob(bytes(edge)))
     assert 0 in decode_compact(_reblob(bytes(edge))).ids
     with pytest.raises(CodecError, match="^compact row: truncated"):
-        decode_compact(good[:29])
+        check(good[:29])
+    with pytest.raises(CodecError, match="checksum mismatch"):
+        check(good[:-1] + bytes([good[-1] ^ 1]))
     assert len(good) == 26 + 8 * 3 + 4
 
 
