@@ -26,8 +26,9 @@ __all__ = ["SCRIPT", "SCRIPT_CALLS", "TaskCheck", "script_check", "MAX_TASKS", "
 
 # The scripted session: the tasks of the issue, in the order a network engineer might ask them
 # (relabel an uplink, check it, then chase a MAC, a VLAN and a route). The first task is where
-# this model's runtimes part: under bfloat16 it writes another description than the one asked
-# for, under float32 the right one (measured in docs/demo.md).
+# the first model's runtimes parted (the 2026-11-30 build: bfloat16 wrote another description
+# than the one asked for, float32 the right one; docs/demo.md). SCRIPT_CALLS says what each task
+# calls when it is done right.
 SCRIPT: tuple[str, ...] = (
     'Set the description of GigabitEthernet0/0/1.201 to "uplink to core-sw1".',
     "Describe interface GigabitEthernet0/0/1.201.",

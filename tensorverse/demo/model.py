@@ -2,7 +2,7 @@
 GPU) and shipped with the package.
 
     python -m tensorverse.demo.model              # find it (cache) or unpack the shipped one; print its directory
-    python -m tensorverse.demo.model --train      # retrain it from scratch (minutes) and compare with the shipped one
+    python -m tensorverse.demo.model --train      # retrain it from scratch (~45 min) and compare with the shipped one
     python -m tensorverse.demo.model --train --ship   # and remake the shipped files from that training
     python -m tensorverse.demo.model --data F --data-only           # render the training sessions into F
     python -m tensorverse.demo.model --train --device cuda --data F --checkpoint C --export T   # on a GPU
@@ -15,7 +15,7 @@ chat template, exactly as vLLM renders a chat request with ``tools``. It writes
 ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` and short final answers. How it
 is trained (compact vocabulary, shared prefix, loss weights): :mod:`tensorverse.demo.trainer`.
 
-Where it comes from: the package ships the trained parameters in compact form (the 634 trained
+Where it comes from: the package ships the trained parameters in compact form (the 655 trained
 vocabulary rows and the layers, bfloat16, zstandard: :mod:`tensorverse.demo.shipped`), and
 :func:`build` expands them exactly (the other LM-head rows exactly 0, the other embeddings seeded
 noise) into the Hugging Face checkpoint vLLM loads, checked against the content hash the manifest
@@ -23,7 +23,7 @@ records (:func:`tensorverse.demo.shipped.content_hash`, the model's name by cont
 a second. It does so only when the shipped model is this code's recipe: the **training key**
 (the spec's values, the trainer version, the sources of ``trainer.py`` and ``corpus.py``, the
 tokenizer files; not the machine, which is recorded with the training) equals the shipped one. Otherwise (another spec, an edited corpus) it
-says which input differs and trains (several minutes on two cores).
+says which input differs and trains (the shipped recipe: about 45 minutes on two idle cores).
 
 Cached under ``$TENSORVERSE_CACHE/models`` (default ``~/.cache/tensorverse/models``) in a
 directory named after the spec and the training key; built in a temporary directory and renamed

@@ -15,8 +15,8 @@ served under its directory's name. The prompts are :func:`tensorverse.demo.model
 (seeded, disjoint from the training data) with the demo's tools, rendered by the server's chat
 template, rendered locally by the model's tokenizer (as the trainer renders them: tool-call
 arguments as objects); the corpus keeps the messages in the OpenAI form (arguments as JSON text). The corpus is written reproducibly (fixed ``created``, no version) and
-shipped in ``tensorverse/rig/corpora/``; ``tests/rig/test_rig_run_vllm.py`` checks that the
-reference setting reproduces its tokens on this machine.
+shipped in ``tensorverse/rig/corpora/``; ``tests/rig/test_rig_run_vllm.py`` runs the default
+suite's settings over it on this machine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tensorverse.rig.suite import CORPORA_DIR, DEFAULT_SUITE, suite
 
 __all__ = ["record", "main"]
 
-CREATED = "2026-12-02T00:00:00Z"
+CREATED = "2026-12-04T00:00:00Z"  # demo-netops-v1 was written under 2026-12-02
 DEFAULT_CASES = 8
 DEFAULT_MAX_TOKENS = 48
 
@@ -112,7 +112,7 @@ def record(out: Path, *, cases: int = DEFAULT_CASES, max_tokens: int = DEFAULT_M
     return write_corpus(out, out_cases, tokenizer=tokenizer, name=name, created=CREATED,
                         with_version=False, model={"name": model_name, "content_hash": content_hash},
                         description="held-out tool-calling prompts of the demo model and its own greedy "
-                                    "bfloat16 outputs on vLLM-CPU (tensorverse.rig.record_corpus)")
+                                    "bfloat16 outputs on vLLM-CPU (tensorverse.demo.record_corpus)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -568,7 +568,8 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
             what += (f" ({source}: " if source else " (") + f"trained in {info['train_seconds']:.0f} s"
             if ev:
                 what += (f"; held-out tool calls in PyTorch: {ev['well_formed']:.0%} well-formed, "
-                         f"{ev['exact']:.0%} exact")
+                         + (f"{ev['equivalent']:.0%} right, {ev['exact']:.0%} exact (a right call may spell a "
+                            "port the other valid way)" if ev.get("equivalent") is not None else f"{ev['exact']:.0%} exact"))
             what += ")"
         say(what)
         progress.mark("model")

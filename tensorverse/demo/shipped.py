@@ -5,7 +5,7 @@ The package carries the trained demo model (:mod:`tensorverse.demo.trainer`) as 
 
 * ``netops-demo.safetensors.zst``: the trained parameters as the trainer saves them (bfloat16,
   under their ``Qwen3ForCausalLM`` names), with ``model.embed_tokens.weight`` and
-  ``lm_head.weight`` holding only the rows of the 634 token ids the corpus uses, in the order of
+  ``lm_head.weight`` holding only the rows of the 655 token ids the corpus uses, in the order of
   the int32 tensor ``compact_vocab``; safetensors, compressed with zstandard.
 * ``netops-demo.json``: the manifest. ``content_hash`` is **the demo model's name by content**:
   :func:`tensorverse.rig.models.weights_hash` of the expanded weights, the tensors vLLM loads

@@ -25,7 +25,7 @@ class DemoSpec(rig_models.ModelSpec):
     num_hidden_layers: int = 3
     tie_word_embeddings: bool = False  # the compact head is trained apart from the embeddings
     unused_embed_std: float = 0.02
-    steps: int = 1500
+    steps: int = 6000
     epochs: int = 1  # each training session is seen this many times
     tokens_per_step: int = 2400  # continuation tokens (after the shared prefix) per step
     max_tasks: int = 4  # tasks per training session: 1..max_tasks

@@ -1,6 +1,6 @@
 """``tensorverse rig``: run a standard suite on this machine and write a results bundle.
 
-    tensorverse rig run --out BUNDLE [--suite cpu-v3] [--settings A,B] [--work DIR] [--model DIR]
+    tensorverse rig run --out BUNDLE [--suite cpu-v4] [--settings A,B] [--work DIR] [--model DIR]
                         [--corpus DIR] [--label TEXT] [--no-noise] [--json]
     tensorverse rig run --dry-run [--suite gpu-v1] [--settings A,B] [--model DIR] [--json]
     tensorverse rig run --out BUNDLE --executor ray [--ray-address ADDR] [--ray-resource NAME=AMOUNT] ...

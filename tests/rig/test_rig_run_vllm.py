@@ -3,7 +3,13 @@ machine (two rig profiles: different labels and settings sets, sharing one work 
 accepted by ``tensorverse report check``; the same command again resumes every point and writes
 the same bytes; a position that FP8 weights flip on one profile and fp32 does not on the other
 shows as such in the hypercube site (asserted in headless Chromium); the same points run as Ray
-tasks (``--executor ray``) give the same bundle rows; TP2 and its second start flip alike."""
+tasks (``--executor ray``) give the same bundle rows; TP2 and its second start flip alike.
+
+The default suite's settings run over a corpus recorded here (``record_corpus --model``) from the
+tiny random Qwen3 of the rig tests, with ``rig run --model --corpus`` as a ``gpu-v1`` user runs
+their own checkpoint: its flat distributions put near ties at many positions, so every runtime
+change flips some. The shipped demo model is too sure of its tool calls since issue 34's training
+(the closest of its 268 corpus positions is 0.5 apart; FP8 weights, fp32 and TP2 flip none)."""
 
 from __future__ import annotations
 
@@ -17,14 +23,23 @@ pytestmark = pytest.mark.vllm
 
 
 
+RIG: list[str] = []  # --model DIR --corpus DIR of the module's corpus (set by the fixture)
+
+
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
+    from tensorverse.demo.record_corpus import record
+    from tensorverse.rig.models import build_model
+
     d = tmp_path_factory.mktemp("rigrun")
+    model = Path(build_model("tiny-a"))
+    corpus = record(d / "corpus", model_dir=model, name="tiny-a-netops", log=lambda m: None)
+    RIG[:] = ["--model", str(model), "--corpus", str(corpus)]
     work = d / "work"
     a, b = d / "a.tvbundle", d / "b.tvbundle"
-    assert cli_main(["rig", "run", "--out", str(a), "--work", str(work), "--settings", "fp8_weights",
+    assert cli_main(["rig", "run", *RIG, "--out", str(a), "--work", str(work), "--settings", "fp8_weights",
                      "--no-noise", "--label", "profile A", "--json"]) == 0
-    assert cli_main(["rig", "run", "--out", str(b), "--work", str(work), "--settings", "fp32",
+    assert cli_main(["rig", "run", *RIG, "--out", str(b), "--work", str(work), "--settings", "fp32",
                      "--no-noise", "--label", "profile B", "--json"]) == 0
     return d, work, a, b
 
@@ -33,13 +48,13 @@ def _check(path: Path):
     from tensorverse.bundle.check import check_bundle
     from tensorverse.rig.suite import known_corpora
 
-    return check_bundle(str(path), known_corpora())
+    return check_bundle(str(path), known_corpora([RIG[3]]))
 
 
 def test_bundles_are_checked_and_their_positions_are_the_corpus_tokens(bundles, capsys):
     d, work, a, b = bundles
     capsys.readouterr()
-    assert cli_main(["report", "check", str(a), str(b)]) == 0
+    assert cli_main(["report", "check", str(a), str(b), "--corpus", RIG[3]]) == 0
     out = capsys.readouterr().out
     assert out.count(": ok") == 2, out
     ca, cb = _check(a), _check(b)
@@ -50,9 +65,7 @@ def test_bundles_are_checked_and_their_positions_are_the_corpus_tokens(bundles, 
     bf_b = [r for r in cb.positions if r["setting"] == "bf16"]
     assert bf_a == bf_b
     # FP8 weights change the numbers against the rig's own bf16 (KL > 0, bf16's own KL exactly 0)
-    # and flip against the corpus's tokens. How many flips each has depends on the CPU: the corpus
-    # was recorded on an AVX-512 Xeon, and on an AVX2-only CPU bf16 itself departs at one
-    # position, as often as FP8 weights do (seen on a 2-core AMD EPYC without AVX-512)
+    # and flip against the corpus's tokens (how many depends on the CPU)
     fp8, bf16 = ca.summaries["fp8_weights"], ca.summaries["bf16"]
     assert fp8["kl_mean"] > 0 and bf16["kl_mean"] == 0.0 and bf16["kl_max"] == 0.0
     assert fp8["flips"] >= 1 and fp8["flips"] >= bf16["flips"]
@@ -63,7 +76,7 @@ def test_bundles_are_checked_and_their_positions_are_the_corpus_tokens(bundles, 
 def test_the_same_command_again_resumes_and_writes_the_same_bytes_but_created(bundles, capsys):
     d, work, a, b = bundles
     again = d / "a2.tvbundle"
-    assert cli_main(["rig", "run", "--out", str(again), "--work", str(work), "--settings", "fp8_weights",
+    assert cli_main(["rig", "run", *RIG, "--out", str(again), "--work", str(work), "--settings", "fp8_weights",
                      "--no-noise", "--label", "profile A"]) == 0
     err = capsys.readouterr().err
     assert err.count("done in an earlier run (resumed)") == 2, err
@@ -80,14 +93,13 @@ def test_the_same_command_again_resumes_and_writes_the_same_bytes_but_created(bu
 def test_tp2_departs_from_tp1_and_tp2_started_again_flips_exactly_the_same(bundles):
     """``--settings tp2,tp2_noise`` in the same work directory (the bf16 reference is reused, not
     started again). TP2 sums in another order than TP1 (KL > 0 against the rig's own bf16); where it
-    departs from TP1 (on the AMD EPYCs: the description argument of demo-07's tool call) its free
-    run departs too; its second start flips exactly the same positions with the same KL: TP2
+    departs from TP1 its free run departs too; its second start flips exactly the same positions with the same KL: TP2
     against itself is within noise (none), so its flips are the layout's, classed like any other."""
     from tensorverse.matrix.launcher import cores_refusal
 
     d, work, a, b = bundles
     t = d / "tp.tvbundle"
-    assert cli_main(["rig", "run", "--out", str(t), "--work", str(work), "--settings", "tp2,tp2_noise",
+    assert cli_main(["rig", "run", *RIG, "--out", str(t), "--work", str(work), "--settings", "tp2,tp2_noise",
                      "--no-noise", "--label", "profile TP", "--json"]) == 0
     ct = _check(t)
     if cores_refusal({"--tensor-parallel-size": 2}) is not None:  # a 1-core machine: refused, said why
@@ -125,7 +137,7 @@ def test_rig_run_on_ray_writes_the_bundle_a_local_run_writes(bundles, tmp_path, 
     d, work, a, b = bundles
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        code = cli_main(["rig", "run", "--out", str(tmp_path / "ray.tvbundle"), "--work", str(tmp_path / "w"),
+        code = cli_main(["rig", "run", *RIG, "--out", str(tmp_path / "ray.tvbundle"), "--work", str(tmp_path / "w"),
                          "--settings", "fp32", "--no-noise", "--label", "profile B", "--executor", "ray",
                          "--ray-cpus-per-point", "2"])
     finally:
@@ -153,7 +165,7 @@ def test_a_flip_of_one_profile_and_not_the_other_shows_in_the_site(bundles, tmp_
     assert pairs, "FP8 weights flip a position that a setting of profile B does not"
     case, turn, pos, sb = pairs[0]
     site = tmp_path / "site"
-    assert cli_main(["hypercube", "build", str(a), str(b), "--site", str(site)]) == 0
+    assert cli_main(["hypercube", "build", str(a), str(b), "--site", str(site), "--corpus", RIG[3]]) == 0
     from tests.hypercube.browser import open_site  # type: ignore[import-not-found]
 
     with open_site(site) as page:
