@@ -50,9 +50,12 @@ def _same_stream(vs, ds):
         return
 
     def merged(chunks):
-        tops = [{k: v for k, v in c.items() if k not in ("choices", "usage")} for c in chunks]
-        top = tops[0]
-        for t in tops[1:]:  # the first chunk may carry fields (prompt_token_ids) the others lack
+        # a field a chunk leaves out or sends as null is one it does not carry: the first chunk may
+        # carry fields (prompt_token_ids) the others lack, and vLLM 0.32 sends system_fingerprint
+        # in some chunks of a stream and null in others (seen when its chunks were coalesced)
+        tops = [{k: v for k, v in c.items() if k not in ("choices", "usage") and v is not None} for c in chunks]
+        top: dict = {}
+        for t in tops:
             assert {k: v for k, v in t.items() if k in top} == {k: v for k, v in top.items() if k in t}, (t, top)
             top = {**t, **top}
         choices: dict = {}
