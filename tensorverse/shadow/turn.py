@@ -66,6 +66,12 @@ def normalize_topk(entry: Any) -> list[list[float]] | None:
         fast = _completions_topk(entry)
         if fast is not None:
             return fast
+    return _general_topk(entry)
+
+
+def _general_topk(entry: Any) -> list[list[float]] | None:
+    """:func:`normalize_topk` through :func:`tensorverse.analysis.topk.parse_top_logprobs`: any
+    form it reads; None for an entry it refuses."""
     from tensorverse.analysis.topk import parse_top_logprobs
 
     try:

@@ -129,16 +129,9 @@ def test_normalize_topk_reads_completions_answers_exactly_as_the_general_parser(
     import math
     import random
 
-    from tensorverse.analysis.topk import parse_top_logprobs
     from tensorverse.shadow import turn as turn_mod
 
-    def general(entry):
-        try:
-            d = parse_top_logprobs(entry)
-        except ValueError:
-            return None
-        return [[int(t), (lp if math.isfinite(lp) else -9999.0)]
-                for t, lp in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
+    general = turn_mod._general_topk
 
     rng = random.Random(7)
     odd = [-9999.0, -1e6, 0.0, -0.0, 1e-7, 2.0, math.nan, -math.inf, -0.5]
