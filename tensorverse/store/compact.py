@@ -161,7 +161,7 @@ def check_compact(blob: bytes | memoryview, *, record: str = "") -> None:
     compact frame it is sent: about a fifth of the time of a decode); a bad blob raises
     :class:`~tensorverse.store.codec.CodecError`."""
     b = bytes(blob)
-    n, vocab = _checked_head(b, record)
+    n, vocab = _checked_head(b, record)[:2]
     ids = struct.unpack_from(f"<{n}i", b, _HEAD.size)
     if n and (min(ids) < 0 or max(ids) >= vocab):
         raise CodecError(f"{_where(record)}: a token id outside the vocabulary of {vocab}")
@@ -171,13 +171,14 @@ def _where(record: str) -> str:
     return f"compact row {record!r}" if record else "compact row"
 
 
-def _checked_head(b: bytes, record: str) -> tuple[int, int]:
-    """A compact blob's entries and vocabulary, after its crc32, header and length checks."""
+def _checked_head(b: bytes, record: str) -> tuple[int, int, int, int, int, float]:
+    """A compact blob's entries, vocabulary, dtype code, k, fingerprint and log-sum-exp, after its
+    crc32, header and length checks."""
     if len(b) < _HEAD.size + _CRC.size:
         raise CodecError(f"{_where(record)}: truncated ({len(b)} bytes)")
     if _CRC.unpack_from(b, len(b) - 4)[0] != zlib.crc32(b[:-4]):
         raise CodecError(f"{_where(record)}: checksum mismatch (corrupt or truncated)")
-    magic, version, code, k, e, vocab, _fp, _lse = _HEAD.unpack_from(b, 0)
+    magic, version, code, k, e, vocab, fp, lse = _HEAD.unpack_from(b, 0)
     if magic != COMPACT_MAGIC:
         raise CodecError(f"{_where(record)}: not a compact row (magic {magic!r})")
     if version != _VERSION:
@@ -187,7 +188,7 @@ def _checked_head(b: bytes, record: str) -> tuple[int, int]:
     n = k + e
     if len(b) != _HEAD.size + 8 * n + _CRC.size:
         raise CodecError(f"{_where(record)}: {len(b)} bytes for {n} entries")
-    return n, vocab
+    return n, vocab, code, k, fp, lse
 
 
 def decode_compact(blob: bytes | memoryview, *, record: str = "") -> CompactRow:
@@ -195,9 +196,7 @@ def decode_compact(blob: bytes | memoryview, *, record: str = "") -> CompactRow:
     vocabulary); a bad blob raises :class:`~tensorverse.store.codec.CodecError`."""
     where = _where(record)
     b = bytes(blob)
-    _checked_head(b, record)
-    _magic, _version, code, k, e, vocab, fp, lse = _HEAD.unpack_from(b, 0)
-    n = k + e
+    n, vocab, code, k, fp, lse = _checked_head(b, record)
     ids = np.frombuffer(b, dtype="<i4", count=n, offset=_HEAD.size).astype(np.int32)
     logits = np.frombuffer(b, dtype="<f4", count=n, offset=_HEAD.size + 4 * n).astype(np.float32)
     if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
