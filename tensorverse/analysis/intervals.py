@@ -143,22 +143,21 @@ def cluster_bootstrap_difference(numerator: Counts, positions: Counts, base_nume
                          f"{a.shape}, {p.shape}, {b.shape}, {q.shape}")
     c = int(a.shape[0])
     tp, tq = float(p.sum()), float(q.sum())
-    if c == 0 or tp <= 0 or tq <= 0:
+    if tq <= 0:  # no base positions (no clusters at all included)
         return Interval(None, None, None, c, int(tp))
-    r = tq / tp
-    if np.allclose(q, r * p, rtol=1e-12, atol=0.0):  # proportional: one ratio of sums
-        return cluster_bootstrap(a - b / r, p, replicates=replicates, confidence=confidence, seed=seed)
-    est = float(a.sum()) / tp - float(b.sum()) / tq
-    if c < 2:
-        return Interval(est, None, None, c, int(tp))
+    # proportional (exact for counts): one ratio of sums; no positions on the first side is this
+    # case too, and cluster_bootstrap says so
+    if np.array_equal(q * tp, p * tq):
+        return cluster_bootstrap(a - b * (tp / tq), p, replicates=replicates, confidence=confidence, seed=seed)
+    est = float(a.sum()) / tp - float(b.sum()) / tq  # not proportional: two clusters at least
     rows, counts = np.unique(np.stack([a, p, b, q], axis=1), axis=0, return_counts=True)
     rng = np.random.default_rng(seed)
     w = rng.multinomial(c, counts / c, size=replicates).astype(np.float64)
     dp, dq = w @ rows[:, 1], w @ rows[:, 3]
     ok = (dp > 0) & (dq > 0)  # a replicate that drew no position of a side has no difference
-    stats = ((w @ rows[:, 0]) / np.where(dp > 0, dp, 1.0) - (w @ rows[:, 2]) / np.where(dq > 0, dq, 1.0))[ok]
-    if stats.size == 0:
+    if not ok.any():
         return Interval(est, None, None, c, int(tp))
+    stats = (w[ok] @ rows[:, 0]) / dp[ok] - (w[ok] @ rows[:, 2]) / dq[ok]
     alpha = 1.0 - confidence
     lo, hi = (float(x) for x in np.quantile(stats, [alpha / 2, 1 - alpha / 2]))
     return Interval(est, min(lo, est), max(hi, est), c, int(tp))

@@ -167,3 +167,35 @@ def test_paired_difference_covers_the_true_effect_on_clustered_turns():
         iv = cluster_bootstrap_difference(k, n, b, n, replicates=500)
         hits += iv.low <= true <= iv.high
     assert hits / sims >= 0.90
+
+
+def test_difference_refusals_and_sides_without_positions_exactly():
+    assert cluster_bootstrap_difference([], [], [], []) == Interval(None, None, None, 0, 0)
+    assert cluster_bootstrap_difference([0], [0], [1], [5]) == Interval(None, None, None, 1, 0)  # no positions
+    assert cluster_bootstrap_difference([1], [10], [0], [0]) == Interval(None, None, None, 1, 10)  # no base
+    # one position a side is enough
+    assert cluster_bootstrap_difference([1], [1], [0], [5]).estimate == 1.0
+    assert cluster_bootstrap_difference([1], [10], [0], [1]).estimate == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="four 1-D arrays"):
+        cluster_bootstrap_difference([[1, 2]], [[3, 4]], [[1, 0]], [[3, 4]])
+
+
+def test_difference_passes_its_confidence_replicates_and_seed_on():
+    k, n, b = [0, 3, 0, 1, 0, 7, 0, 0], [12, 30, 9, 14, 20, 25, 11, 16], [1, 0, 0, 1, 0, 2, 0, 0]
+    kw = dict(confidence=0.8, replicates=300, seed=5)
+    assert cluster_bootstrap_difference(k, n, b, n, **kw) == cluster_bootstrap(np.subtract(k, b), n, **kw)
+    q = [x + (i == 1) for i, x in enumerate(n)]  # not proportional: the joint draw, with the same knobs
+    a1, a2 = cluster_bootstrap_difference(k, n, b, q, **kw), cluster_bootstrap_difference(k, n, b, q, **kw)
+    assert a1 == a2 and a1.clusters == 8 and a1.positions == sum(n)
+    wide = cluster_bootstrap_difference(k, n, b, q, replicates=300, seed=5)  # 95 %: wider than 80 %
+    assert wide.low < a1.low and wide.high > a1.high
+
+
+def test_a_replicate_that_draws_no_position_of_a_side_is_left_out():
+    """Two turns, each run by one side only: a replicate drawing one turn twice has no difference
+    and is dropped; one drawing both has 1/1 - 1/1 = 0. With a single replicate (seed 0 draws
+    both turns, seed 3 one twice) the interval is [0, 0] or none."""
+    args = ([1, 0], [1, 0], [0, 1], [0, 1])
+    assert cluster_bootstrap_difference(*args, replicates=1, seed=0) == Interval(0.0, 0.0, 0.0, 2, 1)
+    assert cluster_bootstrap_difference(*args, replicates=1, seed=3) == Interval(0.0, None, None, 2, 1)
+    assert cluster_bootstrap_difference(*args) == Interval(0.0, 0.0, 0.0, 2, 1)
