@@ -560,6 +560,8 @@ def test_decode_compact_refuses_each_bad_field(read):
     assert 0 in decode_compact(_reblob(bytes(edge))).ids
     with pytest.raises(CodecError, match="^compact row: truncated"):
         check(good[:29])
+    with pytest.raises(CodecError, match="^compact row 'r@1': truncated"):
+        check(good[:29], record="r@1")
     with pytest.raises(CodecError, match="checksum mismatch"):
         check(good[:-1] + bytes([good[-1] ^ 1]))
     assert len(good) == 26 + 8 * 3 + 4
