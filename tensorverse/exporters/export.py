@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import orjson
 
 from tensorverse.store import records
-from tensorverse.store.records import Comparison, Run, Session, Turn
+from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison, Run, Session, Turn
 
 __all__ = ["SCHEMA", "TABLES", "FORMATS", "export_store", "parse_since", "ExportError"]
 
@@ -219,25 +219,32 @@ def _pcol(p: str) -> str:
 
 def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None,
                    turn_created_ns: int | None = None) -> dict[str, Any]:
-    s = c.summary or {}
+    """One row per comparison, forced and free alike: the columns of the other mode are None."""
+    forced = c if isinstance(c, ForcedComparison) else None
+    free = c if isinstance(c, FreeComparison) else None
+    s = (forced.summary if forced is not None else None) or {}
     kl = s.get("kl") or {}
     dp = s.get("delta_p") or {}
     same = s.get("same_top_p") or {}
-    noise = c.noise or {}
-    free_ok = c.mode == "free" and c.status == "ok"
-    n_flips = len(c.flips) if c.flips is not None else (int(bool(c.diverged)) if free_ok else None)
-    n = c.n
-    if free_ok:
-        prefix = c.common_prefix if c.common_prefix is not None else \
-            _int((c.divergence or {}).get("common_prefix")) or 0
-        n = prefix + (1 if c.diverged else 0)  # as tensorverse_compared_tokens_total
+    noise = (forced.noise if forced is not None else None) or {}
+    n: int | None = None
+    n_flips: int | None = None
+    if forced is not None:
+        n = forced.n
+        n_flips = len(forced.flips) if forced.flips is not None else None
+    elif free is not None and free.status == "ok":
+        prefix = free.common_prefix if free.common_prefix is not None else \
+            _int((free.divergence or {}).get("common_prefix")) or 0
+        n = prefix + (1 if free.diverged else 0)  # as tensorverse_compared_tokens_total
+        n_flips = int(bool(free.diverged))
     row = {"run_id": c.run_id, "ref_run_id": c.ref_run_id, "turn_id": c.turn_id or turn_id,
            "session_id": session_id, "backend": c.backend, "ref_backend": c.ref_backend,
            "role": c.role, "ref_role": c.ref_role, "mode": c.mode,
            "kind": c.kind, "status": c.status, "error": c.error,
            "approximate": c.approximate, "noise_floor": c.noise_floor,
            "template_mismatch": c.template_mismatch,
-           "compact_positions": len(c.compact_positions) if c.compact_positions is not None else None,
+           "compact_positions": len(forced.compact_positions)
+           if forced is not None and forced.compact_positions is not None else None,
            "n": n, "flips": n_flips,
            "flip_rate": (n_flips / n) if n_flips is not None and n else None,
            "first_flip": c.first_flip,
@@ -245,16 +252,19 @@ def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None,
            "kl_min": _float(kl.get("min")), "rms_delta_p": _float(dp.get("rms")),
            "same_top_p": _float(same.get("p")), "same_top_p_se": _float(same.get("se")),
            "flips_by_region": _json(s.get("flips_by_region")),
-           "diverged": c.diverged, "common_prefix": c.common_prefix,
-           "verdict": c.verdict, "tool_calls": _json(c.tool_calls),
-           "forced_departure": c.forced_departure, "confirms_forced": c.confirms_forced,
+           "diverged": None, "common_prefix": None, "verdict": None, "tool_calls": None,
+           "forced_departure": None, "confirms_forced": None,
            "noise_verdict": _str(noise.get("verdict")), "noise_p_value": _float(noise.get("p_value")),
            "noise_difference": _float(noise.get("difference")),
-           "turn_created_ns": turn_created_ns, "ref_tool_calls": c.ref_tool_calls,
-           "cand_tool_calls": c.cand_tool_calls,
+           "turn_created_ns": turn_created_ns, "ref_tool_calls": None, "cand_tool_calls": None,
            "flips_by_region_class": _json(s.get("flips_by_region_class")),
            "positions_by_region": _json(s.get("positions_by_region")),
            **_class_columns(c, s)}
+    if free is not None:
+        row.update(diverged=free.diverged, common_prefix=free.common_prefix, verdict=free.verdict,
+                   tool_calls=_json(free.tool_calls), forced_departure=free.forced_departure,
+                   confirms_forced=free.confirms_forced, ref_tool_calls=free.ref_tool_calls,
+                   cand_tool_calls=free.cand_tool_calls)
     for p in ("p99.9", "p99", "p95", "p90", "p50", "p10", "p5", "p1", "p0.1"):
         row[_pcol(p)] = _float(kl.get(p))
     return row
@@ -262,9 +272,9 @@ def comparison_row(c: Comparison, turn_id: str | None, session_id: str | None,
 
 def _class_columns(c: Comparison, s: Mapping[str, Any]) -> dict[str, Any]:
     by_class = c.flips_by_class or s.get("flips_by_class")
-    excess = c.excess or {}
+    excess = (c.excess if isinstance(c, ForcedComparison) else None) or {}
     return {"flips_by_class": _json(by_class),
-            "flip_class": c.flip_class,
+            "flip_class": c.flip_class if isinstance(c, FreeComparison) else None,
             "runtime_flips": _int(by_class.get("runtime")) if isinstance(by_class, Mapping) else None,
             "excess": _float(excess.get("excess")), "excess_low": _float(excess.get("low")),
             "excess_high": _float(excess.get("high"))}
@@ -272,9 +282,9 @@ def _class_columns(c: Comparison, s: Mapping[str, Any]) -> dict[str, Any]:
 
 def position_rows(c: Comparison, turn_id: str | None, session_id: str | None) -> Iterator[dict[str, Any]]:
     """One row per compared position of a forced comparison (nothing for free ones)."""
-    m = c.metrics
-    if c.mode != "forced" or c.status != "ok" or m is None:
+    if not isinstance(c, ForcedComparison) or c.status != "ok" or c.metrics is None:
         return
+    m = c.metrics
     n = int(c.n or len(m.get("kl") or ()))
     positions = c.positions or list(range(n))
     regions = c.regions or [None] * n

@@ -23,12 +23,13 @@ turns, runs and comparisons of its cases). docs/architecture.md, "Records", has 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, TypeVar
+from typing import Any, Literal, Mapping, TypeVar
 
 import msgspec
 
-__all__ = ["Record", "Session", "Turn", "Run", "Comparison", "BackendInfo", "RecordError", "session", "turn", "run",
-           "comparison", "backend", "decode", "unknown_fields", "checked", "RECORD_TYPES", "RECORDED", "FORCED", "FREE"]
+__all__ = ["Record", "Session", "Turn", "Run", "Comparison", "ComparisonBase", "ForcedComparison", "FreeComparison",
+           "comparison_type", "BackendInfo", "RecordError", "session", "turn", "run",
+           "comparison", "backend", "decode", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
 
 # modes of a run
 RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
@@ -162,14 +163,16 @@ class Run(Record, kw_only=True):
         return self.status == "ok"
 
 
-class Comparison(Record, kw_only=True):
-    """A candidate run against a reference run (`tensorverse.shadow.compare`, whose docstring
-    says what each result field means)."""
+class ComparisonBase(Record, kw_only=True):
+    """What every comparison holds: a candidate run against a reference run
+    (`tensorverse.shadow.compare`, whose docstring says what each result field means). A stored
+    comparison is a :class:`ForcedComparison` or a :class:`FreeComparison`, told apart by
+    ``mode``; :data:`Comparison` is either."""
 
     run_id: str
     ref_run_id: str
     turn_id: str | None = None
-    mode: str = FORCED
+    mode: str
     kind: str | None = None  # forced: full / topk; free: tokens
     backend: str | None = None
     ref_backend: str | None = None
@@ -180,24 +183,34 @@ class Comparison(Record, kw_only=True):
     approximate: bool = False
     noise_floor: bool = False
     template_mismatch: bool = False
-    # forced
+    first_flip: int | None = None
+    flips_by_class: dict[str, int] | None = None
+    attribution: dict[str, Any] | None = None
+
+
+class ForcedComparison(ComparisonBase, kw_only=True):
+    """Both runs scored on the primary's tokens: per-position metrics, flips and their classes."""
+
+    mode: Literal["forced"] = "forced"
     n: int | None = None
     positions: list[int] | None = None  # the positions the metric columns cover (None: all)
-    # positions whose metrics came from compact rows (reduced at the source): KL a lower bound
+    # positions where a side had only its compact row (evidence at the source): approximate there
     compact_positions: list[int] | None = None
     incomplete: bool = False
     summary: dict[str, Any] | None = None
     flips: list[int] | None = None
-    first_flip: int | None = None
     flip_tokens: list[dict[str, Any]] | None = None
     metrics: dict[str, Any] | None = None  # per-position columns (lists): kl, delta_p, margin, rank...
     regions: list[Any] | None = None
     noise: dict[str, Any] | None = None
     flip_classes: list[str] | None = None  # one class per entry of ``flips``
-    flips_by_class: dict[str, int] | None = None
-    attribution: dict[str, Any] | None = None
     excess: dict[str, Any] | None = None
-    # free
+
+
+class FreeComparison(ComparisonBase, kw_only=True):
+    """The candidate's own answer against the primary's: where they diverge, the tool calls."""
+
+    mode: Literal["free"] = "free"
     divergence: dict[str, Any] | None = None
     diverged: bool | None = None
     common_prefix: int | None = None
@@ -210,6 +223,23 @@ class Comparison(Record, kw_only=True):
     confirms_forced: bool | None = None
     finish_reason: str | None = None
     ref_finish_reason: str | None = None
+
+
+Comparison = ForcedComparison | FreeComparison
+
+
+def comparison_type(record: Mapping[str, Any] | ComparisonBase) -> type[ForcedComparison] | type[FreeComparison]:
+    """The class of a comparison, by its ``mode`` (``forced`` when it has none: the default of
+    the records written before free comparisons existed)."""
+    if isinstance(record, (ForcedComparison, FreeComparison)):
+        return type(record)
+    mode = record.get("mode", FORCED) if isinstance(record, Mapping) else record.mode
+    if mode == FREE:
+        return FreeComparison
+    if mode == FORCED:
+        return ForcedComparison
+    raise RecordError(f"comparison of {record.get('run_id') if isinstance(record, Mapping) else record.run_id!r}: "
+                      f"unknown mode {mode!r} (forced, free)")
 
 
 class BackendInfo(Record, kw_only=True):
@@ -230,8 +260,19 @@ class BackendInfo(Record, kw_only=True):
     capabilities: dict[str, Any] | None = None  # forcing, capture, detail (probed)
 
 
-RECORD_TYPES: dict[str, type[Record]] = {"session": Session, "turn": Turn, "run": Run,
-                                         "comparison": Comparison, "backend": BackendInfo}
+#: the store's kinds of record (``Store.records(kind)``)
+KINDS = ("session", "turn", "run", "comparison", "backend")
+RECORD_TYPES: dict[str, type[Record]] = {"session": Session, "turn": Turn, "run": Run, "backend": BackendInfo}
+
+
+def record_type(kind: str, record: Mapping[str, Any]) -> type[Record]:
+    """The type of a stored record of ``kind`` (a comparison's depends on its mode)."""
+    if kind == "comparison":
+        return comparison_type(record)
+    try:
+        return RECORD_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown record kind {kind!r} (one of {', '.join(KINDS)})") from None
 
 R = TypeVar("R", bound=Record)
 
@@ -260,7 +301,8 @@ def run(record: Mapping[str, Any] | Run) -> Run:
 
 
 def comparison(record: Mapping[str, Any] | Comparison) -> Comparison:
-    return decode(record, Comparison)
+    """A stored comparison as a :class:`ForcedComparison` or a :class:`FreeComparison`."""
+    return decode(record, comparison_type(record))
 
 
 def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:

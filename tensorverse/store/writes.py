@@ -205,7 +205,8 @@ class StoreWrites(StoreBase):
 
     def put_comparison(self, run_id: str, ref_run_id: str,
                        result: Mapping[str, Any] | records.Comparison) -> Future:
-        if isinstance(result, records.Comparison):
-            result = records.checked(result, records.Comparison)
-        record = records.checked({**result, "run_id": run_id, "ref_run_id": ref_run_id}, records.Comparison)
+        cls = records.comparison_type(result)  # forced or free, by its mode
+        if isinstance(result, records.ComparisonBase):
+            result = records.checked(result, cls)
+        record = records.checked({**result, "run_id": run_id, "ref_run_id": ref_run_id}, cls)
         return self._put_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id), record)

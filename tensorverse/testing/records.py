@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from tensorverse.store.records import Comparison, Run, Session, Turn
+from tensorverse.store.records import ForcedComparison, FreeComparison, Run, Session, Turn
 
-__all__ = ["T0", "tsession", "tturn", "trun", "tcomparison", "store_session"]
+__all__ = ["T0", "tsession", "tturn", "trun", "tcomparison", "tfree_comparison", "store_session"]
 
 T0 = 1_700_000_000_000_000_000  # 2023-11-14: "a while ago" for every retention rule
 
@@ -35,9 +35,14 @@ def trun(id: str = "r", turn_id: str = "t", backend: str = "shadow", mode: str =
     return Run(**{"id": id, "turn_id": turn_id, "backend": backend, "mode": mode, **fields})
 
 
-def tcomparison(run_id: str = "r", ref_run_id: str = "ref", **fields: Any) -> Comparison:
+def tcomparison(run_id: str = "r", ref_run_id: str = "ref", **fields: Any) -> ForcedComparison:
     """An ``ok`` forced comparison of ``run_id`` against ``ref_run_id``."""
-    return Comparison(**{"run_id": run_id, "ref_run_id": ref_run_id, **fields})
+    return ForcedComparison(**{"run_id": run_id, "ref_run_id": ref_run_id, **fields})
+
+
+def tfree_comparison(run_id: str = "r", ref_run_id: str = "ref", **fields: Any) -> FreeComparison:
+    """An ``ok`` free comparison of ``run_id`` against the primary's ``ref_run_id``."""
+    return FreeComparison(**{"run_id": run_id, "ref_run_id": ref_run_id, "kind": "tokens", **fields})
 
 
 def store_session(store: Any, sid: str, *, created_ns: int = T0, turns: int = 1,

@@ -284,8 +284,9 @@ def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
         assert comparison(st.get_comparison("r4-ref-forced", primary)).flips == []
         free = st.get_comparison("r4-cand-free", primary)
         assert (free["first_flip"], free["divergence"]["position"], free["confirms_forced"]) == (2, 2, True)
-        for kind, cls in records.RECORD_TYPES.items():
+        for kind in records.KINDS:
             for rec in st.records(kind):
+                cls = records.record_type(kind, rec)
                 assert records.unknown_fields(rec, cls) == [], (kind, rec)
                 records.decode(rec, cls)
 

@@ -54,6 +54,28 @@ def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(
             "side_turns": 0, "tool_call_turns": 0, "updated_ns": None, "edits": [], "pinned": False}
 
 
+def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_path: Path) -> None:
+    from tensorverse.store import records
+    from tensorverse.testing.records import tcomparison, tfree_comparison
+
+    with Store.open(tmp_path / "s") as store:
+        for put in (lambda: store.put_comparison("r", "q", {"mode": "free", "verdict": "match", "flips": [1]}),
+                    lambda: store.put_comparison("r", "q", {"mode": "forced", "verdict": "match"}),
+                    lambda: store.put_comparison("r", "q", {"mode": "sideways"}),
+                    lambda: store.put_comparison("r", "q", tfree_comparison("r", "q", mode="forced"))):
+            with pytest.raises(records.RecordError):
+                put()  # a field of the other mode, or no such mode: refused before it is queued
+        assert store.comparison_keys("t") == [] and list(store.records("comparison")) == []
+        store.put_comparison("f", "p", tcomparison("f", "p", flips=[2], n=5)).result()
+        store.put_comparison("g", "p", tfree_comparison("g", "p", verdict="wrong_tool", first_flip=3)).result()
+        store.put_comparison("h", "p", {"n": 4}).result()  # no mode: forced, as records before free ones
+        forced, free, old = (records.comparison(store.get_comparison(r, "p")) for r in "fgh")
+    assert type(forced) is records.ForcedComparison and (forced.mode, forced.flips, forced.n) == ("forced", [2], 5)
+    assert type(free) is records.FreeComparison and (free.mode, free.verdict, free.first_flip) == ("free", "wrong_tool", 3)
+    assert type(old) is records.ForcedComparison and old.n == 4
+    assert not hasattr(free, "flips") and not hasattr(forced, "verdict")
+
+
 def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
         store.put_backend("fp32", {"url": "http://127.0.0.1:1/v1", "role": "shadow"}).result()
@@ -370,8 +392,9 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
             "topk", "ok", 2, [1], [True, False])
         assert c["flip_tokens"] == [{"position": 1, "token": 9, "ref_top1": 9, "cand_top1": 10, "region": "content"}]
         assert records.comparison(c).flips == [1]
-        for kind, cls in records.RECORD_TYPES.items():
+        for kind in records.KINDS:
             for rec in store.records(kind):
+                cls = records.record_type(kind, rec)
                 assert records.unknown_fields(rec, cls) == [], (kind, rec)
                 records.decode(rec, cls)
     env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
@@ -570,8 +593,9 @@ def test_format_3_store_migrates_to_4_with_one_name_per_field(tmp_path: Path) ->
         np.testing.assert_array_equal(decode_row(rows[0][1]), np.arange(16, dtype=np.float32))
         assert store.read_engine_state("r3", 0).step == 2 and store.read_engine_state("r3", 1) is None
         assert records.comparison(store.get_comparison("r3", "t3-proxy~primary")).flips == [1]
-        for kind, cls in records.RECORD_TYPES.items():
+        for kind in records.KINDS:
             for rec in store.records(kind):
+                cls = records.record_type(kind, rec)
                 assert records.unknown_fields(rec, cls) == [], (kind, rec)
                 records.decode(rec, cls)
 
