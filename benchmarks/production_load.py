@@ -24,7 +24,12 @@ primary share the machine, so a rate per wall second would measure the machine),
 ``shadowed_tokens`` (output tokens of the turns the tee finished: a turn run on three shadows,
 forced and free, counts its tokens once), the bytes the plugins posted, the primary's TTFT p99,
 shadow turns shed (the tee's queue was full: counted), the proxy's memory. The level is run until its
-shadow backlog has drained, so the CPU it took is all in the window.
+shadow backlog has drained, so the CPU it took is all in the window. Past saturation the proxy
+also relays (and records) turns the tee shed; their cost is not shadow work, so the rate is taken
+net of it, at the CPU a turn cost the proxy without shadows in the same run
+(``relay_cpu_ms_per_turn``, from the detached rounds below): the shadowed turns' own relays stay
+in, so it is what one core gives with every turn shadowed (``gross_...``: the rate on all the
+proxy's CPU, kept beside it).
 
 Figures (``targets.toml``): ``shadowed_tokens_per_s_per_core`` at the highest level with evidence
 at the source; ``wire_bytes_per_shadowed_token`` against ``full_wire_bytes_per_shadowed_token``
@@ -305,14 +310,19 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
             other = ProxyProc(work / "proxy-detached", cfg2).start()
             att: list[float] = []
             det: list[float] = []
+            det_cpu_ms, det_turns = 0.0, 0
             errors = 0
             try:
                 for _ in range(a.rounds):
                     for target, into in ((proxy, att), (other, det)):
+                        cpu0 = family_cpu_ms(other.pid)
                         load = asyncio.run(agents(target.url, a.round_s, levels[-1], a.tokens, a.first_ms / 1000,
                                                   a.token_ms / 1000))
                         into += load["ttft_ms"]
                         errors += load["errors"]
+                        if target is other:  # what relaying and recording a turn costs without shadows
+                            det_cpu_ms += family_cpu_ms(other.pid) - cpu0
+                            det_turns += load["turns"]
                 shed = (proxy.stats().get("shadow") or {}).get("dropped_queue_full", 0) - \
                     (final.get("shadow") or {}).get("dropped_queue_full", 0)
             finally:
@@ -320,7 +330,8 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
             idle_rows = {"concurrency": levels[-1], "rounds": a.rounds, "round_s": a.round_s, "errors": errors,
                          "attached_turns": len(att), "detached_turns": len(det), "attached_shed_turns": shed,
                          "attached_ttft_p50_ms": round(pct(att, 0.5), 2), "detached_ttft_p50_ms": round(pct(det, 0.5), 2),
-                         "attached_ttft_p99_ms": round(pct(att, 0.99), 2), "detached_ttft_p99_ms": round(pct(det, 0.99), 2)}
+                         "attached_ttft_p99_ms": round(pct(att, 0.99), 2), "detached_ttft_p99_ms": round(pct(det, 0.99), 2),
+                         "relay_cpu_ms_per_turn": round(det_cpu_ms / det_turns, 3) if det_turns else None}
             print(f"rounds   c={levels[-1]:<3d} TTFT p99 attached {idle_rows['attached_ttft_p99_ms']} ms "
                   f"({len(att)} turns, {shed} shed), detached {idle_rows['detached_ttft_p99_ms']} ms ({len(det)} turns)",
                   file=sys.stderr, flush=True)
@@ -329,6 +340,20 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
         engines.close()
     return {"levels": rows, "taps": taps, "ingest": final.get("ingest") or {}, "detached": idle_rows,
             "flipped_comparisons": flipped_comparisons(Path(cfg["store"]["path"]))}
+
+
+def net_of_unshadowed(rows: list[dict[str, Any]], relay_ms_per_turn: float | None) -> None:
+    """Each level's rate net of the relays of the turns the tee shed (``turns - shadowed_turns``:
+    relayed and recorded, never shadowed), at what a turn cost the detached proxy in the same run:
+    the shadowed turns' own relays stay charged, so the figure is what one core gives with every
+    turn shadowed."""
+    for r in rows:
+        unshadowed = max(0.0, r["turns"] - r["shadowed_turns"])
+        cpu = r["proxy_cpu_s"] - (relay_ms_per_turn or 0.0) * unshadowed / 1000
+        r["unshadowed_relay_cpu_s"] = round(r["proxy_cpu_s"] - cpu, 3)
+        r["gross_shadowed_tokens_per_s_per_core"] = r["shadowed_tokens_per_s_per_core"]
+        r["shadowed_tokens_per_s_per_core"] = (round(r["shadowed_tokens"] / cpu, 1)
+                                               if relay_ms_per_turn is not None and cpu > 0 else None)
 
 
 def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
@@ -367,6 +392,9 @@ def main() -> int:
         with primary() as primary_url:
             full = run_mode("full", levels, seconds, a, work, primary_url)
             ev = run_mode("evidence", levels, seconds, a, work, primary_url)
+    relay_ms = (ev["detached"] or {}).get("relay_cpu_ms_per_turn")
+    net_of_unshadowed(ev["levels"], relay_ms)
+    net_of_unshadowed(full["levels"], relay_ms)
     top_e, top_f = ev["levels"][-1], full["levels"][-1]
     lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
     det = ev["detached"] or {}
@@ -378,6 +406,8 @@ def main() -> int:
         "seconds_per_level": seconds, "tokens_per_turn": a.tokens,
         "shadowed_tokens_per_s_per_core": top_e["shadowed_tokens_per_s_per_core"],
         "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],
+        "gross_shadowed_tokens_per_s_per_core": top_e["gross_shadowed_tokens_per_s_per_core"],
+        "relay_cpu_ms_per_turn": relay_ms,
         "wire_bytes_per_shadowed_token": top_e["wire_bytes_per_shadowed_token"],
         "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
         "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)

@@ -74,6 +74,22 @@ def _logprob(v: Any, key: Any) -> float:
     return min(f, 0.0)
 
 
+def _stored_pairs(entry: list[Any]) -> dict[int, float] | None:
+    """The stored form (``[[id, logprob], ...]``: ints and finite logprobs in (-9999, 0]) read
+    without the general path's checks, which cost more than the reading (the comparisons read
+    every position of every run); ``None`` as soon as one item is not of that form, so the
+    general path reads (or refuses) the entry as it always did."""
+    out: dict[int, float] = {}
+    for it in entry:
+        if type(it) is not list or len(it) != 2:
+            return None
+        k, v = it
+        if type(k) is not int or type(v) is not float or not _NEG_INF_SENTINEL < v <= 0.0:
+            return None
+        out[k] = v
+    return out
+
+
 def parse_top_logprobs(entry: Any) -> dict[int, float]:
     """One position's top-k logprobs as ``{token_id: logprob}``.
 
@@ -81,6 +97,15 @@ def parse_top_logprobs(entry: Any) -> dict[int, float]:
     of ``{"token": ..., "logprob": ...}`` (chat API ``top_logprobs``), a chat API content item
     (``{"token", "logprob", "top_logprobs"}``: the sampled token is merged in), or a list of
     ``(token_id, logprob)`` pairs."""
+    if type(entry) is list:
+        fast = _stored_pairs(entry)
+        if fast is not None:
+            return fast
+    return _general_top_logprobs(entry)
+
+
+def _general_top_logprobs(entry: Any) -> dict[int, float]:
+    """:func:`parse_top_logprobs` for every form it accepts, each item checked."""
     if entry is None:
         raise AnalysisInputError("top-k logprobs: missing entry (None) for a position")
     out: dict[int, float] = {}

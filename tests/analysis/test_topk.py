@@ -346,3 +346,33 @@ def test_metrics_error_messages():
     with pytest.raises(AnalysisInputError, match=_msg(
             "top-k metrics: empty reference top-k at position 0")):
         topk_position_metrics([{}], [{}], [1])
+
+
+def test_stored_form_reads_as_the_general_parser_reads_it():
+    """The fast path for the stored ``[[id, logprob], ...]`` form gives what the general parser
+    gives, and refuses what it refuses, over edge values (the sentinel, -0.0, tiny positives,
+    NaN, bools, numpy scalars, tuples, duplicate ids)."""
+    from tensorverse.analysis.topk import _general_top_logprobs
+
+    rng = np.random.default_rng(5)
+    odd = [0.0, -0.0, -9999.0, -1e5, -9998.999, 1e-7, 2e-6, math.nan, -math.inf, True, np.float32(-0.5), 3, "-1.5"]
+    ids = [0, 7, 7, 151_935, -1, True, np.int64(4), "token_id:9", 2.0]
+    seen = {"fast": 0, "refused": 0}
+    for _ in range(2000):
+        entry = []
+        for _ in range(int(rng.integers(0, 6))):
+            k = int(rng.integers(0, 200)) if rng.random() < 0.8 else ids[int(rng.integers(len(ids)))]
+            v = float(-rng.exponential(3)) if rng.random() < 0.8 else odd[int(rng.integers(len(odd)))]
+            item = [k, v] if rng.random() < 0.9 else ((k, v) if rng.random() < 0.5 else [k, v, 0])
+            entry.append(item)
+        try:
+            want: object = _general_top_logprobs(entry)
+        except AnalysisInputError:
+            want = AnalysisInputError
+        try:
+            got: object = parse_top_logprobs(entry)
+        except AnalysisInputError:
+            got = AnalysisInputError
+        assert repr(got) == repr(want), entry  # repr: -0.0 and -inf compared exactly
+        seen["refused" if want is AnalysisInputError else "fast"] += 1
+    assert seen["fast"] > 500 and seen["refused"] > 50
