@@ -649,7 +649,7 @@ def _flip_cells(r: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[
                     out.append((reg if reg in REGIONS else UNKNOWN,
                                 cls if cls in FLIP_CLASSES else UNCLASSIFIED, int(k)))
         return out
-    by_class = summary.get("flips_by_class")
+    by_class = r.get("flips_by_class") or summary.get("flips_by_class")  # in the summary: stored before 2026-12-05
     if isinstance(by_class, Mapping) and by_class:
         return [(UNKNOWN, c if c in FLIP_CLASSES else UNCLASSIFIED, int(k)) for c, k in by_class.items()]
     by_region = summary.get("flips_by_region")

@@ -29,7 +29,8 @@ Result keys (forced): ``turn_id``, ``mode``, ``kind`` (``full``/``topk``), ``bac
 ``first_flip``, ``flip_tokens`` (per flip: position, token, ref_top1, cand_top1), ``metrics``
 (per-position columns), ``regions``, ``template_mismatch``, ``noise`` (candidate vs noise floor),
 ``flip_classes`` (one class per entry of ``flips``: :mod:`tensorverse.analysis.attribution`),
-``flips_by_class`` (also in ``summary``, with ``flips_by_region_class``), ``attribution`` (the tie
+``flips_by_class`` (``summary`` has ``flips_by_region_class``; comparisons stored before
+2026-12-05 also have ``flips_by_class`` there), ``attribution`` (the tie
 rule, the noise source, per flip its margin, steps and dtype), and for candidates against the
 primary ``excess`` (runtime-class flip rate minus the noise floor's, with its 95 % interval).
 Free: ``divergence`` (``position``, ``common_prefix``, ``kind``, ``ref_token``, ``cand_token``...),
@@ -371,7 +372,7 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
     cls_at = {a.position: a.flip_class.value for a in classes}
     flip_classes = [cls_at[p] for p in flips]
     summary = summarize(m, regions)
-    summary["flips_by_class"] = flips_by_class(flip_classes)
+    by_class = flips_by_class(flip_classes)
     if regions is not None:
         by_rc: dict[str, dict[str, int]] = {}
         for i in flips_local:
@@ -388,7 +389,7 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
         "summary": summary,
         "flips": flips,
         "flip_classes": flip_classes,
-        "flips_by_class": summary["flips_by_class"],
+        "flips_by_class": by_class,
         "attribution": {"rule": rule.as_dict(), "noise_source": noise_source,
                         "details": [a.as_dict() for a in classes[:256]]},
         "first_flip": flips[0] if flips else None,

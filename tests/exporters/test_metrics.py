@@ -302,3 +302,19 @@ def test_flip_classes_and_parser_checks():
     assert value(text, "tensorverse_parser_checks_total", backend="prim", outcome="mismatch") == 1
     assert value(text, "tensorverse_parser_checks_total", backend="prim", outcome="match") == 1
     assert value(text, "tensorverse_parser_mismatch_total", backend="prim") == 1
+
+
+def test_flip_classes_of_a_comparison_are_read_from_its_top_and_from_the_summary_of_older_ones():
+    """A forced comparison stores ``flips_by_class`` at its top (2026-12-05); one stored before has
+    it in its summary only: both count by class, region unknown."""
+    m = Metrics.from_config(cfg())
+    new = forced(flips=(0, 1, 2), backend="new")
+    new["flips_by_class"] = {"tie": 2, "runtime": 1}
+    old = forced(flips=(0, 1), backend="old")
+    old["summary"]["flips_by_class"] = {"noise": 2}
+    m.observe_comparisons([new, old])
+    text = generate_latest(m.registry()).decode()
+    lab = dict(role="shadow", mode="forced", ref_role="primary", region="unknown")
+    assert value(text, "tensorverse_flips_total", backend="new", **lab, **{"class": "tie"}) == 2
+    assert value(text, "tensorverse_flips_total", backend="new", **lab, **{"class": "runtime"}) == 1
+    assert value(text, "tensorverse_flips_total", backend="old", **lab, **{"class": "noise"}) == 2

@@ -300,8 +300,8 @@ def test_flip_classes_on_real_vllm(shadowed, record_property):
             assert d["ref_dtype"] == "bfloat16"  # float32 rows of a bf16 model: bf16-exact
             classes[d["flip_class"]] = classes.get(d["flip_class"], 0) + 1
             example.append({"turn": turn["id"], **d})
-        assert full["summary"]["flips_by_class"] == {k: full["flip_classes"].count(k) for k in
-                                                     ("tie", "near_tie", "noise", "parser", "runtime")}
+        assert full["flips_by_class"] == {k: full["flip_classes"].count(k) for k in
+                                             ("tie", "near_tie", "noise", "parser", "runtime")}
         floor = next(c for c in comps if c["run_id"] == sf["id"] and c["mode"] == "forced")
         assert set(floor["flip_classes"]) <= {"noise", "tie", "near_tie"}
         sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")

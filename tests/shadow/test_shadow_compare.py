@@ -221,7 +221,7 @@ def test_flip_classes_in_stored_comparisons(store):
     full = out[("cand-f", "sec-f")]
     assert full["kind"] == "full" and full["flips"] == [1, 2, 3, 4]
     assert full["flip_classes"] == ["tie", "near_tie", "noise", "runtime"], full["attribution"]
-    assert full["summary"]["flips_by_class"] == {"tie": 1, "near_tie": 1, "noise": 1, "parser": 0, "runtime": 1}
+    assert full["flips_by_class"] == {"tie": 1, "near_tie": 1, "noise": 1, "parser": 0, "runtime": 1}
     assert [f["flip_class"] for f in full["flip_tokens"]] == full["flip_classes"]
     assert full["attribution"]["noise_source"] == "secondary:sec"
     assert full["attribution"]["details"][1]["steps"] == 1 and full["attribution"]["details"][1]["ref_dtype"] == "bfloat16"
