@@ -22,6 +22,15 @@ if not os.environ.get("TENSORVERSE_HYPOTHESIS_RANDOM"):
     _hypothesis_settings.load_profile("repeatable")
 
 
+@pytest.fixture
+def store(tmp_path):
+    """An empty store (not durable: no fsync per commit), closed after the test."""
+    from tensorverse.store import Store
+
+    with Store.open(tmp_path / "store", durable=False) as st:
+        yield st
+
+
 _active_rig: "Rig | None" = None
 
 

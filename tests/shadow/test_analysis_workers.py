@@ -31,12 +31,6 @@ def _canon(results):
     return json.dumps(sorted(results, key=lambda r: (r["run_id"], r["ref_run_id"])), sort_keys=True)
 
 
-@pytest.fixture
-def store(tmp_path):
-    with Store.open(tmp_path / "store", durable=False) as st:
-        yield st
-
-
 def test_a_worker_compares_a_turn_exactly_as_the_proxy_process_does(store):
     _turn(store, "t1", 1)
     workers = AnalysisWorkers(store.path, 1)

@@ -13,13 +13,6 @@ from tensorverse.store import Store
 from tensorverse.store.arrivals import RowArrivals
 
 
-@pytest.fixture
-def store(tmp_path):
-    st = Store.open(tmp_path / "store", durable=False)
-    yield st
-    st.close()
-
-
 def test_a_waiter_wakes_when_its_last_row_commits_from_another_thread(store):
     async def main():
         def writer():

@@ -60,12 +60,6 @@ def workload(store: Store, turns: int = 2, flip_share: float = 0.1):
     return out, originals
 
 
-@pytest.fixture
-def store(tmp_path):
-    with Store.open(tmp_path / "s", durable=False) as st:
-        yield st
-
-
 def test_compact_row_is_exact_and_checked():
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(V) * 3).astype(np.float32)
