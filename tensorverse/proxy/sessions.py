@@ -28,7 +28,7 @@ import random
 import re
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import orjson
@@ -176,7 +176,9 @@ class _Session:
     latest_index: int = -1
     first_user: str = ""
     last_user: str = ""
-    side_texts: deque = field(default_factory=lambda: deque(maxlen=8))  # side answers (norm)
+    # side answers (norm), the last 8; a tuple, not a deque: an empty deque holds a 64-slot block
+    # (760 bytes), more than the rest of a session here, and most sessions never have one
+    side_texts: tuple[str, ...] = ()
     probes: tuple[str, ...] = ()  # starts of the latest tool results (for `quotes`)
     # its record until a turn carrying it has finished: every turn that joins before then carries
     # a copy, since it may finish (and be stored) before the turn that opened the session
@@ -478,7 +480,7 @@ class Sessions(Addon):
         s = self._sessions.get(flow.session_id)
         if flow.turn_kind == grouping.SIDE:
             if s is not None and answer["content"]:
-                s.side_texts.append(grouping.norm(answer["content"]))
+                s.side_texts = (*s.side_texts[-7:], grouping.norm(answer["content"]))
                 self._index(grouping.message_key(answer).loose, s.id)
                 self._index(grouping.message_key(answer).head, s.id)
             return

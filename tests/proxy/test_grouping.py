@@ -503,3 +503,29 @@ def test_choose_and_the_text_helpers():
     assert G.first_user_text([SYSTEM, A2]) == "" and G.last_user_text([SYSTEM, A2]) == ""
     assert G.last_user_text([U1, A1, NEXT, A2]) == "bring it up" and G.first_user_text([A2, U1, NEXT]) == U1["content"]
     assert G.client_session_id(None, {"conversation": "c-1"}, ["session_id"]) == "conversation:c-1"
+
+
+def test_a_compaction_joins_by_its_summary_among_the_last_eight_side_answers_only():
+    """The tracker keeps a session's last 8 side answers (summaries): a compacted history whose
+    summary is one of them continues the session; one 9 side answers old starts its own."""
+    d = Driver()
+    conv = conversation("a", 3)
+    first = [d.turn(req, ans) for req, ans in conv][0]
+    transcript = "\n\n".join(f"{m['role'].upper()}: {G.message_text(m)}" for m in conv[2][0][1:])
+
+    def summary(i: int) -> str:
+        text = f"Summary {i}: uplinks of site a checked, results 0..{i}."
+        d.turn([{"role": "system", "content": "# Conversation Compactor"},
+                {"role": "user", "content": "Compact the following conversation:\n\n" + transcript}],
+               {"role": "assistant", "content": text}, tools=None)
+        return text
+
+    texts = [summary(i) for i in range(9)]
+
+    def compacted(text: str, tag: str):
+        return d.turn([SYSTEM, {"role": "user", "content": "[Conversation summary]"},
+                       {"role": "assistant", "content": text}, {"role": "user", "content": "continue"}],
+                      call("show", {"what": tag}, tag))
+
+    assert compacted(texts[1], "recent").session_id == first.session_id  # the 8th newest
+    assert compacted(texts[0], "old").session_id != first.session_id  # 9 side answers ago
