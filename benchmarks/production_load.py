@@ -231,14 +231,22 @@ async def agents(url: str, seconds: float, concurrency: int, tokens: int, first_
     return {"turns": n, "errors": len(errors), "why": errors[:3], "ttft_ms": ttft}
 
 
-def flipped_comparisons(store_path: Path) -> int:
-    """Comparisons in the store (read-only, after the proxy stopped) that found a flip."""
+def flipped_comparisons(store_path: Path) -> dict[str, Any]:
+    """Comparisons in the store (read-only, after the proxy stopped) that found a flip, and per
+    compared turn: the engines flip the same positions of every turn (the turns' tokens are the
+    same), so the rate is the same in both modes when the numbers are, whatever number of turns
+    each shadowed (the evidence proxy also shadows during the TTFT rounds)."""
     from tensorverse.store import Store
 
     st = Store.open(store_path, readonly=True)
     try:
-        return sum(1 for ses in st.iter_sessions() for t in st.iter_turns(ses["id"]) for r in st.iter_runs(t["id"])
-                   for c in st.iter_comparisons(r["id"]) if c.get("flips"))
+        turns = flipped = 0
+        for ses in st.iter_sessions():
+            for t in st.iter_turns(ses["id"]):
+                cmps = [c for r in st.iter_runs(t["id"]) for c in st.iter_comparisons(r["id"])]
+                turns += bool(cmps)
+                flipped += sum(1 for c in cmps if c.get("flips"))
+        return {"flipped": flipped, "turns": turns, "per_turn": round(flipped / turns, 4) if turns else None}
     finally:
         st.close()
 
@@ -288,6 +296,7 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
                    "wire_bytes": ing1.get("bytes", 0) - ing0.get("bytes", 0),
                    "rows": ing1.get("rows", 0) - ing0.get("rows", 0),
                    "rows_compact": ing1.get("rows_compact", 0) - ing0.get("rows_compact", 0),
+                   "ingest_batches": ing1.get("batches", 0) - ing0.get("batches", 0),  # POSTs taken
                    **{f"{k}_kb": v for k, v in proxy.memory_kb().items()}}
             row["wire_bytes_per_shadowed_token"] = round(row["wire_bytes"] / tokens, 1) if tokens else None
             rows.append(row)

@@ -33,4 +33,6 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     # the flips, and the positions the proxy asked for (the primary's close calls, capped, and the
     # sample); the engines' near ties are all one bf16 step apart, at the cap's cut: none close
     assert full["flip"] > 0 and full["requested"] > 0 and full["close"] == 0
-    assert out["flipped_comparisons"] > 0  # the comparisons found the runtimes' flips
+    # the comparisons found the runtimes' flips: the turns' tokens are the same, so shadow-2 and
+    # shadow-3 (runtimes 2 and 3) flip the same positions of every turn and shadow-1 none
+    assert out["flipped_comparisons"] == {"flipped": 2 * level["turns"], "turns": level["turns"], "per_turn": 2.0}
