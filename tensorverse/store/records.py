@@ -194,7 +194,7 @@ class ForcedComparison(ComparisonBase, kw_only=True):
     mode: Literal["forced"] = "forced"
     n: int | None = None
     positions: list[int] | None = None  # the positions the metric columns cover (None: all)
-    # positions where a side had only its compact row (evidence at the source): approximate there
+    # positions whose metrics came from compact rows (reduced at the source): KL a lower bound
     compact_positions: list[int] | None = None
     incomplete: bool = False
     summary: dict[str, Any] | None = None
