@@ -44,6 +44,7 @@ import pytest
 
 from tensorverse.cli import build_parser, main
 from tensorverse.ports import free_port
+from tensorverse.testing.records import trun, tsession
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -458,15 +459,15 @@ def make_store(path: Path) -> dict[str, Any]:
     created = {"a": now - 60_000_000_000, "b": now - 30_000_000_000}
     with Store.open(path, durable=False) as st:
         for sid, n in (("a", 7), ("b", 2)):
-            st.put_session({"id": sid, "created_ns": created[sid], "grouping": "prefix"}).result()
+            st.put_session(tsession(sid, created_ns=created[sid], grouping="prefix")).result()
             for i in range(n):
                 st.put_turn({"id": f"{sid}-t{i}", "session_id": sid, "index": i, "endpoint": "chat.completions",
                              "kind": "side" if (sid, i) == ("b", 1) else "main", "created_ns": created[sid] + i,
                              "request": {"messages": [{"role": "user", "content": f"task {sid} on 10.1.2.3"}]},
                              "output_token_ids": [5, 6, 7], "text": f"answer {sid} {i}",
                              "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] if i == 0 else []}).result()
-        st.put_run({"id": "run-b0", "turn_id": "b-t0", "backend": "fp32", "mode": "forced", "status": "ok",
-                    "token_ids": [5, 6, 7], "rows": {"expected": 3, "present": 3, "complete": True}}).result()
+        st.put_run(trun("run-b0", "b-t0", "fp32", "forced", status="ok", token_ids=[5, 6, 7],
+                        rows={"expected": 3, "present": 3, "complete": True})).result()
         rng = np.random.default_rng(3)
         st.write_rows("run-b0", [(p, encode_row(rng.standard_normal(16).astype(np.float32))) for p in range(3)]).result()
     return {"sessions": {"a": 7, "b": 2}, "created": created}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tensorverse.store import Store
+from tensorverse.testing.records import trun, tsession
 
 T0 = 1_700_000_000_000_000_000
 
@@ -36,17 +37,15 @@ def fill_store(st, turns=40, prefix="", first=0):
     shadow `good` that never differs, and the secondary (never differs either): comparisons as
     `tensorverse.shadow.compare` stores them, the fields the verdict reads."""
     sid = f"{prefix}sess1"
-    st.put_session({"id": sid, "created_ns": T0}).result()
+    st.put_session(tsession(sid, created_ns=T0)).result()
     for i in range(first, first + turns):
         tid = f"{prefix}turn{i:03d}"
         st.put_turn({"id": tid, "session_id": sid, "index": i - first,
                      "created_ns": T0 + i * 30 * 10**9}).result()
-        st.put_run({"id": f"{prefix}rec{i}", "turn_id": tid, "backend": "primary", "role": "primary",
-                    "mode": "recorded"}).result()
+        st.put_run(trun(f"{prefix}rec{i}", tid, "primary", "recorded", role="primary")).result()
         for b, role in (("bad", "shadow"), ("good", "shadow"), ("secondary", "secondary")):
             for mode in ("forced", "free"):
-                st.put_run({"id": f"{prefix}{b}-{mode}-{i}", "turn_id": tid, "backend": b, "role": role,
-                            "mode": mode}).result()
+                st.put_run(trun(f"{prefix}{b}-{mode}-{i}", tid, b, mode, role=role)).result()
             flips = 6 if (b == "bad" and i % 5 == 0) else 0
             st.put_comparison(f"{prefix}{b}-forced-{i}", f"{prefix}rec{i}",
                               _forced(b, role, tid, 40, flips, "noise" if role == "secondary" else "runtime",

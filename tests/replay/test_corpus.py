@@ -14,6 +14,7 @@ from tensorverse.replay.corpus import CorpusError, load_corpus, schema, write_co
 from tensorverse.store import Store
 
 from tensorverse.rig.models import tokenizer_dir
+from tensorverse.testing.records import tsession
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_cli", "description": "Run a show command on a device.",
@@ -53,7 +54,7 @@ def record_store(path: Path, tok) -> str:
           {"role": "tool", "tool_call_id": "c1", "content": SHOW_MAC + RUNCFG}]
     out2 = "Two MACs: 3c08.f61a.9b01 and 3c08.f61a.9b02 on VLAN 310 (GigabitEthernet0/0/3.310).<|im_end|>"
     with Store.open(path, durable=False) as st:
-        st.put_session({"id": "sess-1", "created_ns": 1_700_000_000_000_000_000}).result()
+        st.put_session(tsession("sess-1", created_ns=1_700_000_000_000_000_000)).result()
         for i, (msgs, out, calls) in enumerate(((m1, out1, [call1]), (m2, out2, []))):
             prompt = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=True)
             if hasattr(prompt, "keys"):  # transformers 5 returns a BatchEncoding
@@ -66,7 +67,7 @@ def record_store(path: Path, tok) -> str:
                          "output_token_ids": tok.encode(out, add_special_tokens=False),
                          "text": out.replace("<|im_end|>", ""), "tool_calls": calls,
                          "finish_reason": "tool_calls" if calls else "stop"}).result()
-        st.put_session({"id": "empty", "created_ns": 1_700_000_000_000_000_001}).result()
+        st.put_session(tsession("empty", created_ns=1_700_000_000_000_000_001)).result()
     return "sess-1"
 
 

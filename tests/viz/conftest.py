@@ -33,6 +33,7 @@ import pytest
 
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
+from tensorverse.testing.records import trun, tsession
 
 V = 160  # a small vocabulary keeps the tests fast; the codec and metrics do not care
 XSS_IMG = "<img src=x onerror=alert(1)>"
@@ -161,14 +162,12 @@ def _turn(store: Store, sid: str, tid: str, index: int, pieces: list[str], *, pr
         "reasoning": reasoning, "tool_calls": tool_calls or [], "finish_reason": "stop",
         "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": choice_lps}],
     }).result()
-    store.put_run({
-        "id": f"{tid}~primary", "turn_id": tid, "session_id": sid, "backend": "primary", "role": "primary",
-        "mode": "recorded", "status": "ok", "capture": "topk", "approximate": True, "method": "recorded",
-        "token_ids": ids, "text": text, "top_logprobs": [topk_pairs(x) for x in logits], "pieces": pieces,
-        "tool_calls": tool_calls or None, "created_ns": created_ns,
+    store.put_run(trun(
+        f"{tid}~primary", tid, "primary", "recorded", session_id=sid, role="primary", status="ok", capture="topk",
+        approximate=True, method="recorded", token_ids=ids, text=text, top_logprobs=[topk_pairs(x) for x in logits],
+        pieces=pieces, tool_calls=tool_calls or None, created_ns=created_ns,
         # the shadow runner's parser check: the ids (pieces) re-parsed against what was sent
-        "parser_check": parser_check("".join(pieces), text, tool_calls).as_dict(),
-    }).result()
+        parser_check=parser_check("".join(pieces), text, tool_calls).as_dict())).result()
 
 
 def parser_check(decoded: str, text: str | None, tool_calls: list | None) -> Any:
@@ -199,13 +198,13 @@ def build_store(path) -> Built:
         # fillers, oldest first
         for i in range(7):
             sid = f"s-{i:02d}"
-            store.put_session({"id": sid, "created_ns": t0 + i, "tags": {"agent": "filler"}}).result()
+            store.put_session(tsession(sid, created_ns=t0 + i, tags={"agent": "filler"})).result()
             _turn(store, sid, f"{sid}-t0", 0, HELLO, prompt=[{"role": "user", "content": "hi"}], created_ns=t0 + i)
             b.sessions.append(sid)
 
         # the DESIGN example
         sid = "s-net"
-        store.put_session({"id": sid, "created_ns": t0 + 100, "tags": {"agent": "netops", "site": "lab"}}).result()
+        store.put_session(tsession(sid, created_ns=t0 + 100, tags={"agent": "netops", "site": "lab"})).result()
         b.sessions.append(sid)
         prompt = [{"role": "system", "content": "You configure routers."},
                   {"role": "user", "content": "Create subinterface 0/0/1.201 for VLAN 201."}]
@@ -271,7 +270,7 @@ def build_store(path) -> Built:
 
         # hostile text
         sid = "s-xss"
-        store.put_session({"id": sid, "created_ns": t0 + 200, "tags": {"agent": XSS_IMG, XSS_SCRIPT: "x"}}).result()
+        store.put_session(tsession(sid, created_ns=t0 + 200, tags={"agent": XSS_IMG, XSS_SCRIPT: "x"})).result()
         b.sessions.append(sid)
         tid = "s-xss-t0"
         _turn(store, sid, tid, 0, XSS_OUT, prompt=[{"role": "user", "content": XSS_IMG + " and " + XSS_SCRIPT}],

@@ -9,6 +9,7 @@ import pytest
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
 from tensorverse.viz.data import NotFound, ViewData
+from tensorverse.testing.records import trun, tsession
 
 
 
@@ -218,8 +219,8 @@ def test_rebuilt_when_a_run_lands(tmp_path, vz):
         assert first["forced"]["available"] is False and first["default_mode"] == "free"
         assert first["free"]["branch_points"] == []
         ids = vz.VOCAB.encode(["Hello", "!", " Bye"])
-        store.put_run({"id": "late", "turn_id": "s-00-t0", "backend": "late", "mode": "free",
-                       "token_ids": ids, "pieces": ["Hello", "!", " Bye"], "status": "ok"}).result()
+        store.put_run(trun("late", "s-00-t0", "late", "free", token_ids=ids, pieces=["Hello", "!", " Bye"],
+                           status="ok")).result()
         second = view.turn_view("s-00-t0")
         assert second is not first
         assert [b["position"] for b in second["free"]["branch_points"]] == [2]
@@ -245,8 +246,7 @@ def test_cached_view_checked_without_parsing_runs(tmp_path, vz, monkeypatch):
         assert calls == []
         # the cache is still checked: a run stored now is read and shown
         ids = vz.VOCAB.encode(["Hello", "!"])
-        store.put_run({"id": "late2", "turn_id": tid, "backend": "late", "mode": "free",
-                       "token_ids": ids, "status": "ok"}).result()
+        store.put_run(trun("late2", tid, "late", "free", token_ids=ids, status="ok")).result()
         again = view.turn_view(tid)
         assert again is not first and calls
         assert "late" in [b["name"] for b in again["backends"]]
@@ -278,11 +278,9 @@ def test_replaced_run_and_new_comparison_rebuild(tmp_path, vz):
 def test_failed_runs_and_bad_rows_are_reported(tmp_path, vz):
     built = vz.build_store(tmp_path / "s")
     with Store.open(built.path) as store:
-        store.put_run({"id": "dead", "turn_id": "s-01-t0", "backend": "broken", "mode": "free",
-                       "status": "error", "error": "connection refused"}).result()
+        store.put_run(trun("dead", "s-01-t0", "broken", "free", status="error", error="connection refused")).result()
         hello = vz.VOCAB.encode(["Hello", "!", " How", " can", " I", " help", "?", "<|im_end|>"])
-        store.put_run({"id": "nanrun", "turn_id": "s-01-t0", "backend": "nan", "mode": "forced",
-                       "token_ids": hello, "status": "ok"}).result()
+        store.put_run(trun("nanrun", "s-01-t0", "nan", "forced", token_ids=hello, status="ok")).result()
         bad = np.zeros(160, np.float32)
         bad[3] = np.nan
         store.write_rows("nanrun", [(0, encode_row(bad)), (1, b"garbage")]).result()
@@ -299,14 +297,14 @@ def test_full_vocabulary_rows(tmp_path):
     """Rows at the real width (151,936) decode and give exact top-k."""
     vocab = 151_936
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_session(tsession("s", created_ns=1)).result()
         store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6],
                         "pieces": ["a", "b"]}).result()
         rng = np.random.default_rng(0)
         rows = {}
         for be in ("ref", "cand"):
-            store.put_run({"id": be, "turn_id": "t", "backend": be, "mode": "forced", "token_ids": [5, 6],
-                           "role": "reference" if be == "ref" else "shadow"}).result()
+            store.put_run(trun(be, "t", be, "forced", token_ids=[5, 6],
+                               role="reference" if be == "ref" else "shadow")).result()
             rows[be] = [rng.normal(0, 1, vocab).astype(np.float32) for _ in range(2)]
             rows[be][0][5] = rows[be][1][6] = 12.0
             if be == "cand":
@@ -377,7 +375,7 @@ def test_primary_from_the_proxy_turn_alone(tmp_path, vz):
     the proxy's turn record (choices[0].logprobs, OpenAI tool_calls)."""
     ids = vz.VOCAB.encode(["Hello", "!"])
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_session(tsession("s", created_ns=1)).result()
         store.put_turn({
             "id": "t", "session_id": "s", "index": 0, "backend": "prim", "output_token_ids": ids,
             "text": "", "request": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -387,8 +385,8 @@ def test_primary_from_the_proxy_turn_alone(tmp_path, vz):
                                        "top": [["token_id:%d" % ids[0], -0.1], ["token_id:7", -2.5]]},
                                       {"token": "token_id:%d" % ids[1], "logprob": -0.2, "top": []}]}],
         }).result()
-        store.put_run({"id": "r", "turn_id": "t", "backend": "b", "mode": "free", "status": "ok",
-                       "token_ids": ids[:1] + [8], "text": '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>'}).result()
+        store.put_run(trun("r", "t", "b", "free", status="ok", token_ids=ids[:1] + [8],
+                           text='<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>')).result()
         tv = ViewData(store).turn_view("t")
     assert tv["turn"]["primary"] == "prim"
     assert [m["role"] for m in tv["prompt"]["messages"]] == ["system", "user"]
@@ -432,15 +430,13 @@ def test_free_runs_without_pieces(tmp_path, vz):
 
 def test_turn_without_output_and_unknown_token_texts(tmp_path):
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_session(tsession("s", created_ns=1)).result()
         store.put_turn({"id": "t", "session_id": "s", "index": 0, "state": "upstream_error",
                         "output_token_ids": None, "text": None}).result()
         store.put_turn({"id": "u", "session_id": "s", "index": 1, "output_token_ids": [5, 6],
                         "token_texts": {"5": "a", "6": "b", "7": "c"}}).result()
-        store.put_run({"id": "r", "turn_id": "u", "backend": "x", "mode": "free", "status": "ok",
-                       "token_ids": [5, 7], "text": "ac"}).result()
-        store.put_run({"id": "r2", "turn_id": "u", "backend": "x", "mode": "forced", "status": "timeout",
-                       "error": "no answer in 120 s"}).result()
+        store.put_run(trun("r", "u", "x", "free", status="ok", token_ids=[5, 7], text="ac")).result()
+        store.put_run(trun("r2", "u", "x", "forced", status="timeout", error="no answer in 120 s")).result()
         view = ViewData(store)
         tv = view.turn_view("t")
         assert tv["turn"]["tokens"] == 0 and tv["turn"]["state"] == "upstream_error"
@@ -485,14 +481,14 @@ def test_positions_compared_on_compact_rows_are_marked_approximate(tmp_path):
     vocab = 300
     rng = np.random.default_rng(1)
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_session(tsession("s", created_ns=1)).result()
         store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6, 7],
                         "pieces": ["a", "b", "c"]}).result()
-        store.put_run({"id": primary_run_id("t"), "turn_id": "t", "backend": "prim", "mode": "recorded",
-                       "role": "primary", "token_ids": [5, 6, 7], "capture": "topk"}).result()
+        store.put_run(trun(primary_run_id("t"), "t", "prim", "recorded", role="primary", token_ids=[5, 6, 7],
+                           capture="topk")).result()
         for be, role in (("ref", "reference"), ("cand", "shadow")):
-            store.put_run({"id": be, "turn_id": "t", "backend": be, "mode": "forced", "token_ids": [5, 6, 7],
-                           "role": role, "capture": "full", "status": "ok"}).result()
+            store.put_run(trun(be, "t", be, "forced", token_ids=[5, 6, 7], role=role, capture="full",
+                               status="ok")).result()
             rows = [rng.normal(0, 1, vocab).astype(np.float32) for _ in range(3)]
             for p, tok in enumerate((5, 6, 7)):
                 rows[p][tok] = 12.0
