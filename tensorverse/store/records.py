@@ -23,13 +23,13 @@ turns, runs and comparisons of its cases). docs/architecture.md, "Records", has 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, TypeVar
+from typing import Any, Iterable, Literal, Mapping, TypeVar
 
 import msgspec
 
 __all__ = ["Record", "Session", "Turn", "Run", "Comparison", "ComparisonBase", "ForcedComparison", "FreeComparison",
            "comparison_type", "BackendInfo", "RecordError", "session", "turn", "run",
-           "comparison", "backend", "decode", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
+           "comparison", "backend", "decode", "at_default", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
 
 # modes of a run
 RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
@@ -307,6 +307,20 @@ def comparison(record: Mapping[str, Any] | Comparison) -> Comparison:
 
 def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
     return decode(record, BackendInfo)
+
+
+def at_default(record: Record, names: Iterable[str]) -> set[str]:
+    """The fields among ``names`` that ``record`` holds at their declared default."""
+    info = {f.name: f for f in msgspec.structs.fields(record)}
+    out = set()
+    for name in names:
+        f = info.get(name)
+        if f is None:
+            continue
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if default is not msgspec.NODEFAULT and getattr(record, name) == default:
+            out.add(name)
+    return out
 
 
 def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:

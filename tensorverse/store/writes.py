@@ -28,9 +28,13 @@ from tensorverse.store.writer import StoreFullError
 def _with_id(record: Mapping[str, Any] | records.Record, cls: type[records.Record],
              defaults: dict[str, Any]) -> dict[str, Any]:
     """``record`` over ``defaults``, with a new id when it has none (none is made for a record
-    that has one), checked against its type (:func:`~tensorverse.store.records.checked`)."""
+    that has one), checked against its type (:func:`~tensorverse.store.records.checked`). A field
+    of ``defaults`` is filled in where a dict lacks it, and where a typed record left it at its
+    declared default (``created_ns`` 0: a typed record holds every field, so its default is how
+    it says "not set"; a write's time is never 1970)."""
     if isinstance(record, records.Record):
-        record = records.checked(record, cls)
+        unset = records.at_default(record, defaults)
+        record = {k: v for k, v in records.checked(record, cls).items() if k not in unset}
     out = {**defaults, **record}
     if "id" not in out:
         out["id"] = schema.new_id()

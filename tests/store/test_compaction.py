@@ -26,6 +26,7 @@ from tensorverse.store.compaction import (EvidencePolicy, RowFacts, compact_stor
 from tensorverse.store.records import comparison, run
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 from tensorverse.testing.shadow_workload import write_turn
+from tensorverse.testing.records import trun, tsession
 
 V = 4096
 N = 48
@@ -159,12 +160,11 @@ def test_compaction_skips_pinned_recent_and_uncompared_turns(store):
     store.pin_session("s0").result()
     assert compact_turn(store, "t0", POLICY).why == "pinned"
     assert compact_turn(store, "t1", replace(POLICY, after_s=7200)).why == "recent"
-    store.put_run({"id": "late", "turn_id": "t1", "backend": "late", "mode": "forced", "capture": "full",
-                   "token_ids": turns[1].tokens}).result()
+    store.put_run(trun("late", "t1", "late", "forced", capture="full", token_ids=turns[1].tokens)).result()
     store.write_rows("late", [(0, encode_row(np.zeros(V, np.float32)))]).result()
     assert compact_turn(store, "t1", POLICY).why == "not compared yet"
-    store.put_run({"id": "late", "turn_id": "t1", "backend": "candidate", "mode": "forced", "capture": "full",
-                   "token_ids": turns[1].tokens, "created_ns": 1}).result()  # an older try: not evidence
+    store.put_run(trun("late", "t1", "candidate", "forced", capture="full", token_ids=turns[1].tokens,
+                       created_ns=1)).result()  # an older try: not evidence
     assert compact_turn(store, "t1", POLICY).status == "compacted"
     assert store.compaction("t1")["runs"]["late"]["full"] == []
     assert [r.turn_id for r in compact_store(store, POLICY) if r.status == "compacted"] == []  # t0 pinned
@@ -570,9 +570,9 @@ def test_each_skip_says_which_turn_and_why(store):
     now = time.time_ns()
     assert compact_turn(store, "t0", replace(POLICY, after_s=3599), now_ns=now).status == "compacted"
     assert compact_turn(store, "t0", POLICY) == CompactionResult("t0", "skipped", "compacted already")
-    store.put_session({"id": "sx", "created_ns": 1}).result()
+    store.put_session(tsession("sx", created_ns=1)).result()
     store.put_turn({"id": "tx", "session_id": "sx", "index": 0, "created_ns": 1}).result()
-    store.put_run({"id": "tx.rec", "turn_id": "tx", "backend": "p", "mode": "recorded", "token_ids": [1]}).result()
+    store.put_run(trun("tx.rec", "tx", "p", "recorded", token_ids=[1])).result()
     assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "no rows")
     store.pin_session("sx").result()
     assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "pinned")
@@ -810,7 +810,7 @@ def _rowless_sessions(store):
     cutoff (due), its turn recorded at 4 s (recent); sc one ns after the cutoff (not due)."""
     for sid, tid, s_ns, t_ns in (("sp", "tp", 10**9, 10**9), ("sa", "ta", 2 * 10**9, 2 * 10**9),
                                  ("sb", "tb", 3 * 10**9, 4 * 10**9), ("sc", "tc", 3 * 10**9 + 1, 3 * 10**9 + 1)):
-        store.put_session({"id": sid, "created_ns": s_ns}).result()
+        store.put_session(tsession(sid, created_ns=s_ns)).result()
         store.put_turn({"id": tid, "session_id": sid, "index": 0, "created_ns": t_ns}).result()
     store.pin_session("sp").result()
     return 5 * 10**9, EvidencePolicy(after_s=2.0)
@@ -848,10 +848,10 @@ def test_compact_store_frees_space_once_when_it_compacted_and_never_on_a_dry_run
 def test_compact_turn_age_boundary_and_runs_without_rows(store):
     from tensorverse.store.compaction import CompactionResult
 
-    store.put_session({"id": "s0", "created_ns": 0}).result()
+    store.put_session(tsession("s0")).result()
     store.put_turn({"id": "t", "session_id": "s0", "index": 0, "created_ns": 0}).result()
-    store.put_run({"id": "t.rec", "turn_id": "t", "backend": "p", "mode": "recorded", "token_ids": [1]}).result()
-    store.put_run({"id": "t.f", "turn_id": "t", "backend": "c", "mode": "forced", "token_ids": [1]}).result()
+    store.put_run(trun("t.rec", "t", "p", "recorded", token_ids=[1])).result()
+    store.put_run(trun("t.f", "t", "c", "forced", token_ids=[1])).result()
     pol = EvidencePolicy(after_s=1.0)
     assert compact_turn(store, "t", pol, now_ns=10**9 - 1) == CompactionResult("t", "skipped", "recent")
     # exactly after_s old: due; the forced run has no rows, so there is nothing to compact
@@ -861,13 +861,12 @@ def test_compact_turn_age_boundary_and_runs_without_rows(store):
 def test_compact_turn_not_compared_yet_with_and_without_a_primary(store):
     from tensorverse.store.compaction import CompactionResult
 
-    store.put_session({"id": "s0", "created_ns": 1}).result()
+    store.put_session(tsession("s0", created_ns=1)).result()
     for tid, with_primary in (("ta", True), ("tb", False)):
         store.put_turn({"id": tid, "session_id": "s0", "index": 0 if with_primary else 1, "created_ns": 1}).result()
         if with_primary:
-            store.put_run({"id": f"{tid}.rec", "turn_id": tid, "backend": "p", "mode": "recorded",
-                           "token_ids": [1]}).result()
-        store.put_run({"id": f"{tid}.f", "turn_id": tid, "backend": "c", "mode": "forced", "token_ids": [1]}).result()
+            store.put_run(trun(f"{tid}.rec", tid, "p", "recorded", token_ids=[1])).result()
+        store.put_run(trun(f"{tid}.f", tid, "c", "forced", token_ids=[1])).result()
         store.write_rows(f"{tid}.f", [(0, encode_row(np.array([1.0, 2.0, 3.0], np.float32)))]).result()
         assert compact_turn(store, tid, POLICY) == CompactionResult(tid, "skipped", "not compared yet")
 
@@ -887,11 +886,11 @@ def test_compact_turn_delta_already_and_conflict_whole(store):
 def _hand_turn(store, *, corrupt: bool = False) -> None:
     """Turn th: primary th.rec (tokens 1, 2), forced th.ref (rows 0-2) and th.cand (rows 0-1),
     th.cand compared with th.ref; every row is 0..7 in float16 (top-2 gap 1 nat)."""
-    store.put_session({"id": "s0", "created_ns": 1}).result()
+    store.put_session(tsession("s0", created_ns=1)).result()
     store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
     for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
                                      ("th.cand", "forced", "cand", [3])):
-        store.put_run({"id": rid, "turn_id": "th", "backend": backend, "mode": mode, "token_ids": toks}).result()
+        store.put_run(trun(rid, "th", backend, mode, token_ids=toks)).result()
     blob = encode_row(np.arange(8, dtype=np.float16))
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0x10
@@ -979,8 +978,7 @@ def test_compact_turn_without_a_full_reference_and_a_two_dimensional_row(store):
 def test_compact_turn_an_older_retry_of_a_backend_is_compacted_whole_and_a_tie_goes_to_the_later_id(store):
     _hand_turn(store)  # runs are read in id order: th.cand0 after th.cand
     blob = encode_row(np.arange(8, dtype=np.float16))
-    store.put_run({"id": "th.cand0", "turn_id": "th", "backend": "cand", "mode": "forced", "token_ids": [3],
-                   "created_ns": 0}).result()
+    store.put_run(trun("th.cand0", "th", "cand", "forced", token_ids=[3], created_ns=1)).result()
     store.write_rows("th.cand0", [(0, blob), (1, blob)]).result()
     pol = HAND_CLOSE
     r = compact_turn(store, "th", pol, dry_run=True)  # th.cand (newer, compared) is the evidence
@@ -996,8 +994,7 @@ def test_compact_turn_a_retry_as_old_as_the_compared_run_is_the_latest(store):
 
     _hand_turn(store)
     same = store.get_run("th.cand")["created_ns"]
-    store.put_run({"id": "th.cand0", "turn_id": "th", "backend": "cand", "mode": "forced", "token_ids": [3],
-                   "created_ns": same}).result()
+    store.put_run(trun("th.cand0", "th", "cand", "forced", token_ids=[3], created_ns=same)).result()
     store.write_rows("th.cand0", [(0, encode_row(np.arange(8, dtype=np.float16)))]).result()
     assert compact_turn(store, "th", POLICY) == CompactionResult("th", "skipped", "not compared yet")
 
@@ -1085,7 +1082,7 @@ def test_compact_turn_a_free_close_call_not_kept_in_the_forced_run_stays_full(st
     _hand_turn(store)
     close = F16_ARANGE8[:7] + [0x4680]  # 0 .. 6, 6.5
     free0, free1 = _f16_blob(close), _f16_blob(F16_ARANGE8)
-    store.put_run({"id": "th.free", "turn_id": "th", "backend": "cand", "mode": "free", "token_ids": [1, 2]}).result()
+    store.put_run(trun("th.free", "th", "cand", "free", token_ids=[1, 2])).result()
     store.write_rows("th.free", [(0, free0), (1, free1)]).result()
     store.put_comparison("th.free", "th.rec", {"mode": "free", "kind": "full", "status": "ok"}).result()
     r = compact_turn(store, "th", replace(HAND, close_nats=0.75, close_share=1.0))

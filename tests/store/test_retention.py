@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tensorverse.cli import main
-from tensorverse.testing.records import store_session
+from tensorverse.testing.records import store_session, tsession
 from tensorverse.store import Store
 from tensorverse.store.retention import (RetentionKeeper, RetentionPolicy, parse_bytes, parse_duration, plan,
                                          prune, usage)
@@ -111,7 +111,7 @@ def test_over_budget_when_the_rest_is_pinned(store):
 
 def test_a_pin_survives_the_proxy_rewriting_the_session(store):
     store.pin_session("s3").result()
-    store.put_session({"id": "s3", "created_ns": 1, "tags": {"a": "b"}}).result()  # as the recorder does
+    store.put_session(tsession("s3", created_ns=1, tags={"a": "b"})).result()  # as the recorder does
     assert store.get_session("s3")["pinned"] is True
     prune(store, RetentionPolicy(max_age_s=1.0))
     assert _alive(store) == ["s3"]

@@ -8,6 +8,7 @@ import pytest
 
 from tensorverse.cli import main
 from tensorverse.store import RecordNotFound, Store
+from tensorverse.testing.records import trun, tsession
 
 
 def _turn(sid, i, kind="main", calls=False, text="hello"):
@@ -20,11 +21,11 @@ def _turn(sid, i, kind="main", calls=False, text="hello"):
 def store(tmp_path):
     with Store.open(tmp_path / "s") as st:
         for sid, n in (("a", 3), ("b", 2)):
-            st.put_session({"id": sid, "created_ns": 1000 if sid == "a" else 2000, "grouping": "prefix"}).result()
+            st.put_session(tsession(sid, created_ns=1000 if sid == "a" else 2000, grouping="prefix")).result()
             for i in range(n):
                 st.put_turn(_turn(sid, i, kind="side" if (sid, i) == ("b", 1) else "main", calls=i == 0,
                                   text=f"task {sid}")).result()
-        st.put_run({"id": "run-b0", "turn_id": "b-t0", "backend": "fp32", "mode": "forced"}).result()
+        st.put_run(trun("run-b0", "b-t0", "fp32", "forced")).result()
         yield st
 
 

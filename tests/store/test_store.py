@@ -54,6 +54,24 @@ def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(
             "side_turns": 0, "tool_call_turns": 0, "updated_ns": None, "edits": [], "pinned": False}
 
 
+def test_a_typed_record_without_a_creation_time_gets_the_time_of_its_write(tmp_path: Path) -> None:
+    """As a dict without ``created_ns`` does: a typed record holds every field, and its default (0)
+    was stored as the creation time (replay's sessions and turns were stored as from 1970, the
+    oldest of any store for retention by age and the viewer's order)."""
+    from tensorverse.store.records import Run, Session, Turn
+
+    with Store.open(tmp_path / "s") as store:
+        before = time.time_ns()
+        store.put_session(Session(id="s", tags={"case": "1"})).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0)).result()
+        store.put_run(Run(id="r", turn_id="t", backend="b", mode="free")).result()
+        store.put_run(Run(id="q", turn_id="t", backend="b", mode="forced", created_ns=5)).result()  # set: kept
+        after = time.time_ns()
+        got = [store.get_session("s")["created_ns"], store.get_turn("t")["created_ns"], store.get_run("r")["created_ns"]]
+        assert all(before <= c <= after for c in got), got
+        assert store.get_run("q")["created_ns"] == 5 and store.get_session("s")["tags"] == {"case": "1"}
+
+
 def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_path: Path) -> None:
     from tensorverse.store import records
     from tensorverse.testing.records import tcomparison, tfree_comparison
