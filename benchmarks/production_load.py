@@ -324,7 +324,7 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
             try:
                 for _ in range(a.rounds):
                     for target, into in ((proxy, att), (other, det)):
-                        cpu0 = family_cpu_ms(other.pid)
+                        cpu0 = family_cpu_ms(other.pid) if target is other else 0.0
                         load = asyncio.run(agents(target.url, a.round_s, levels[-1], a.tokens, a.first_ms / 1000,
                                                   a.token_ms / 1000))
                         into += load["ttft_ms"]
