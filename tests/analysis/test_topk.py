@@ -376,3 +376,14 @@ def test_stored_form_reads_as_the_general_parser_reads_it():
         assert repr(got) == repr(want), entry  # repr: -0.0 and -inf compared exactly
         seen["refused" if want is AnalysisInputError else "fast"] += 1
     assert seen["fast"] > 500 and seen["refused"] > 50
+
+
+def test_the_stored_form_is_read_by_the_fast_path_itself():
+    """``[[id, logprob], ...]`` with logprobs in (-9999, 0], 0.0 included, is read without the
+    general parser; any other item sends the whole entry to it (None)."""
+    from tensorverse.analysis.topk import _stored_pairs
+
+    assert _stored_pairs([[7, 0.0], [3, -0.5], [9, -9998.5]]) == {7: 0.0, 3: -0.5, 9: -9998.5}
+    assert _stored_pairs([]) == {}
+    for bad in ([(7, -0.5)], [[7, -0.5, 1]], [[7.0, -0.5]], [[7, -1]], [[7, -9999.0]], [[7, 1e-7]]):
+        assert _stored_pairs(bad) is None, bad
