@@ -40,7 +40,10 @@ one's backlog, so the ratio measures what the shadow work does to the relay in i
 machine); ``rows_lost_silently``: rows the taps captured that are neither stored nor counted as
 dropped anywhere (target 0); ``heap_growth_ratio``: the proxy's anonymous memory (``RssAnon``: the
 heap, what a leak grows; the store's LMDB map is file pages the kernel can drop) at the end over
-after the first level. The last line is one JSON object.
+after the first level. ``cost_model``: evidence at the source run once more at one level (2
+agents) with turns of ``--long-tokens``, and the proxy's CPU per shadowed turn at the two lengths
+split into a part per turn and a part per output token (the line through the two points; the
+rate long turns tend to is 1000 over the part per token). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -365,6 +368,24 @@ def net_of_unshadowed(rows: list[dict[str, Any]], relay_ms_per_turn: float | Non
                                                if relay_ms_per_turn is not None and cpu > 0 else None)
 
 
+def cost_model(short: dict[str, Any], long: dict[str, Any], relay_ms_per_turn: float | None) -> dict[str, Any]:
+    """The proxy's CPU per shadowed turn at two turn lengths, at the same concurrency (net of the
+    relays of shed turns, as the rate), split by the line through them into a part per turn and a
+    part per output token: what a deployment's turns/s and tokens/s cost it (``docs/proxy.md``)."""
+    pts = []
+    for r in (short, long):
+        net = (r["proxy_cpu_s"] - r.get("unshadowed_relay_cpu_s", 0.0)) * 1000  # net_of_unshadowed's
+        pts.append((r["shadowed_tokens"] / r["shadowed_turns"], net / r["shadowed_turns"]))
+    (n1, c1), (n2, c2) = pts
+    per_token = (c2 - c1) / (n2 - n1)
+    return {"concurrency": short["concurrency"], "tokens_per_turn": [n1, n2],
+            "cpu_ms_per_turn": [round(c1, 2), round(c2, 2)],
+            "fixed_cpu_ms_per_turn": round(c1 - per_token * n1, 2),
+            "cpu_ms_per_shadowed_token": round(per_token, 3),
+            # the rate as turns grow long: the per-turn part shared by ever more tokens
+            "long_turn_limit_tokens_per_s_per_core": round(1000 / per_token, 1) if per_token > 0 else None}
+
+
 def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
     """Rows the taps captured that are neither stored by the proxy nor counted as dropped."""
     captured = sum(t.get("rows_captured", 0) for t in taps.values())
@@ -389,6 +410,9 @@ def main() -> int:
     ap.add_argument("--queue", type=int, default=64, help="[shadow] queue_size: past it turns are shed")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the attached / detached TTFT comparison")
     ap.add_argument("--round-s", type=float, default=10.0, help="agent load per side and round")
+    ap.add_argument("--long-tokens", type=int, default=192,
+                    help="output tokens of the long turns run once more at one level (the CPU split into a part per "
+                         "turn and a part per token); 0: not run")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each, 2 rounds of 4 s")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -401,13 +425,28 @@ def main() -> int:
         with primary() as primary_url:
             full = run_mode("full", levels, seconds, a, work, primary_url)
             ev = run_mode("evidence", levels, seconds, a, work, primary_url)
+            long_c = 2 if 2 in levels else levels[0]
+            long = None
+            if a.long_tokens and a.long_tokens != a.tokens:
+                a_long = argparse.Namespace(**{**vars(a), "tokens": a.long_tokens})
+                (work / "long").mkdir()
+                long = run_mode("evidence", [long_c], seconds, a_long, work / "long", primary_url, detached=False)
     relay_ms = (ev["detached"] or {}).get("relay_cpu_ms_per_turn")
     net_of_unshadowed(ev["levels"], relay_ms)
     net_of_unshadowed(full["levels"], relay_ms)
+    model = None
+    if long is not None:
+        net_of_unshadowed(long["levels"], relay_ms)
+        model = cost_model(next(r for r in ev["levels"] if r["concurrency"] == long_c), long["levels"][0], relay_ms)
+        print(f"cost     c={long_c:<3d} {model['cpu_ms_per_turn']} CPU-ms per turn of {model['tokens_per_turn']} tokens: "
+              f"{model['fixed_cpu_ms_per_turn']} ms a turn + {model['cpu_ms_per_shadowed_token']} ms a token",
+              file=sys.stderr, flush=True)
     top_e, top_f = ev["levels"][-1], full["levels"][-1]
     lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
     det = ev["detached"] or {}
-    errors = sum(r["errors"] for r in ev["levels"] + full["levels"]) + det.get("errors", 0)
+    errors = sum(r["errors"] for r in ev["levels"] + full["levels"] + (long["levels"] if long else [])) \
+        + det.get("errors", 0)
+    lost_l = lost_silently(long["taps"], long["ingest"]) if long else {"lost_silently": 0}
     heap = [r["anon_kb"] for r in ev["levels"]]
     result = {
         "benchmark": "production_load",
@@ -417,6 +456,7 @@ def main() -> int:
         "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],
         "gross_shadowed_tokens_per_s_per_core": top_e["gross_shadowed_tokens_per_s_per_core"],
         "relay_cpu_ms_per_turn": relay_ms,
+        "cost_model": model,
         "wire_bytes_per_shadowed_token": top_e["wire_bytes_per_shadowed_token"],
         "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
         "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)
@@ -424,8 +464,8 @@ def main() -> int:
         "primary_ttft_p99_ms": det.get("attached_ttft_p99_ms"), "detached_ttft_p99_ms": det.get("detached_ttft_p99_ms"),
         "primary_ttft_p99_ratio": round(det["attached_ttft_p99_ms"] / det["detached_ttft_p99_ms"], 3)
         if det.get("detached_ttft_p99_ms") else None,
-        "rows_lost_silently": lost_e["lost_silently"] + lost_f["lost_silently"],
-        "rows": {"evidence": lost_e, "full": lost_f},
+        "rows_lost_silently": lost_e["lost_silently"] + lost_f["lost_silently"] + lost_l["lost_silently"],
+        "rows": {"evidence": lost_e, "full": lost_f, "long": lost_l},
         "rows_sent_in_full_by_reason": {r: sum((t.get("rows_evidence") or {}).get(r, 0) for t in ev["taps"].values())
                                         for r in sorted({k for t in ev["taps"].values()
                                                          for k in (t.get("rows_evidence") or {})})},
@@ -434,7 +474,8 @@ def main() -> int:
         "heap_growth_ratio": round(heap[-1] / heap[0], 3) if len(heap) > 1 else 1.0,
         "heap_mib": [round(h / 1024, 1) for h in heap],
         "errors": errors,
-        "per_level": {"evidence": ev["levels"], "full": full["levels"], "detached": det},
+        "per_level": {"evidence": ev["levels"], "full": full["levels"], "detached": det,
+                      "long": long["levels"] if long is not None else None},
         "seconds": round(time.monotonic() - t_start, 1),
     }
     return finish("production_load", result, extra_ok=errors == 0)

@@ -292,6 +292,7 @@ def _backend(sb: Any, *, topk_only: bool = False) -> Any:
         capture="topk" if topk_only else sb.capture,
         concurrency=sb.concurrency,
         logprobs=sb.logprobs,
+        captured_logprobs=sb.captured_logprobs,
         headers=dict(sb.headers),
     )
 

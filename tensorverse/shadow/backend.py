@@ -39,8 +39,12 @@ class Backend:
     timeout_s: float = 120.0
     capture: str = "auto"
     concurrency: int = 4
-    #: top-k logprobs asked of the API on every run (approximate metrics, pieces).
+    #: top-k logprobs asked of the API on a run whose rows are not captured (approximate metrics).
     logprobs: int = 20
+    #: top-k logprobs asked of the API on a run whose rows the capture plugin sends: the rows
+    #: carry the distribution (in full or compact, top-k from the logits), so the answer's own
+    #: top-k only backs them up; 1 keeps each position's argmax there should the rows be lost.
+    captured_logprobs: int = 1
     #: extra HTTP headers sent to this backend (its own, never the client's).
     headers: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -61,6 +65,7 @@ class Backend:
             raise ValueError(f"backend {self.name!r}: concurrency must be >= 1")
         self.concurrency = int(self.concurrency)
         self.logprobs = max(0, int(self.logprobs))
+        self.captured_logprobs = max(0, int(self.captured_logprobs))
 
     # -- addresses ------------------------------------------------------------------------
     @property
@@ -92,6 +97,7 @@ class Backend:
             "capture": self.capture,
             "concurrency": self.concurrency,
             "logprobs": self.logprobs,
+            "captured_logprobs": self.captured_logprobs,
             "has_api_key": bool(self.api_key),
         }
 

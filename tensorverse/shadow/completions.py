@@ -65,9 +65,18 @@ def forced_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool
         "skip_special_tokens": False,
         "vllm_xargs": xargs,
     })
-    if backend.logprobs:
-        body["logprobs"] = backend.logprobs
+    _ask_logprobs(body, backend, captured=capture)
     return body
+
+
+def _ask_logprobs(body: dict[str, Any], backend: Backend, *, captured: bool) -> None:
+    """The API's top-k: ``backend.logprobs`` on a run without capture (its only distribution);
+    ``backend.captured_logprobs`` on a run whose rows the plugin sends (the rows carry the
+    distribution; parsing and storing the answer's top-20 as well cost the proxy about a fifth
+    of its CPU per shadowed token, benchmarks/RESULTS.md)."""
+    k = backend.captured_logprobs if captured else backend.logprobs
+    if k:
+        body["logprobs"] = k
 
 
 def free_sampling(turn: TurnInput, *, margin: int = 64) -> dict[str, Any]:
@@ -101,9 +110,9 @@ def free_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool =
     body = _base(backend, turn)
     body.update({"prompt": list(turn.prompt_token_ids), **sampling, "n": 1, "stream": False,
                  "return_token_ids": True, "return_tokens_as_token_ids": True})
-    if backend.logprobs:
-        body["logprobs"] = backend.logprobs
-    if capture and not any(k in sampling for k in _PENALTIES):
+    captured = capture and not any(k in sampling for k in _PENALTIES)
+    _ask_logprobs(body, backend, captured=captured)
+    if captured:
         xargs: dict[str, Any] = {KEY_CAPTURE: run_id}
         if positions is not None:
             xargs[KEY_POSITIONS] = positions if isinstance(positions, str) else list(positions)

@@ -333,7 +333,7 @@ class ShadowRunner:
                     j = first_difference(t.output_token_ids, got["token_ids"])
                     if j is None:
                         run.update(status="ok", method="forced_decode", sampling=sent_sampling(body),
-                                   token_ids=got["token_ids"], text=got["text"],
+                                   k=body.get("logprobs", 0), token_ids=got["token_ids"], text=got["text"],
                                    finish_reason=got["finish_reason"],
                                    top_logprobs=got["top_logprobs"],
                                    token_logprobs=got["token_logprobs"])
@@ -403,7 +403,7 @@ class ShadowRunner:
                 return fail_run(run, e)
             caps.capture = False
             run["attempts"].append({"method": "generate", "error": str(e)})
-            body.pop("vllm_xargs", None)
+            body = free_body(t, backend, run["id"], capture=False, margin=self.free_margin)
             try:
                 resp, dt = await self._post(backend, body)
             except BackendError as e2:
@@ -413,7 +413,7 @@ class ShadowRunner:
             got = parse_completion(resp)
         except BackendError as e:
             return fail_run(run, e)
-        run.update(status="ok", method="generate", sampling=sent_sampling(body),
+        run.update(status="ok", method="generate", sampling=sent_sampling(body), k=body.get("logprobs", 0),
                    token_ids=got["token_ids"], text=got["text"], finish_reason=got["finish_reason"],
                    top_logprobs=got["top_logprobs"], token_logprobs=got["token_logprobs"])
         run["timings"]["request_s"] = round(dt, 4)

@@ -255,6 +255,7 @@ class BackendInfo(Record, kw_only=True):
     timeout_s: float | None = None
     concurrency: int | None = None
     logprobs: int | None = None
+    captured_logprobs: int | None = None
     has_api_key: bool = False
     tokenizer: dict[str, Any] | None = None  # fingerprint, vocab_size, template_fingerprint
     capabilities: dict[str, Any] | None = None  # forcing, capture, detail (probed)

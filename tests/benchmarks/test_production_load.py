@@ -36,3 +36,17 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     # the comparisons found the runtimes' flips: the turns' tokens are the same, so shadow-2 and
     # shadow-3 (runtimes 2 and 3) flip the same positions of every turn and shadow-1 none
     assert out["flipped_comparisons"] == {"flipped": 2 * level["turns"], "turns": level["turns"], "per_turn": 2.0}
+
+
+def test_the_cost_model_splits_the_cpu_per_turn_into_a_part_per_turn_and_a_part_per_token():
+    # 100 turns of 48 tokens in 8 CPU-s, 0.5 of it the relays of shed turns: 75 ms a turn; 50 turns
+    # of 192 tokens in 11 CPU-s: 220 ms a turn. The line through them: 145 ms per 144 tokens
+    short = {"concurrency": 2, "proxy_cpu_s": 8.0, "unshadowed_relay_cpu_s": 0.5, "shadowed_turns": 100,
+             "shadowed_tokens": 4800}
+    long = {"concurrency": 2, "proxy_cpu_s": 11.0, "unshadowed_relay_cpu_s": 0.0, "shadowed_turns": 50,
+            "shadowed_tokens": 9600}
+    m = PL.cost_model(short, long, 5.0)
+    assert m["tokens_per_turn"] == [48, 192] and m["cpu_ms_per_turn"] == [75.0, 220.0]
+    assert m["cpu_ms_per_shadowed_token"] == round(145 / 144, 3)
+    assert m["fixed_cpu_ms_per_turn"] == round(75 - 145 / 144 * 48, 2)
+    assert m["long_turn_limit_tokens_per_s_per_core"] == round(1000 / (145 / 144), 1)

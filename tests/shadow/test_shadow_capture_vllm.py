@@ -138,8 +138,9 @@ async def _record_turns(bf16_url: str) -> list[dict]:
 
 def _backends(bf16, fp32) -> list[Backend]:
     return [Backend("primary", bf16.url, "tiny-a", role="primary"),
-            Backend("secondary", bf16.url, "tiny-a", role="secondary", logprobs=5),
-            Backend("fp32", fp32.url, "tiny-a", role="shadow", logprobs=5)]
+            # the API's top 5 of a captured run too, so that the rows are checked against it
+            Backend("secondary", bf16.url, "tiny-a", role="secondary", logprobs=5, captured_logprobs=5),
+            Backend("fp32", fp32.url, "tiny-a", role="shadow", logprobs=5, captured_logprobs=5)]
 
 
 @pytest.fixture(scope="module")

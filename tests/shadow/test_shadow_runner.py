@@ -63,8 +63,11 @@ def test_forced_body_is_exactly_what_vllm_needs():
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
         "vllm_xargs": {"tv_force": [9, 8], "tv_capture": "run-1"},
-        "logprobs": 7,
+        "logprobs": 1,  # captured: the rows carry the distribution, the API's top-1 backs them up
     }
+    assert forced_body(t, b, "r", capture=False)["logprobs"] == 7  # not captured: the API's top-k is all
+    assert forced_body(t, Backend("b", "http://h:1", captured_logprobs=5), "r")["logprobs"] == 5
+    assert "logprobs" not in forced_body(t, Backend("b", "http://h:1", captured_logprobs=0), "r")
     body = forced_body(t, Backend("b", "http://h:1", logprobs=0), "r", capture=False)
     assert body["model"] == "m-from-turn"  # the turn's model when the backend names none
     assert body["vllm_xargs"] == {"tv_force": [9, 8]} and "logprobs" not in body
@@ -81,8 +84,9 @@ def test_free_body_greedy_by_default_and_mirrors_a_seeded_primary():
     assert free_body(t, b, "r2") == {
         "model": "m", "prompt": [1], "temperature": 0, "max_tokens": 50, "stop": ["\n\n"],
         "n": 1, "stream": False, "return_token_ids": True, "return_tokens_as_token_ids": True,
-        "logprobs": 3, "vllm_xargs": {"tv_capture": "r2"},
+        "logprobs": 1, "vllm_xargs": {"tv_capture": "r2"},
     }
+    assert free_body(t, b, "r2", capture=False)["logprobs"] == 3
     seeded = TurnInput.from_dict({"id": "t", "prompt_token_ids": [1], "output_token_ids": [2],
                                   "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": 42}})
     body = free_body(seeded, b, "r3", margin=10)
@@ -92,7 +96,7 @@ def test_free_body_greedy_by_default_and_mirrors_a_seeded_primary():
                                "sampling": {"repetition_penalty": 1.1, "presence_penalty": 0.0}})
     body = free_body(pen, b, "r4")
     assert body["repetition_penalty"] == 1.1 and "presence_penalty" not in body
-    assert "vllm_xargs" not in body
+    assert "vllm_xargs" not in body and body["logprobs"] == 3  # not captured: the API's top-k
 
 
 def test_scoring_body_scores_prompt_plus_output():
@@ -293,6 +297,10 @@ def test_sink_refusal_is_retried_without_capture(store):
     for r in runs[1:]:
         assert r["status"] == "ok" and r["capture"] == "topk"
         assert any("needs a sink" in a["error"] for a in r["attempts"])
+        # asked again without capture, for the top-k the API alone now gives
+        assert r["sampling"]["logprobs"] == 20 and r["k"] == 20
+        assert "tv_capture" not in (r["sampling"].get("vllm_xargs") or {})
+        assert all(len(e) == 20 for e in r["top_logprobs"])
 
 
 def test_backend_errors_become_run_records(store):
