@@ -363,9 +363,10 @@ class ShadowBackend(_Section):
     # (approximate metrics); auto: probe the server once.
     capture: Literal["full", "topk", "auto"] = "auto"
     logprobs: int = Field(20, ge=0)  # top-k logprobs asked of the API on a shadow run without capture
-    # top-k logprobs asked of the API on a run whose rows the plugin captures (the rows carry the
-    # distribution; 1 keeps each position's argmax in the answer should its rows be lost)
-    captured_logprobs: int = Field(1, ge=0)
+    # top-k logprobs asked of the API on a run whose rows the plugin captures: its rows carry its
+    # distribution; the answer's top-k meets the primary's recorded top-k, whose k bounds that
+    # comparison anyway. Default: [recording] top_logprobs (at least 1)
+    captured_logprobs: int | None = Field(None, ge=0)
     concurrency: int = Field(2, gt=0)  # shadow requests in flight to this backend
     timeout_s: float = Field(120.0, gt=0)  # per turn on this backend (all its modes)
     gpus: int = Field(1, ge=1)  # GPUs its server occupies (TP x PP): its requests' time is charged times this

@@ -279,7 +279,8 @@ class ShadowTee(Addon):
                 log.warning("shadow %s: turn %s failed: %s: %s", b.name, turn.get("id"), type(e).__name__, e)
 
 
-def _backend(sb: Any, *, topk_only: bool = False) -> Any:
+def _backend(sb: Any, *, topk_only: bool = False, recorded_k: int = 5) -> Any:
+    """``recorded_k``: ``[recording] top_logprobs``, the default of ``captured_logprobs``."""
     from tensorverse.shadow.backend import Backend
 
     return Backend(
@@ -292,7 +293,7 @@ def _backend(sb: Any, *, topk_only: bool = False) -> Any:
         capture="topk" if topk_only else sb.capture,
         concurrency=sb.concurrency,
         logprobs=sb.logprobs,
-        captured_logprobs=sb.captured_logprobs,
+        captured_logprobs=sb.captured_logprobs if sb.captured_logprobs is not None else max(1, recorded_k),
         headers=dict(sb.headers),
     )
 
@@ -312,7 +313,8 @@ def tee_backends_from_config(cfg: Any) -> list[TeeBackend]:
     runner's `Backend` objects (their own credentials: never the client's)."""
     topk = cfg.capture.logits == "topk"
     return [
-        TeeBackend(sb.name, _backend(sb, topk_only=topk), sb.concurrency, sb.timeout_s,
+        TeeBackend(sb.name, _backend(sb, topk_only=topk, recorded_k=cfg.recording.top_logprobs),
+                   sb.concurrency, sb.timeout_s,
                    tuple(sb.modes) if sb.modes else None)
         for sb in cfg.selected_backends()
     ]

@@ -41,10 +41,12 @@ class Backend:
     concurrency: int = 4
     #: top-k logprobs asked of the API on a run whose rows are not captured (approximate metrics).
     logprobs: int = 20
-    #: top-k logprobs asked of the API on a run whose rows the capture plugin sends: the rows
-    #: carry the distribution (in full or compact, top-k from the logits), so the answer's own
-    #: top-k only backs them up; 1 keeps each position's argmax there should the rows be lost.
-    captured_logprobs: int = 1
+    #: top-k logprobs asked of the API on a run whose rows the capture plugin sends: its rows
+    #: carry its distribution; the answer's top-k serves the comparison with a reference that has
+    #: top-k only (the primary's recorded answer, whose k bounds that comparison anyway). The
+    #: proxy asks for ``[recording] top_logprobs`` (its CPU is what the relay shares); replay and
+    #: the matrix, offline, for as many as ``logprobs``.
+    captured_logprobs: int = 20
     #: extra HTTP headers sent to this backend (its own, never the client's).
     headers: dict[str, str] = field(default_factory=dict, repr=False)
 

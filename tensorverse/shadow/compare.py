@@ -68,10 +68,10 @@ from tensorverse.analysis.metrics import (AnalysisInputError, PositionMetrics, p
 from tensorverse.analysis.noise import compare_flip_rates
 from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
-from tensorverse.analysis.topk import parse_top_logprobs, topk_logprobs, topk_position_metrics
+from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store import records
 from tensorverse.store.records import Run
-from tensorverse.store.compact import DEFAULT_TOPK, CompactRow, compact_row, decode_compact
+from tensorverse.store.compact import CompactRow, compact_row, decode_compact
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 
 __all__ = ["compare_turn", "compare_runs", "put_comparisons", "select_reference", "load_rows", "latest_runs",
@@ -194,33 +194,6 @@ def _load_side(src: StoredRows, run_id: str, ps: Sequence[int]) -> tuple[dict[in
                 raise
             compact[p] = e.compact
     return full, compact
-
-
-def _topk_of(store: Any, run: Run, n: int) -> tuple[list[Any], int | None] | None:
-    """A run's top-k per position for a top-k comparison, and its k: read from its captured rows
-    when it has one at every position (exact; a compact row's own top k, a full row's top
-    ``DEFAULT_TOPK``), else the API's answer (a captured run asks the API for only
-    ``captured_logprobs``, so its rows are its distribution); None: neither."""
-    if store is not None and _full(run) and len(_row_positions(store, run, n)) == n:
-        try:
-            full, compact = _load_side(StoredRows(store), run.id, range(n))
-        except RowCompacted:  # pruned by retention: the API's top-k is all that is left
-            full, compact = {}, {}
-        if len(full) + len(compact) == n:
-            tl: list[Any] = []
-            k = DEFAULT_TOPK
-            for p in range(n):
-                if p in compact:
-                    c = compact[p]
-                    lp = c.logprobs()
-                    tl.append([[t, lp[t]] for t in c.top(c.k)])
-                    k = min(k, c.k)
-                else:
-                    tl.append([[t, v] for t, v in topk_logprobs(full[p], DEFAULT_TOPK)[0].items()])
-            return tl, k
-    if _has_topk(run, n):
-        return list(run.top_logprobs[:n]), run.k  # type: ignore[index]
-    return None
 
 
 def _as_compact(side: dict[int, np.ndarray], compact: dict[int, CompactRow], p: int,
@@ -376,14 +349,14 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
     if _full(cand) and _full(ref):
         m, positions, incomplete, classes, sparse = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
         kind = "full"
-    elif (ref_t := _topk_of(store, ref, n)) is not None and (cand_t := _topk_of(store, cand, n)) is not None:
-        (ref_tl, ref_k), (cand_tl, cand_k) = ref_t, cand_t
-        k = min(cand_k or 10**9, ref_k or 10**9)
-        m = topk_position_metrics(ref_tl, cand_tl, list(tokens), k=None if k == 10**9 else k)
+    elif _has_topk(cand, n) and _has_topk(ref, n):
+        k = min(cand.k or 10**9, ref.k or 10**9)
+        m = topk_position_metrics(ref.top_logprobs[:n], cand.top_logprobs[:n], list(tokens),
+                                  k=None if k == 10**9 else k)
         positions = list(range(n))
         kind = "topk"
         flip_set = set(forced_flips(m))
-        entries = [parse_top_logprobs(ref_tl[p]) if p in flip_set else {} for p in positions]
+        entries = [parse_top_logprobs(ref.top_logprobs[p]) if p in flip_set else {} for p in positions]
         noise = None if noise_positions is None else [p in noise_positions for p in positions]
         classes = classify_forced_topk(entries, m.ref_top1, m.cand_top1, noise=noise, rule=rule)
     else:

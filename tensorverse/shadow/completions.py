@@ -71,9 +71,9 @@ def forced_body(turn: TurnInput, backend: Backend, run_id: str, *, capture: bool
 
 def _ask_logprobs(body: dict[str, Any], backend: Backend, *, captured: bool) -> None:
     """The API's top-k: ``backend.logprobs`` on a run without capture (its only distribution);
-    ``backend.captured_logprobs`` on a run whose rows the plugin sends (the rows carry the
-    distribution; parsing and storing the answer's top-20 as well cost the proxy about a fifth
-    of its CPU per shadowed token, benchmarks/RESULTS.md)."""
+    ``backend.captured_logprobs`` on a run whose rows the plugin sends (its rows carry its
+    distribution; behind the proxy, parsing and storing 20 entries a position cost about a tenth
+    of its CPU per shadowed turn: docs/capture.md)."""
     k = backend.captured_logprobs if captured else backend.logprobs
     if k:
         body["logprobs"] = k

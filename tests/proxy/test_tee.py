@@ -147,3 +147,22 @@ def test_busy_seconds_count_each_workers_time_on_turns_for_the_headroom(fake, ma
     busy = float(next(line.split()[1] for line in metrics.splitlines()
                       if line.startswith("tensorverse_shadow_busy_seconds_total ")))
     assert busy >= st["busy_s"]
+
+
+def test_a_captured_run_asks_the_api_for_the_primarys_recorded_k_unless_configured():
+    """``[[shadows]] captured_logprobs`` defaults to ``[recording] top_logprobs``: the answer's
+    top-k of a captured run only meets the primary's recorded top-k; ``logprobs`` stays for runs
+    without capture."""
+    from tensorverse.config import parse_config
+    from tensorverse.proxy.tee import tee_backends_from_config
+
+    def backends(recording_k, **shadow):
+        cfg = parse_config({"primary": {"url": "http://p:8000"}, "recording": {"top_logprobs": recording_k},
+                            "shadows": [{"name": "s", "url": "http://s:8000", **shadow}]})
+        (tb,) = tee_backends_from_config(cfg)
+        return tb.backend.captured_logprobs, tb.backend.logprobs
+
+    assert backends(5) == (5, 20)
+    assert backends(0) == (1, 20)  # the primary records no top-k: each position's argmax
+    assert backends(5, captured_logprobs=12, logprobs=7) == (12, 7)
+    assert backends(5, captured_logprobs=0) == (0, 20)

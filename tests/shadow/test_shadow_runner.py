@@ -63,7 +63,7 @@ def test_forced_body_is_exactly_what_vllm_needs():
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
         "vllm_xargs": {"tv_force": [9, 8], "tv_capture": "run-1"},
-        "logprobs": 1,  # captured: the rows carry the distribution, the API's top-1 backs them up
+        "logprobs": 20,  # captured: `captured_logprobs` (the rows carry the distribution)
     }
     assert forced_body(t, b, "r", capture=False)["logprobs"] == 7  # not captured: the API's top-k is all
     assert forced_body(t, Backend("b", "http://h:1", captured_logprobs=5), "r")["logprobs"] == 5
@@ -84,7 +84,7 @@ def test_free_body_greedy_by_default_and_mirrors_a_seeded_primary():
     assert free_body(t, b, "r2") == {
         "model": "m", "prompt": [1], "temperature": 0, "max_tokens": 50, "stop": ["\n\n"],
         "n": 1, "stream": False, "return_token_ids": True, "return_tokens_as_token_ids": True,
-        "logprobs": 1, "vllm_xargs": {"tv_capture": "r2"},
+        "logprobs": 20, "vllm_xargs": {"tv_capture": "r2"},
     }
     assert free_body(t, b, "r2", capture=False)["logprobs"] == 3
     seeded = TurnInput.from_dict({"id": "t", "prompt_token_ids": [1], "output_token_ids": [2],
@@ -287,7 +287,8 @@ def test_sink_refusal_is_retried_without_capture(store):
         shadow = await FakeVLLM(store=None).start()
         try:
             turn = make_turn(shadow, tid="t4")
-            b = Backend("cand", shadow.url, capture="full")  # configured full, but no sink
+            # configured full, but no sink
+            b = Backend("cand", shadow.url, capture="full", captured_logprobs=3)
             async with ShadowRunner(store, [b], rows_timeout_s=0.5) as r:
                 return await r.run_turn(turn)
         finally:
