@@ -40,10 +40,9 @@ one's backlog, so the ratio measures what the shadow work does to the relay in i
 machine); ``rows_lost_silently``: rows the taps captured that are neither stored nor counted as
 dropped anywhere (target 0); ``heap_growth_ratio``: the proxy's anonymous memory (``RssAnon``: the
 heap, what a leak grows; the store's LMDB map is file pages the kernel can drop) at the end over
-after the first level. ``cost_model``: evidence at the source run once more at one level (2
-agents) with turns of ``--long-tokens``, and the proxy's CPU per shadowed turn at the two lengths
-split into a part per turn and a part per output token (the line through the two points; the
-rate long turns tend to is 1000 over the part per token). The last line is one JSON object.
+after the first level. ``cost_model``: evidence at the source is run once more at one level (2
+agents) with turns of ``--long-tokens``, and the proxy's CPU over those levels is split into a
+part per second, per turn and per token (:func:`cost_model`). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -368,22 +367,31 @@ def net_of_unshadowed(rows: list[dict[str, Any]], relay_ms_per_turn: float | Non
                                                if relay_ms_per_turn is not None and cpu > 0 else None)
 
 
-def cost_model(short: dict[str, Any], long: dict[str, Any], relay_ms_per_turn: float | None) -> dict[str, Any]:
-    """The proxy's CPU per shadowed turn at two turn lengths, at the same concurrency (net of the
-    relays of shed turns, as the rate), split by the line through them into a part per turn and a
-    part per output token: what a deployment's turns/s and tokens/s cost it (``docs/proxy.md``)."""
-    pts = []
-    for r in (short, long):
-        net = (r["proxy_cpu_s"] - r.get("unshadowed_relay_cpu_s", 0.0)) * 1000  # net_of_unshadowed's
-        pts.append((r["shadowed_tokens"] / r["shadowed_turns"], net / r["shadowed_turns"]))
-    (n1, c1), (n2, c2) = pts
-    per_token = (c2 - c1) / (n2 - n1)
-    return {"concurrency": short["concurrency"], "tokens_per_turn": [n1, n2],
-            "cpu_ms_per_turn": [round(c1, 2), round(c2, 2)],
-            "fixed_cpu_ms_per_turn": round(c1 - per_token * n1, 2),
-            "cpu_ms_per_shadowed_token": round(per_token, 3),
-            # the rate as turns grow long: the per-turn part shared by ever more tokens
-            "long_turn_limit_tokens_per_s_per_core": round(1000 / per_token, 1) if per_token > 0 else None}
+def cost_model(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The proxy's CPU over the levels (evidence at the source, with the long turns' level), net of
+    the relays of shed turns, fitted by least squares as a part per wall second, a part per shadowed
+    turn and a part per shadowed token. On this machine the engines, not the proxy, run out of
+    cores first, so every level holds the shadowed tokens a second about equal: the rate per proxy
+    CPU-second then carries the proxy's work per second (ingest batches: each engine posts up to
+    20 a second, whatever they hold; timers; the harness's /stats polls), which a busy proxy would
+    spread over more tokens. ``busy_core_tokens_per_s``: what one core would give with no idle
+    time, at the levels' turn length (an estimate: ``max_abs_residual_cpu_s`` says how well the
+    three parts fit). None with fewer than four levels."""
+    if len(rows) < 4:
+        return None
+    import numpy as np
+
+    x = np.array([[r["wall_s"], r["shadowed_turns"], r["shadowed_tokens"]] for r in rows], float)
+    y = np.array([r["proxy_cpu_s"] - r.get("unshadowed_relay_cpu_s", 0.0) for r in rows])
+    per_s, per_turn, per_token = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    n = rows[0]["shadowed_tokens"] / max(1, rows[0]["shadowed_turns"])  # the short turns' length
+    per_token_at_n = per_turn / n + per_token
+    return {"levels": len(rows), "cpu_ms_per_wall_s": round(per_s * 1000, 1),
+            "cpu_ms_per_shadowed_turn": round(per_turn * 1000, 2),
+            "cpu_ms_per_shadowed_token": round(per_token * 1000, 3),
+            "max_abs_residual_cpu_s": round(float(np.abs(x @ np.array([per_s, per_turn, per_token]) - y).max()), 3),
+            "tokens_per_turn": n,
+            "busy_core_tokens_per_s": round((1 - per_s) / per_token_at_n, 1) if per_token_at_n > 0 and per_s < 1 else None}
 
 
 def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
@@ -434,13 +442,13 @@ def main() -> int:
     relay_ms = (ev["detached"] or {}).get("relay_cpu_ms_per_turn")
     net_of_unshadowed(ev["levels"], relay_ms)
     net_of_unshadowed(full["levels"], relay_ms)
-    model = None
     if long is not None:
         net_of_unshadowed(long["levels"], relay_ms)
-        model = cost_model(next(r for r in ev["levels"] if r["concurrency"] == long_c), long["levels"][0], relay_ms)
-        print(f"cost     c={long_c:<3d} {model['cpu_ms_per_turn']} CPU-ms per turn of {model['tokens_per_turn']} tokens: "
-              f"{model['fixed_cpu_ms_per_turn']} ms a turn + {model['cpu_ms_per_shadowed_token']} ms a token",
-              file=sys.stderr, flush=True)
+    model = cost_model([r for r in ev["levels"] + (long["levels"] if long is not None else []) if r["shadowed_turns"]])
+    if model is not None:
+        print(f"cost     {model['cpu_ms_per_wall_s']} CPU-ms a second + {model['cpu_ms_per_shadowed_turn']} a turn + "
+              f"{model['cpu_ms_per_shadowed_token']} a token (residual <= {model['max_abs_residual_cpu_s']} CPU-s): "
+              f"a busy core {model['busy_core_tokens_per_s']} shadowed tokens/s", file=sys.stderr, flush=True)
     top_e, top_f = ev["levels"][-1], full["levels"][-1]
     lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
     det = ev["detached"] or {}

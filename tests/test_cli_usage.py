@@ -44,6 +44,7 @@ import pytest
 
 from tensorverse.cli import build_parser, main
 from tensorverse.ports import free_port
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import trun, tsession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -461,11 +462,12 @@ def make_store(path: Path) -> dict[str, Any]:
         for sid, n in (("a", 7), ("b", 2)):
             st.put_session(tsession(sid, created_ns=created[sid], grouping="prefix")).result()
             for i in range(n):
-                st.put_turn({"id": f"{sid}-t{i}", "session_id": sid, "index": i, "endpoint": "chat.completions",
-                             "kind": "side" if (sid, i) == ("b", 1) else "main", "created_ns": created[sid] + i,
-                             "request": {"messages": [{"role": "user", "content": f"task {sid} on 10.1.2.3"}]},
-                             "output_token_ids": [5, 6, 7], "text": f"answer {sid} {i}",
-                             "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] if i == 0 else []}).result()
+                st.put_turn(Turn(id=f"{sid}-t{i}", session_id=sid, index=i, endpoint="chat.completions",
+                                 kind="side" if (sid, i) == ("b", 1) else "main",
+                                 created_ns=created[sid] + i,
+                                 request={"messages": [{"role": "user", "content": f"task {sid} on 10.1.2.3"}]},
+                                 output_token_ids=[5, 6, 7], text=f"answer {sid} {i}",
+                                 tool_calls=[{"function": {"name": "f", "arguments": "{}"}}] if i == 0 else [])).result()
         st.put_run(trun("run-b0", "b-t0", "fp32", "forced", status="ok", token_ids=[5, 6, 7],
                         rows={"expected": 3, "present": 3, "complete": True})).result()
         rng = np.random.default_rng(3)

@@ -38,15 +38,21 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     assert out["flipped_comparisons"] == {"flipped": 2 * level["turns"], "turns": level["turns"], "per_turn": 2.0}
 
 
-def test_the_cost_model_splits_the_cpu_per_turn_into_a_part_per_turn_and_a_part_per_token():
-    # 100 turns of 48 tokens in 8 CPU-s, 0.5 of it the relays of shed turns: 75 ms a turn; 50 turns
-    # of 192 tokens in 11 CPU-s: 220 ms a turn. The line through them: 145 ms per 144 tokens
-    short = {"concurrency": 2, "proxy_cpu_s": 8.0, "unshadowed_relay_cpu_s": 0.5, "shadowed_turns": 100,
-             "shadowed_tokens": 4800}
-    long = {"concurrency": 2, "proxy_cpu_s": 11.0, "unshadowed_relay_cpu_s": 0.0, "shadowed_turns": 50,
-            "shadowed_tokens": 9600}
-    m = PL.cost_model(short, long, 5.0)
-    assert m["tokens_per_turn"] == [48, 192] and m["cpu_ms_per_turn"] == [75.0, 220.0]
-    assert m["cpu_ms_per_shadowed_token"] == round(145 / 144, 3)
-    assert m["fixed_cpu_ms_per_turn"] == round(75 - 145 / 144 * 48, 2)
-    assert m["long_turn_limit_tokens_per_s_per_core"] == round(1000 / (145 / 144), 1)
+def test_the_cost_model_splits_the_cpu_into_parts_per_second_per_turn_and_per_token():
+    # levels made from 0.1 CPU-s a second, 4 ms a turn, 0.5 ms a token (less the shed turns' relays)
+    def level(wall, turns, tokens, shed_relays=0.0, noise=0.0):
+        return {"wall_s": wall, "shadowed_turns": turns, "shadowed_tokens": tokens,
+                "proxy_cpu_s": 0.1 * wall + 0.004 * turns + 0.0005 * tokens + shed_relays + noise,
+                "unshadowed_relay_cpu_s": shed_relays}
+
+    rows = [level(15, 47, 47 * 48), level(28, 92, 92 * 48), level(35, 114, 114 * 48, 0.3),
+            level(38, 111, 111 * 48, 1.1), level(36, 26, 26 * 192)]
+    m = PL.cost_model(rows)
+    assert m["levels"] == 5 and m["tokens_per_turn"] == 48
+    assert (m["cpu_ms_per_wall_s"], m["cpu_ms_per_shadowed_turn"], m["cpu_ms_per_shadowed_token"]) == (100.0, 4.0, 0.5)
+    assert m["max_abs_residual_cpu_s"] == 0.0
+    # a busy core: 0.9 s of each second for 4/48 + 0.5 ms a token
+    assert m["busy_core_tokens_per_s"] == round(0.9 / (0.004 / 48 + 0.0005), 1)
+    rows[0] = level(15, 47, 47 * 48, noise=0.2)
+    assert PL.cost_model(rows)["max_abs_residual_cpu_s"] > 0.05
+    assert PL.cost_model(rows[:3]) is None  # three parts need more than three levels

@@ -12,6 +12,7 @@ from tests.exporters.exporters_support import ROOT, store_comparisons  # type: i
 
 from tensorverse.cli import main
 from tensorverse.exporters.export import SCHEMA, ExportError, export_store, parse_since
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import tsession
 
 
@@ -169,8 +170,7 @@ def test_engine_states_in_parquet(tmp_path):
     tokens = [1, 2, 3]
     with Store.open(tmp_path / "s") as store:
         store.put_session(tsession("s", created_ns=time.time_ns())).result()
-        store.put_turn({"id": "t", "session_id": "s", "index": 0, "prompt_token_ids": [9],
-                        "output_token_ids": tokens}).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0, prompt_token_ids=[9], output_token_ids=tokens)).result()
         runs = {}
         for rid, batch in (("ref", 1), ("cand", 8)):
             run = {"id": rid, "turn_id": "t", "session_id": "s", "backend": rid, "mode": "forced",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tensorverse.store import Store
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import trun, tsession
 
 T0 = 1_700_000_000_000_000_000
@@ -40,8 +41,7 @@ def fill_store(st, turns=40, prefix="", first=0):
     st.put_session(tsession(sid, created_ns=T0)).result()
     for i in range(first, first + turns):
         tid = f"{prefix}turn{i:03d}"
-        st.put_turn({"id": tid, "session_id": sid, "index": i - first,
-                     "created_ns": T0 + i * 30 * 10**9}).result()
+        st.put_turn(Turn(id=tid, session_id=sid, index=i - first, created_ns=T0 + i * 30 * 10**9)).result()
         st.put_run(trun(f"{prefix}rec{i}", tid, "primary", "recorded", role="primary")).result()
         for b, role in (("bad", "shadow"), ("good", "shadow"), ("secondary", "secondary")):
             for mode in ("forced", "free"):

@@ -134,10 +134,11 @@ def test_kill9_during_burst_keeps_committed_turns_whole(fakes, proxy_proc, chat,
 _WRITER = textwrap.dedent("""
     import os, sys, time
     from tensorverse.store import Store
+    from tensorverse.testing.records import tsession, tturn
     st = Store.open(sys.argv[1], map_size=1 << 20, durable=False)
-    st.put_session({"id": "s", "created_ns": 1}).result()
+    st.put_session(tsession("s", created_ns=1)).result()
     for i in range(int(sys.argv[2])):
-        st.put_turn({"session_id": "s", "index": i, "state": "ok", "text": os.urandom(20000).hex()}).result()
+        st.put_turn(tturn(f"t{i}", "s", i, text=os.urandom(20000).hex())).result()
         st.write_rows(f"r{i}", [(k, os.urandom(30000)) for k in range(4)]).result()
     print(st.stats()["map_grows"], flush=True)
     st.close()

@@ -14,6 +14,7 @@ from tensorverse.testing.fake_engine import FakeEngine
 from tensorverse.replay.batch_noise import NoiseOptions, ProbeTurn, parse_levels, probe_noise
 from tensorverse.shadow.backend import Backend
 from tensorverse.store import Store
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import tsession
 
 TURNS = [ProbeTurn(f"t{i}", [5 + i, 17, 33, 2], [(11 * i + 7 * p) % 500 for p in range(30)])
@@ -72,8 +73,8 @@ def test_cli_from_a_store(tmp_path, capsys):
     with Store.open(rows) as store:
         store.put_session(tsession("s", created_ns=1)).result()
         for t in TURNS[:2]:
-            store.put_turn({"id": t.id, "session_id": "s", "index": int(t.id[1:]),
-                            "prompt_token_ids": t.prompt_token_ids, "output_token_ids": t.tokens}).result()
+            store.put_turn(Turn(id=t.id, session_id="s", index=int(t.id[1:]),
+                                prompt_token_ids=t.prompt_token_ids, output_token_ids=t.tokens)).result()
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()

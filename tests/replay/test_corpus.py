@@ -14,6 +14,7 @@ from tensorverse.replay.corpus import CorpusError, load_corpus, schema, write_co
 from tensorverse.store import Store
 
 from tensorverse.rig.models import tokenizer_dir
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import tsession
 
 TOOLS = [{"type": "function", "function": {
@@ -59,14 +60,14 @@ def record_store(path: Path, tok) -> str:
             prompt = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=True)
             if hasattr(prompt, "keys"):  # transformers 5 returns a BatchEncoding
                 prompt = prompt["input_ids"]
-            st.put_turn({"id": f"turn-{i}", "session_id": "sess-1", "index": i, "state": "ok",
-                         "endpoint": "chat.completions", "backend": "primary", "model": "tiny-a",
-                         "request": {"model": "tiny-a", "messages": msgs, "tools": TOOLS,
-                                     "temperature": 0, "max_tokens": 64},
-                         "prompt_token_ids": list(prompt),
-                         "output_token_ids": tok.encode(out, add_special_tokens=False),
-                         "text": out.replace("<|im_end|>", ""), "tool_calls": calls,
-                         "finish_reason": "tool_calls" if calls else "stop"}).result()
+            st.put_turn(Turn(id=f"turn-{i}", session_id="sess-1", index=i, state="ok",
+                             endpoint="chat.completions", backend="primary", model="tiny-a",
+                             request={"model": "tiny-a", "messages": msgs, "tools": TOOLS,
+                                      "temperature": 0, "max_tokens": 64},
+                             prompt_token_ids=list(prompt),
+                             output_token_ids=tok.encode(out, add_special_tokens=False),
+                             text=out.replace("<|im_end|>", ""), tool_calls=calls,
+                             finish_reason="tool_calls" if calls else "stop")).result()
         st.put_session(tsession("empty", created_ns=1_700_000_000_000_000_001)).result()
     return "sess-1"
 

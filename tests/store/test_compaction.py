@@ -26,7 +26,7 @@ from tensorverse.store.compaction import (EvidencePolicy, RowFacts, compact_stor
 from tensorverse.store.records import comparison, run
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 from tensorverse.testing.shadow_workload import write_turn
-from tensorverse.testing.records import trun, tsession
+from tensorverse.testing.records import trun, tsession, tturn
 
 V = 4096
 N = 48
@@ -571,7 +571,7 @@ def test_each_skip_says_which_turn_and_why(store):
     assert compact_turn(store, "t0", replace(POLICY, after_s=3599), now_ns=now).status == "compacted"
     assert compact_turn(store, "t0", POLICY) == CompactionResult("t0", "skipped", "compacted already")
     store.put_session(tsession("sx", created_ns=1)).result()
-    store.put_turn({"id": "tx", "session_id": "sx", "index": 0, "created_ns": 1}).result()
+    store.put_turn(tturn("tx", "sx", 0, created_ns=1)).result()
     store.put_run(trun("tx.rec", "tx", "p", "recorded", token_ids=[1])).result()
     assert compact_turn(store, "tx", POLICY) == CompactionResult("tx", "skipped", "no rows")
     store.pin_session("sx").result()
@@ -811,7 +811,7 @@ def _rowless_sessions(store):
     for sid, tid, s_ns, t_ns in (("sp", "tp", 10**9, 10**9), ("sa", "ta", 2 * 10**9, 2 * 10**9),
                                  ("sb", "tb", 3 * 10**9, 4 * 10**9), ("sc", "tc", 3 * 10**9 + 1, 3 * 10**9 + 1)):
         store.put_session(tsession(sid, created_ns=s_ns)).result()
-        store.put_turn({"id": tid, "session_id": sid, "index": 0, "created_ns": t_ns}).result()
+        store.put_turn(tturn(tid, sid, 0, created_ns=t_ns)).result()
     store.pin_session("sp").result()
     return 5 * 10**9, EvidencePolicy(after_s=2.0)
 
@@ -849,13 +849,13 @@ def test_compact_turn_age_boundary_and_runs_without_rows(store):
     from tensorverse.store.compaction import CompactionResult
 
     store.put_session(tsession("s0")).result()
-    store.put_turn({"id": "t", "session_id": "s0", "index": 0, "created_ns": 0}).result()
+    store.put_turn(tturn("t", "s0", 0, created_ns=1)).result()
     store.put_run(trun("t.rec", "t", "p", "recorded", token_ids=[1])).result()
     store.put_run(trun("t.f", "t", "c", "forced", token_ids=[1])).result()
     pol = EvidencePolicy(after_s=1.0)
-    assert compact_turn(store, "t", pol, now_ns=10**9 - 1) == CompactionResult("t", "skipped", "recent")
+    assert compact_turn(store, "t", pol, now_ns=10**9) == CompactionResult("t", "skipped", "recent")
     # exactly after_s old: due; the forced run has no rows, so there is nothing to compact
-    assert compact_turn(store, "t", pol, now_ns=10**9) == CompactionResult("t", "skipped", "no rows")
+    assert compact_turn(store, "t", pol, now_ns=10**9 + 1) == CompactionResult("t", "skipped", "no rows")
 
 
 def test_compact_turn_not_compared_yet_with_and_without_a_primary(store):
@@ -863,7 +863,7 @@ def test_compact_turn_not_compared_yet_with_and_without_a_primary(store):
 
     store.put_session(tsession("s0", created_ns=1)).result()
     for tid, with_primary in (("ta", True), ("tb", False)):
-        store.put_turn({"id": tid, "session_id": "s0", "index": 0 if with_primary else 1, "created_ns": 1}).result()
+        store.put_turn(tturn(tid, "s0", 0 if with_primary else 1, created_ns=1)).result()
         if with_primary:
             store.put_run(trun(f"{tid}.rec", tid, "p", "recorded", token_ids=[1])).result()
         store.put_run(trun(f"{tid}.f", tid, "c", "forced", token_ids=[1])).result()
@@ -887,7 +887,7 @@ def _hand_turn(store, *, corrupt: bool = False) -> None:
     """Turn th: primary th.rec (tokens 1, 2), forced th.ref (rows 0-2) and th.cand (rows 0-1),
     th.cand compared with th.ref; every row is 0..7 in float16 (top-2 gap 1 nat)."""
     store.put_session(tsession("s0", created_ns=1)).result()
-    store.put_turn({"id": "th", "session_id": "s0", "index": 0, "created_ns": 1}).result()
+    store.put_turn(tturn("th", "s0", 0, created_ns=1)).result()
     for rid, mode, backend, toks in (("th.rec", "recorded", "p", [1, 2]), ("th.ref", "forced", "sec", [1, 2, 0]),
                                      ("th.cand", "forced", "cand", [3])):
         store.put_run(trun(rid, "th", backend, mode, token_ids=toks)).result()

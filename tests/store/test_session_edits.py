@@ -8,13 +8,13 @@ import pytest
 
 from tensorverse.cli import main
 from tensorverse.store import RecordNotFound, Store
-from tensorverse.testing.records import trun, tsession
+from tensorverse.testing.records import trun, tsession, tturn
 
 
-def _turn(sid, i, kind="main", calls=False, text="hello"):
+def _turn(sid, i, kind="main", calls=False, text="hello", tid=None):
     req = {"messages": [{"role": "user", "content": f"{text} from 10.1.2.3"}]}
-    return {"id": f"{sid}-t{i}", "session_id": sid, "index": i, "endpoint": "chat.completions", "kind": kind,
-            "request": req, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] if calls else []}
+    return tturn(tid or f"{sid}-t{i}", sid, i, endpoint="chat.completions", kind=kind, request=req,
+                 tool_calls=[{"function": {"name": "f", "arguments": "{}"}}] if calls else [])
 
 
 @pytest.fixture
@@ -66,9 +66,7 @@ def test_split_is_recorded_and_renumbers(store):
 
 
 def test_put_turn_never_overwrites_an_index_held_by_another_turn(store):
-    t = _turn("a", 0)
-    t["id"] = "late"
-    store.put_turn(t).result()
+    store.put_turn(_turn("a", 0, tid="late")).result()
     assert [x["id"] for x in store.iter_turns("a")] == ["a-t0", "a-t1", "a-t2", "late"]
     assert store.get_turn("late")["index_requested"] == 0
 

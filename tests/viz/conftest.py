@@ -33,6 +33,7 @@ import pytest
 
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import trun, tsession
 
 V = 160  # a small vocabulary keeps the tests fast; the codec and metrics do not care
@@ -154,14 +155,12 @@ def _turn(store: Store, sid: str, tid: str, index: int, pieces: list[str], *, pr
     choice_lps = [{"token": ids[p], "logprob": dict(topk_pairs(logits[p])).get(ids[p], -20.0),
                    "top": topk_pairs(logits[p])} for p in range(len(ids))]
     text = "".join(pieces) if text is None else text
-    store.put_turn({
-        "id": tid, "session_id": sid, "index": index, "created_ns": created_ns,
-        "endpoint": "chat.completions", "backend": "primary", "state": "ok",
-        "request": {"model": "qwen3", "messages": prompt, "temperature": 0},
-        "prompt_token_ids": list(range(1, 40)), "output_token_ids": ids, "text": text,
-        "reasoning": reasoning, "tool_calls": tool_calls or [], "finish_reason": "stop",
-        "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": choice_lps}],
-    }).result()
+    store.put_turn(Turn(id=tid, session_id=sid, index=index, created_ns=created_ns,
+                        endpoint="chat.completions", backend="primary", state="ok",
+                        request={"model": "qwen3", "messages": prompt, "temperature": 0},
+                        prompt_token_ids=list(range(1, 40)), output_token_ids=ids, text=text,
+                        reasoning=reasoning, tool_calls=tool_calls or [], finish_reason="stop",
+                        choices=[{"index": 0, "text": text, "token_ids": ids, "logprobs": choice_lps}])).result()
     store.put_run(trun(
         f"{tid}~primary", tid, "primary", "recorded", session_id=sid, role="primary", status="ok", capture="topk",
         approximate=True, method="recorded", token_ids=ids, text=text, top_logprobs=[topk_pairs(x) for x in logits],

@@ -9,6 +9,7 @@ import pytest
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
 from tensorverse.viz.data import NotFound, ViewData
+from tensorverse.store.records import Turn
 from tensorverse.testing.records import trun, tsession
 
 
@@ -298,8 +299,7 @@ def test_full_vocabulary_rows(tmp_path):
     vocab = 151_936
     with Store.open(tmp_path / "s") as store:
         store.put_session(tsession("s", created_ns=1)).result()
-        store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6],
-                        "pieces": ["a", "b"]}).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0, output_token_ids=[5, 6], pieces=["a", "b"])).result()
         rng = np.random.default_rng(0)
         rows = {}
         for be in ("ref", "cand"):
@@ -376,15 +376,14 @@ def test_primary_from_the_proxy_turn_alone(tmp_path, vz):
     ids = vz.VOCAB.encode(["Hello", "!"])
     with Store.open(tmp_path / "s") as store:
         store.put_session(tsession("s", created_ns=1)).result()
-        store.put_turn({
-            "id": "t", "session_id": "s", "index": 0, "backend": "prim", "output_token_ids": ids,
-            "text": "", "request": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                                    "system": "be brief"},
-            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
-            "choices": [{"logprobs": [{"token": "token_id:%d" % ids[0], "logprob": -0.1,
-                                       "top": [["token_id:%d" % ids[0], -0.1], ["token_id:7", -2.5]]},
-                                      {"token": "token_id:%d" % ids[1], "logprob": -0.2, "top": []}]}],
-        }).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0, backend="prim", output_token_ids=ids, text="",
+                            request={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                     "system": "be brief"},
+                            tool_calls=[{"id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": '{"a": 1}'}}],
+                            choices=[{"logprobs": [{"token": "token_id:%d" % ids[0], "logprob": -0.1,
+                                                    "top": [["token_id:%d" % ids[0], -0.1], ["token_id:7", -2.5]]},
+                                                   {"token": "token_id:%d" % ids[1], "logprob": -0.2, "top": []}]}])).result()
         store.put_run(trun("r", "t", "b", "free", status="ok", token_ids=ids[:1] + [8],
                            text='<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>')).result()
         tv = ViewData(store).turn_view("t")
@@ -431,10 +430,10 @@ def test_free_runs_without_pieces(tmp_path, vz):
 def test_turn_without_output_and_unknown_token_texts(tmp_path):
     with Store.open(tmp_path / "s") as store:
         store.put_session(tsession("s", created_ns=1)).result()
-        store.put_turn({"id": "t", "session_id": "s", "index": 0, "state": "upstream_error",
-                        "output_token_ids": None, "text": None}).result()
-        store.put_turn({"id": "u", "session_id": "s", "index": 1, "output_token_ids": [5, 6],
-                        "token_texts": {"5": "a", "6": "b", "7": "c"}}).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0, state="upstream_error", output_token_ids=None,
+                            text=None)).result()
+        store.put_turn(Turn(id="u", session_id="s", index=1, output_token_ids=[5, 6],
+                            token_texts={"5": "a", "6": "b", "7": "c"})).result()
         store.put_run(trun("r", "u", "x", "free", status="ok", token_ids=[5, 7], text="ac")).result()
         store.put_run(trun("r2", "u", "x", "forced", status="timeout", error="no answer in 120 s")).result()
         view = ViewData(store)
@@ -482,8 +481,8 @@ def test_positions_compared_on_compact_rows_are_marked_approximate(tmp_path):
     rng = np.random.default_rng(1)
     with Store.open(tmp_path / "s") as store:
         store.put_session(tsession("s", created_ns=1)).result()
-        store.put_turn({"id": "t", "session_id": "s", "index": 0, "output_token_ids": [5, 6, 7],
-                        "pieces": ["a", "b", "c"]}).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0, output_token_ids=[5, 6, 7],
+                            pieces=["a", "b", "c"])).result()
         store.put_run(trun(primary_run_id("t"), "t", "prim", "recorded", role="primary", token_ids=[5, 6, 7],
                            capture="topk")).result()
         for be, role in (("ref", "reference"), ("cand", "shadow")):
