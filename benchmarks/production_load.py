@@ -40,9 +40,9 @@ one's backlog, so the ratio measures what the shadow work does to the relay in i
 machine); ``rows_lost_silently``: rows the taps captured that are neither stored nor counted as
 dropped anywhere (target 0); ``heap_growth_ratio``: the proxy's anonymous memory (``RssAnon``: the
 heap, what a leak grows; the store's LMDB map is file pages the kernel can drop) at the end over
-after the first level. ``cost_model``: evidence at the source is run once more at one level (2
-agents) with turns of ``--long-tokens``, and the proxy's CPU over those levels is split into a
-part per second, per turn and per token (:func:`cost_model`). The last line is one JSON object.
+after the first level. ``turn_length``: evidence at the source run once more at one level (2
+agents) with turns of ``--long-tokens``: the proxy's CPU per shadowed token with short and with
+long turns (:func:`turn_length`). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -367,31 +367,20 @@ def net_of_unshadowed(rows: list[dict[str, Any]], relay_ms_per_turn: float | Non
                                                if relay_ms_per_turn is not None and cpu > 0 else None)
 
 
-def cost_model(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The proxy's CPU over the levels (evidence at the source, with the long turns' level), net of
-    the relays of shed turns, fitted by least squares as a part per wall second, a part per shadowed
-    turn and a part per shadowed token. On this machine the engines, not the proxy, run out of
-    cores first, so every level holds the shadowed tokens a second about equal: the rate per proxy
-    CPU-second then carries the proxy's work per second (ingest batches: each engine posts up to
-    20 a second, whatever they hold; timers; the harness's /stats polls), which a busy proxy would
-    spread over more tokens. ``busy_core_tokens_per_s``: what one core would give with no idle
-    time, at the levels' turn length (an estimate: ``max_abs_residual_cpu_s`` says how well the
-    three parts fit). None with fewer than four levels."""
-    if len(rows) < 4:
-        return None
-    import numpy as np
+def turn_length(short: dict[str, Any], long: dict[str, Any]) -> dict[str, Any]:
+    """One level run with short and with long turns: the proxy's CPU per shadowed token at each
+    (net of the relays of shed turns, as the rate). A cost per turn would make the long turns'
+    tokens cheaper; equal figures say the proxy's work goes with the tokens (their captured rows,
+    their answers' logprobs) and with time (ingest batches: each engine posts up to 20 a second,
+    whatever they hold), not with turns."""
+    def per_token(r: dict[str, Any]) -> float:
+        return (r["proxy_cpu_s"] - r.get("unshadowed_relay_cpu_s", 0.0)) * 1000 / r["shadowed_tokens"]
 
-    x = np.array([[r["wall_s"], r["shadowed_turns"], r["shadowed_tokens"]] for r in rows], float)
-    y = np.array([r["proxy_cpu_s"] - r.get("unshadowed_relay_cpu_s", 0.0) for r in rows])
-    per_s, per_turn, per_token = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
-    n = rows[0]["shadowed_tokens"] / max(1, rows[0]["shadowed_turns"])  # the short turns' length
-    per_token_at_n = per_turn / n + per_token
-    return {"levels": len(rows), "cpu_ms_per_wall_s": round(per_s * 1000, 1),
-            "cpu_ms_per_shadowed_turn": round(per_turn * 1000, 2),
-            "cpu_ms_per_shadowed_token": round(per_token * 1000, 3),
-            "max_abs_residual_cpu_s": round(float(np.abs(x @ np.array([per_s, per_turn, per_token]) - y).max()), 3),
-            "tokens_per_turn": n,
-            "busy_core_tokens_per_s": round((1 - per_s) / per_token_at_n, 1) if per_token_at_n > 0 and per_s < 1 else None}
+    a, b = per_token(short), per_token(long)
+    return {"concurrency": short["concurrency"],
+            "tokens_per_turn": [short["shadowed_tokens"] / short["shadowed_turns"],
+                                long["shadowed_tokens"] / long["shadowed_turns"]],
+            "cpu_ms_per_shadowed_token": [round(a, 3), round(b, 3)], "long_over_short": round(b / a, 3)}
 
 
 def lost_silently(taps: dict[str, dict[str, Any]], ingest: dict[str, Any]) -> dict[str, int]:
@@ -419,8 +408,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the attached / detached TTFT comparison")
     ap.add_argument("--round-s", type=float, default=10.0, help="agent load per side and round")
     ap.add_argument("--long-tokens", type=int, default=192,
-                    help="output tokens of the long turns run once more at one level (the CPU split into a part per "
-                         "turn and a part per token); 0: not run")
+                    help="output tokens of the long turns run once more at one level (the proxy's CPU per token "
+                         "with short and long turns); 0: not run")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each, 2 rounds of 4 s")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -444,11 +433,11 @@ def main() -> int:
     net_of_unshadowed(full["levels"], relay_ms)
     if long is not None:
         net_of_unshadowed(long["levels"], relay_ms)
-    model = cost_model([r for r in ev["levels"] + (long["levels"] if long is not None else []) if r["shadowed_turns"]])
-    if model is not None:
-        print(f"cost     {model['cpu_ms_per_wall_s']} CPU-ms a second + {model['cpu_ms_per_shadowed_turn']} a turn + "
-              f"{model['cpu_ms_per_shadowed_token']} a token (residual <= {model['max_abs_residual_cpu_s']} CPU-s): "
-              f"a busy core {model['busy_core_tokens_per_s']} shadowed tokens/s", file=sys.stderr, flush=True)
+    lengths = None
+    if long is not None and long["levels"][0]["shadowed_turns"]:
+        lengths = turn_length(next(r for r in ev["levels"] if r["concurrency"] == long_c), long["levels"][0])
+        print(f"lengths  c={long_c:<3d} {lengths['cpu_ms_per_shadowed_token']} CPU-ms per shadowed token at "
+              f"{lengths['tokens_per_turn']} tokens a turn", file=sys.stderr, flush=True)
     top_e, top_f = ev["levels"][-1], full["levels"][-1]
     lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
     det = ev["detached"] or {}
@@ -464,7 +453,7 @@ def main() -> int:
         "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],
         "gross_shadowed_tokens_per_s_per_core": top_e["gross_shadowed_tokens_per_s_per_core"],
         "relay_cpu_ms_per_turn": relay_ms,
-        "cost_model": model,
+        "turn_length": lengths,
         "wire_bytes_per_shadowed_token": top_e["wire_bytes_per_shadowed_token"],
         "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
         "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)

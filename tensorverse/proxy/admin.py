@@ -25,26 +25,25 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
 import orjson
 from aiohttp import web
 
+from tensorverse.proxy.dedupe import SeenFrames
+
 log = logging.getLogger("tensorverse.proxy.admin")
 
 
 class Ingest:
-    def __init__(self, store: Any, token: str | None, *, max_bytes: int = 256 << 20, dedupe: int = 200_000) -> None:
+    def __init__(self, store: Any, token: str | None, *, max_bytes: int = 256 << 20,
+                 dedupe_window: int = 1 << 16) -> None:
         self.store = store
         self.token = token
         self.max_bytes = max_bytes
-        # the frames stored lately, (origin << 64) | seq, oldest first: a batch sent again is not
-        # stored twice. One int in a set and a deque: about 100 bytes a frame (a tuple in an
-        # OrderedDict took 230), so the window of 200,000 frames holds about 20 MiB at most.
-        self._seen: set[int] = set()
-        self._seen_order: deque[int] = deque()
-        self._dedupe = dedupe
+        # the frames stored lately, per capturing process: a batch sent again is not stored twice
+        self._seen = SeenFrames(dedupe_window)
         self.counters = {"batches": 0, "rows": 0, "duplicates": 0, "rejected": 0, "unauthorized": 0,
                          "store_full": 0, "store_errors": 0, "bytes": 0, "rows_dropped_store_full": 0,
                          "rows_dropped_store_error": 0, "rows_compact": 0}
@@ -134,10 +133,10 @@ class Ingest:
             return self._json(400, error=str(e))
         by_run: dict[str, list[tuple]] = defaultdict(list)
         dup = 0
-        fresh: list[int] = []  # the dedupe keys of the frames to store
+        fresh: list[tuple[int, int]] = []  # (origin, seq) of the frames to store
         for f in frames:
             if f.seq:
-                key = (f.origin << 64) | f.seq
+                key = (f.origin, f.seq)
                 if key in self._seen:
                     dup += 1
                     continue
@@ -155,12 +154,8 @@ class Ingest:
             self.counters["rows_dropped_store_error"] += sum(len(r) for r in by_run.values())
             log.warning("ingest: cannot store rows: %s", e)
             return self._json(500, error=f"cannot store rows: {type(e).__name__}")
-        for key in fresh:  # remember only what was committed
-            if key not in self._seen:  # (a frame twice in one batch)
-                self._seen.add(key)
-                self._seen_order.append(key)
-        while len(self._seen_order) > self._dedupe:
-            self._seen.discard(self._seen_order.popleft())
+        for origin, seq in fresh:  # remember only what was committed
+            self._seen.add(origin, seq)
         rows = sum(len(r) for r in by_run.values())
         self.counters["batches"] += 1
         self.counters["rows"] += rows

@@ -38,21 +38,12 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     assert out["flipped_comparisons"] == {"flipped": 2 * level["turns"], "turns": level["turns"], "per_turn": 2.0}
 
 
-def test_the_cost_model_splits_the_cpu_into_parts_per_second_per_turn_and_per_token():
-    # levels made from 0.1 CPU-s a second, 4 ms a turn, 0.5 ms a token (less the shed turns' relays)
-    def level(wall, turns, tokens, shed_relays=0.0, noise=0.0):
-        return {"wall_s": wall, "shadowed_turns": turns, "shadowed_tokens": tokens,
-                "proxy_cpu_s": 0.1 * wall + 0.004 * turns + 0.0005 * tokens + shed_relays + noise,
-                "unshadowed_relay_cpu_s": shed_relays}
-
-    rows = [level(15, 47, 47 * 48), level(28, 92, 92 * 48), level(35, 114, 114 * 48, 0.3),
-            level(38, 111, 111 * 48, 1.1), level(36, 26, 26 * 192)]
-    m = PL.cost_model(rows)
-    assert m["levels"] == 5 and m["tokens_per_turn"] == 48
-    assert (m["cpu_ms_per_wall_s"], m["cpu_ms_per_shadowed_turn"], m["cpu_ms_per_shadowed_token"]) == (100.0, 4.0, 0.5)
-    assert m["max_abs_residual_cpu_s"] == 0.0
-    # a busy core: 0.9 s of each second for 4/48 + 0.5 ms a token
-    assert m["busy_core_tokens_per_s"] == round(0.9 / (0.004 / 48 + 0.0005), 1)
-    rows[0] = level(15, 47, 47 * 48, noise=0.2)
-    assert PL.cost_model(rows)["max_abs_residual_cpu_s"] > 0.05
-    assert PL.cost_model(rows[:3]) is None  # three parts need more than three levels
+def test_turn_length_gives_the_proxys_cpu_per_token_with_short_and_long_turns():
+    # 100 turns of 48 tokens in 6 CPU-s, 0.24 of it the relays of shed turns: 1.2 ms a token; 25
+    # turns of 192 tokens in 6 CPU-s: 1.25 ms a token
+    short = {"concurrency": 2, "proxy_cpu_s": 6.0, "unshadowed_relay_cpu_s": 0.24, "shadowed_turns": 100,
+             "shadowed_tokens": 4800}
+    long = {"concurrency": 2, "proxy_cpu_s": 6.0, "shadowed_turns": 25, "shadowed_tokens": 4800}
+    m = PL.turn_length(short, long)
+    assert m == {"concurrency": 2, "tokens_per_turn": [48.0, 192.0], "cpu_ms_per_shadowed_token": [1.2, 1.25],
+                 "long_over_short": round(1.25 / 1.2, 3)}

@@ -164,9 +164,10 @@ def test_a_big_ingest_body_is_checked_off_the_loop_all_or_nothing(fake, make_pro
     assert proxy.store.read_rows("big") == list(enumerate(blobs))
 
 
-def test_the_dedupe_window_remembers_the_last_frames_stored_and_forgets_older_ones(tmp_path):
-    """A batch sent again within the window is counted as duplicates and not stored twice; a frame
-    older than the window (dedupe = 4 frames here) is taken as new. Different origins never clash."""
+def test_the_dedupe_window_remembers_each_origins_last_frames_and_forgets_older_ones(tmp_path):
+    """A batch sent again within its origin's window is counted as duplicates and not stored
+    twice; a frame older than the window (8 seqs below the origin's highest here) is taken as new.
+    Different origins never clash."""
     import asyncio
 
     from aiohttp import web
@@ -176,7 +177,7 @@ def test_the_dedupe_window_remembers_the_last_frames_stored_and_forgets_older_on
     from tensorverse.store import Store
 
     store = Store.open(tmp_path / "store", durable=False)
-    ingest = Ingest(store, "t", dedupe=4)
+    ingest = Ingest(store, "t", dedupe_window=8)
     auth = {"Authorization": "Bearer t", "Content-Type": CONTENT_TYPE}
 
     async def main():
@@ -189,10 +190,12 @@ def test_the_dedupe_window_remembers_the_last_frames_stored_and_forgets_older_on
             out = [await post(_frames("r", 3, origin=1))]               # seqs 1-3 of origin 1
             out.append(await post(_frames("r", 3, origin=2)))           # the same seqs, origin 2: new
             out.append(await post(_frames("r", 3, origin=2)))           # sent again: duplicates
-            out.append(await post(_frames("r", 1, origin=1)))           # seq 1 of origin 1: forgotten
+            out.append(await post(_frames("r", 12, origin=1)))          # 1-3 again, 4-12 new
+            out.append(await post(_frames("r", 4, origin=1)))           # 1-4: a window below 12
+            out.append(await post(_frames("r", 2, origin=1, seq0=11)))  # 11-12: still in the window
             return out
     try:
         out = asyncio.run(main())
     finally:
         store.close()
-    assert [(o["rows"], o["duplicates"]) for o in out] == [(3, 0), (3, 0), (0, 3), (1, 0)]
+    assert [(o["rows"], o["duplicates"]) for o in out] == [(3, 0), (3, 0), (0, 3), (9, 3), (4, 0), (0, 2)]
