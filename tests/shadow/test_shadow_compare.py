@@ -924,6 +924,7 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
     for p in (1, 3, 4):
         C[p, alt[p]] = R[p].max() + 1.0
     S[3, alt[3]] = R[3].max() + 1.0
+    S[5, alt[5]] = R[5].max() + 1.0  # only the secondary flips at 5: its row full, the candidate's compact
     results = {}
     for form in ("full", "source"):
         with Store.open(tmp_path / form) as st:
@@ -936,7 +937,7 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
                 put_rows(st, "sec-f", S)
                 put_rows(st, "cand-f", C)
             else:
-                assert _put_rows_reduced_at_source(st, "sec-f", S, T) == 2  # its tie (1) and its flip (3)
+                assert _put_rows_reduced_at_source(st, "sec-f", S, T) == 3  # its tie (1), its flips (3, 5)
                 assert _put_rows_reduced_at_source(st, "cand-f", C, T) == 3  # its flips
             results[form] = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(st, "T")}[("cand-f", "sec-f")]
     full, src = results["full"], results["source"]
@@ -944,9 +945,10 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
     assert src["compact_positions"] == [0, 2, 4, 5] and src["approximate"]  # 4: only the candidate flips there
     for key in ("flips", "flip_classes", "flips_by_class", "flip_tokens", "first_flip", "n"):
         assert src[key] == full[key], key
-    assert src["flips"] == [1, 4] and src["flip_classes"] == ["tie", "runtime"]  # both flip alike at 3
+    assert src["flips"] == [1, 4, 5] and src["flip_classes"][:2] == ["tie", "runtime"]  # both flip alike at 3
     fd, sd = full["attribution"]["details"], src["attribution"]["details"]
     assert sd[0] == fd[0]  # the tie at 1: the secondary's row travelled in full (a close call)
+    assert sd[2] == fd[2]  # at 5 the secondary's row travelled in full (its flip): margin and steps exact
     # at 4 the secondary's row travelled compact and the candidate's top-1 is not in its top 20:
     # the class is exact, the margin unknown (at least the gap to the secondary's 20th logit)
     assert {k: v for k, v in sd[1].items() if k not in ("margin", "steps", "ref_dtype")} == \
