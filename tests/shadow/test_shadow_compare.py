@@ -963,3 +963,45 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
             assert src["metrics"]["kl"][p] <= full["metrics"]["kl"][p] + 1e-12
         else:
             assert src["metrics"]["kl"][p] == full["metrics"]["kl"][p]
+
+
+def test_compact_rows_classify_like_full_rows_under_any_tie_rule_and_without_a_noise_run(tmp_path):
+    """Evidence at the source compared by `compare_forced` itself (no noise run) under two tie
+    rules. At 2 the secondary alone flips, by one bfloat16 step (its row full, the candidate's
+    compact): a near tie by default, a runtime flip with ``ulps=0``. At 4 the candidate alone flips
+    far (its row full, the secondary's compact). Flips, classes and their details equal full
+    capture's under each rule."""
+    from tensorverse.analysis.attribution import DEFAULT_RULE, TieRule
+    from tensorverse.shadow.compare import compare_forced
+    from tensorverse.store import Store
+
+    R = _bf16(ref_logits())
+    T = tokens_of(R)
+    S, C = R.copy(), R.copy()
+    assert S[2, T[2]] > 0
+    up = np.array([(int(S[2, T[2]].view(np.uint32) >> 16) + 1) << 16], np.uint32).view(np.float32)[0]
+    S[2, (T[2] + 1) % V] = up  # one bfloat16 step above the forced token
+    C[4, (T[4] + 1) % V] = R[4].max() + 1.0
+    runs = {"sec-f": run_record("sec-f", "sec", "secondary", "forced", T, top=topk(S)),
+            "cand-f": run_record("cand-f", "cand", "shadow", "forced", T, top=topk(C))}
+    out = {}
+    for form in ("full", "source"):
+        with Store.open(tmp_path / form) as st:
+            for r in runs.values():
+                st.put_run(r).result()
+            for rid, x in (("sec-f", S), ("cand-f", C)):
+                if form == "full":
+                    put_rows(st, rid, x)
+                else:
+                    _put_rows_reduced_at_source(st, rid, x, T)
+            for name, rule in (("default", DEFAULT_RULE), ("ulps0", TieRule(ulps=0))):
+                out[form, name] = compare_forced(st, runs["cand-f"], runs["sec-f"], T, rule=rule)
+    for name, classes in (("default", ["near_tie", "runtime"]), ("ulps0", ["runtime", "runtime"])):
+        full, src = out["full", name], out["source", name]
+        assert {2, 4} <= set(src["compact_positions"])
+        assert full["flips"] == src["flips"] == [2, 4]
+        assert full["flip_classes"] == src["flip_classes"] == classes, name
+        assert src["flips_by_class"] == full["flips_by_class"]
+        fd, sd = full["attribution"]["details"], src["attribution"]["details"]
+        assert sd[0] == fd[0]  # the secondary's row at 2 travelled in full: margin and steps exact
+        assert sd[1]["flip_class"] == fd[1]["flip_class"] == "runtime"
