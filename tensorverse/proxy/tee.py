@@ -279,7 +279,7 @@ class ShadowTee(Addon):
                 log.warning("shadow %s: turn %s failed: %s: %s", b.name, turn.get("id"), type(e).__name__, e)
 
 
-def _backend(sb: Any, *, topk_only: bool = False, recorded_k: int = 5) -> Any:
+def _backend(sb: Any, *, recorded_k: int, topk_only: bool = False) -> Any:
     """``recorded_k``: ``[recording] top_logprobs``, the default of ``captured_logprobs``."""
     from tensorverse.shadow.backend import Backend
 
