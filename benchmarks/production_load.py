@@ -15,12 +15,12 @@ What runs, each in its own process:
   source included) to the proxy's ``/ingest``;
 * the proxy: ``python -m tensorverse proxy --config FILE``, as a user starts it (``[capture]
   per_minute = 0``: every turn is shadowed, forced and free, on all three shadows; an analysis
-  worker process);
+  worker process and the ingest worker process);
 * the agents: this process, ``c`` concurrent streams (each checked whole), ``c`` stepped through
   ``--levels``.
 
-Per level: the proxy's own CPU-seconds (its process and its analysis worker; the engines and the
-primary share the machine, so a rate per wall second would measure the machine),
+Per level: the proxy's own CPU-seconds (its process and its workers, analysis and ingest; the
+engines and the primary share the machine, so a rate per wall second would measure the machine),
 ``shadowed_tokens`` (output tokens of the turns the tee finished: a turn run on three shadows,
 forced and free, counts its tokens once), the bytes the plugins posted, the primary's TTFT p99,
 shadow turns shed (the tee's queue was full: counted), the proxy's memory. The level is run until its
@@ -173,7 +173,7 @@ class Engines:
 
 
 def family_cpu_ms(pid: int) -> float:
-    """CPU of ``pid`` and every living descendant (the proxy's analysis worker)."""
+    """CPU of ``pid`` and every living descendant (the proxy's fork server and its workers)."""
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():

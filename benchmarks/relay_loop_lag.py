@@ -19,10 +19,16 @@ turns are analysed one after the other, in each phase:
 * ``compact_thread`` and ``compact_workers``: the compaction of every turn planned (its rows
   read, compacted and re-encoded, nothing committed) by the retention keeper's thread, or by a
   worker the keeper's thread waits on;
-* ``ingest_loop`` and ``ingest_thread``: the proxy's real ``/ingest`` (`tensorverse.proxy.admin`,
-  an aiohttp app on the probe's loop, the store's writer thread behind it) taking batches of 8
-  full Qwen3 rows (~4 MB) posted from another thread, with each body parsed and checked on the
-  loop (as before 2026-12-04) or, as now for bodies over 256 KiB, in a thread;
+* ``ingest_thread`` and ``ingest_worker``: the proxy's real ``/ingest`` (`tensorverse.proxy.ingest`,
+  an aiohttp app on the probe's loop) taking batches of 8 full Qwen3 rows (~4 MB) posted by
+  another process, as a capture sink is, with each body parsed, checked and written in a thread of
+  the loop's process by its store's writer thread (``[admin] ingest_process = false``) or, as by
+  default now, in the ingest worker process (the loop's process reads the body and writes it to
+  the worker's pipe); ``ingest_read_only``: the same bodies read and answered, nothing parsed or
+  stored, the floor of any design where the proxy's process takes the body;
+  ``ingest_evidence_thread`` and ``ingest_evidence_worker``: the same two ways with the bodies the
+  taps send with evidence at the source (18 compact rows and one full row, ~0.2 MB), 15 times as
+  many; each ingest phase also reports the loop's process's CPU per batch;
 * ``idle``: the probe alone, the machine's own floor.
 
 Figures: the probe's lag p50/p99/max in milliseconds for each phase; each phase's wall time per
@@ -61,7 +67,8 @@ from tensorverse.testing.shadow_workload import prepare_turn, store_turn
 
 PROBE_S = 0.001
 
-# The capture sink's side of the ingest phases: batches of 8 full rows, built before "go".
+# The capture sink's side of the ingest phases, built before "go": batches of 8 full rows, or
+# (evidence) of 18 compact rows and one full row, as the taps send them with evidence at the source.
 _POSTER = """
 import sys
 import httpx
@@ -69,10 +76,16 @@ sys.path.insert(0, ".")
 from benchmarks._logits import synthetic_rows
 from tensorverse.capture.frames import CONTENT_TYPE, encode_frame
 from tensorverse.store.codec import encode_row
-port, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-blob = encode_row(synthetic_rows(1, seed=7)[0][0])
-bodies = [b"".join(encode_frame(f"ing-{tag}-{i}", p, blob, seq=p + 1, origin=i + 1) for p in range(8))
-          for i in range(n)]
+from tensorverse.store.compact import compact_row, encode_compact
+port, tag, n, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+row = synthetic_rows(1, seed=7)[0][0]
+blob, small = encode_row(row), encode_compact(compact_row(row, k=20))
+if kind == "full":
+    bodies = [b"".join(encode_frame(f"ing-{tag}-{i}", p, blob, seq=p + 1, origin=i + 1) for p in range(8))
+              for i in range(n)]
+else:
+    bodies = [b"".join(encode_frame(f"ing-{tag}-{i}", p, small if p < 18 else blob, seq=p + 1, origin=i + 1,
+                                    compact=p < 18) for p in range(19)) for i in range(n)]
 print("ready", flush=True)
 sys.stdin.readline()
 ok = 0
@@ -159,21 +172,35 @@ def main(argv: list[str] | None = None) -> int:
 
             from aiohttp import web
 
-            from tensorverse.proxy.admin import Ingest, make_admin_app
+            from tensorverse.proxy.admin import make_admin_app
+            from tensorverse.proxy.ingest import Ingest, IngestWorker, Stored
 
-            n_batches = 10 if a.quick else 40
+            n_batches = 10 if a.quick else 100
 
-            async def ingest_phase(off_loop_bytes: int) -> dict[str, Any]:
-                ing = Ingest(store, "t")
-                ing.OFF_LOOP_BYTES = off_loop_bytes
+            class ReadOnly:  # takes every body, does nothing with it
+                restarts = 0
+
+                async def store(self, body: bytes | bytearray) -> Stored:
+                    return Stored(200)
+
+                def close(self) -> None:
+                    pass
+
+            async def ingest_phase(mode: str, kind: str = "full") -> dict[str, Any]:
+                n = n_batches if kind == "full" else 15 * n_batches
+                worker: Any = (IngestWorker(store.path, durable=False) if mode == "worker"
+                               else ReadOnly() if mode == "read_only" else None)
+                ing = Ingest(store, "t", worker=worker)
+                if mode == "worker":  # started and warm, as in a running proxy
+                    assert (await worker.store(b"")).status == 200
                 runner = web.AppRunner(make_admin_app(lambda: {}, ing), access_log=None)
                 await runner.setup()
                 site = web.TCPSite(runner, "127.0.0.1", 0)
                 await site.start()
                 port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-                tag = "loop" if off_loop_bytes > 1 << 40 else "thread"
+                tag = f"{kind}-{mode}"
                 # the sink is another process, as the capture plugin is: its work is not the proxy's
-                child = subprocess.Popen([sys.executable, "-c", _POSTER, str(port), tag, str(n_batches)],
+                child = subprocess.Popen([sys.executable, "-c", _POSTER, str(port), tag, str(n), kind],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                          cwd=str(Path(__file__).resolve().parent.parent))
                 assert child.stdout is not None and child.stdin is not None
@@ -185,11 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                     return int(child.stdout.readline())
 
                 try:
+                    cpu0 = time.process_time()
                     lag, ok, wall = await _phase(lambda: asyncio.to_thread(post), 0)
+                    cpu = time.process_time() - cpu0
                 finally:
                     child.wait(30)
                     await runner.cleanup()
-                return {**lag, "batches_ok": ok, "s_per_batch": round(wall / n_batches, 4)}
+                    ing.close()
+                # the loop's process's CPU (the probe's own included, the same in every phase)
+                return {**lag, "batches_ok": ok, "s_per_batch": round(wall / n, 5),
+                        "process_cpu_ms_per_batch": round(1e3 * cpu / n, 3)}
 
             async def run() -> dict[str, Any]:
                 await workers.compare(store, ids[0])  # the worker started and warm, as in a running proxy
@@ -201,11 +233,16 @@ def main(argv: list[str] | None = None) -> int:
                     put_comparisons(store, r)
                 k_thread, plans_thread, s3 = await _phase(compact_in_thread, 0)
                 k_workers, plans_workers, s4 = await _phase(compact_in_workers, 0)
-                ingest_loop = await ingest_phase(1 << 62)
-                ingest_thread = await ingest_phase(Ingest.OFF_LOOP_BYTES)
+                ingest_thread = await ingest_phase("thread")
+                ingest_worker = await ingest_phase("worker")
+                ingest_read_only = await ingest_phase("read_only")
+                ev_thread = await ingest_phase("thread", "evidence")
+                ev_worker = await ingest_phase("worker", "evidence")
                 idle, _, _ = await _phase(None, max(1.0, s1))
                 out.update(compare_thread=c_thread, compare_workers=c_workers, compact_thread=k_thread,
-                           compact_workers=k_workers, ingest_loop=ingest_loop, ingest_thread=ingest_thread,
+                           compact_workers=k_workers, ingest_thread=ingest_thread, ingest_worker=ingest_worker,
+                           ingest_read_only=ingest_read_only, ingest_evidence_thread=ev_thread,
+                           ingest_evidence_worker=ev_worker,
                            idle=idle)
                 out.update({f"{k}_s_per_turn": round(v / turns, 4) for k, v in
                             (("compare_thread", s1), ("compare_workers", s2), ("compact_thread", s3),
@@ -230,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     for job in ("compare", "compact"):
         result[f"{job}_p99_over_idle"] = round(res[f"{job}_workers"]["p99_ms"] / floor, 3)
         result[f"{job}_thread_p99_over_idle"] = round(res[f"{job}_thread"]["p99_ms"] / floor, 3)
-    result["ingest_p99_over_idle"] = round(res["ingest_thread"]["p99_ms"] / floor, 3)
-    result["ingest_loop_p99_over_idle"] = round(res["ingest_loop"]["p99_ms"] / floor, 3)
+    result["ingest_p99_over_idle"] = round(res["ingest_worker"]["p99_ms"] / floor, 3)
+    result["ingest_thread_p99_over_idle"] = round(res["ingest_thread"]["p99_ms"] / floor, 3)
+    result["ingest_read_only_p99_over_idle"] = round(res["ingest_read_only"]["p99_ms"] / floor, 3)
+    result["ingest_evidence_p99_over_idle"] = round(res["ingest_evidence_worker"]["p99_ms"] / floor, 3)
+    result["ingest_evidence_thread_p99_over_idle"] = round(res["ingest_evidence_thread"]["p99_ms"] / floor, 3)
     return finish("relay_loop_lag", result)
 
 

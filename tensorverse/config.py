@@ -164,6 +164,9 @@ class AdminSection(_Listener):
     token: str | None = None
     token_env: str | None = None
     max_ingest_bytes: int = Field(256 << 20, gt=0)
+    # store the ingested frames in a worker process (tensorverse.proxy.ingest), off the relay's
+    # GIL; false: in threads of the proxy
+    ingest_process: bool = True
 
     def resolved_token(self) -> str | None:
         if self.token:

@@ -216,6 +216,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_capture_batches", "counter", "ingest batches by outcome", ("outcome",)),
     MetricSpec("tensorverse_capture_rows_dropped", "counter",
                "rows received but not stored, by reason", ("reason",)),
+    MetricSpec("tensorverse_capture_ingest_in_process", "counter",
+               "ingest batches stored in a thread of the proxy because the ingest worker died holding them (none lost)"),
+    MetricSpec("tensorverse_capture_ingest_worker_restarts", "counter",
+               "times the ingest worker was started again after one died"),
     MetricSpec("tensorverse_capture_plugin_rows_captured", "counter",
                "rows the capture plugins copied (as last reported by each capturing process)"),
     MetricSpec("tensorverse_capture_plugin_rows_dropped", "counter",
@@ -759,6 +763,8 @@ class MetricsCollector:
         dropped.add_metric(["store_full"], ing.get("rows_dropped_store_full", 0))
         dropped.add_metric(["store_error"], ing.get("rows_dropped_store_error", 0))
         yield dropped
+        yield counter("tensorverse_capture_ingest_in_process", ing.get("in_process", 0))
+        yield counter("tensorverse_capture_ingest_worker_restarts", ing.get("worker_restarts", 0))
         plugin = ing.get("plugins") or {}
         yield counter("tensorverse_capture_plugin_rows_captured", plugin.get("rows_captured", 0))
         pd = counter("tensorverse_capture_plugin_rows_dropped", labels=("reason",))

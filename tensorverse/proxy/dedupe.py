@@ -9,11 +9,12 @@ first. A frame older than its origin's window, or from a forgotten origin, is ta
 of ints did the same in about 100 bytes a frame (20 MiB for a window of 200,000 frames, filled
 after some 700 shadowed turns of the production-load benchmark); this holds 8 KiB per capturing
 process at the default window, which covers 64 batches of the sink's largest (1,024 frames) where
-a retry resends one.
+a retry resends one. Thread-safe (the proxy stores bodies in threads when it has no ingest worker).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 __all__ = ["SeenFrames"]
@@ -30,9 +31,13 @@ class SeenFrames:
         self.window = window
         self.origins = origins
         self._by: OrderedDict[int, tuple[list[int], bytearray]] = OrderedDict()  # origin -> ([hi], bits)
+        self._lock = threading.Lock()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
-        origin, seq = key
+        with self._lock:
+            return self._contains(*key)
+
+    def _contains(self, origin: int, seq: int) -> bool:
         w = self._by.get(origin)
         if w is None:
             return False
@@ -44,6 +49,10 @@ class SeenFrames:
 
     def add(self, origin: int, seq: int) -> None:
         """Remember frame ``seq`` of ``origin`` (a seq below its origin's window is not kept)."""
+        with self._lock:
+            self._add(origin, seq)
+
+    def _add(self, origin: int, seq: int) -> None:
         w = self._by.get(origin)
         if w is None:
             w = self._by[origin] = ([seq], bytearray(self.window >> 3))

@@ -24,7 +24,8 @@ from aiohttp import web
 from tensorverse.config import Config
 from tensorverse.exporters.metrics import Metrics
 from tensorverse.proxy.request_metrics import RequestMetrics
-from tensorverse.proxy.admin import Ingest, make_admin_app
+from tensorverse.proxy.admin import make_admin_app
+from tensorverse.proxy.ingest import Ingest, IngestWorker
 from tensorverse.proxy.core import ProxyCore
 from tensorverse.proxy.inject import Injector
 from tensorverse.proxy.recorder import Recorder
@@ -118,7 +119,13 @@ class Proxy:
             max_client_connections=c.proxy.max_client_connections,
             strip_header_prefixes=("x-tensorverse-",) if c.proxy.strip_tensorverse_headers else (),
         )
-        self.ingest = Ingest(self.store, c.admin.resolved_token(), max_bytes=c.admin.max_ingest_bytes)
+        # captured frames stored in a worker process, off the relay's GIL ([admin] ingest_process)
+        worker = None
+        if self.store is not None and c.admin.ingest_process and getattr(self.store, "path", None):
+            worker = IngestWorker(self.store.path, max_size=getattr(self.store, "max_size", None),
+                                  durable=getattr(self.store, "durable", c.store.durable))
+        self.ingest = Ingest(self.store, c.admin.resolved_token(), max_bytes=c.admin.max_ingest_bytes,
+                             worker=worker)
         self._admin_runner: web.AppRunner | None = None
         self.retention = None
         self._retention_task: asyncio.Task | None = None
@@ -236,6 +243,7 @@ class Proxy:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
+        await asyncio.get_running_loop().run_in_executor(None, self.ingest.close)  # no body in flight now
         if self._own_store and self.store is not None:
             self.store.close()
             self.store = None

@@ -15,8 +15,9 @@ many worker processes instead:
   the comparisons, then metrics and verdict as before; the plan in one transaction, refused
   (``conflict``) if a row changed since the worker read it.
 
-Workers are forked from a `forkserver` that has imported the analysis code already, so a worker
-starts in tens of milliseconds and inherits none of the proxy's threads or sockets. A worker
+Workers are forked from the proxy's one `forkserver` (`tensorverse.forkserver`), which has
+imported the analysis code already, so a worker starts in tens of milliseconds and inherits none
+of the proxy's threads or sockets. A worker
 that dies (killed, out of memory) breaks its pool: the job it was doing is done in a thread of
 the proxy instead (``in_thread``), on the proxy's own store object (an LMDB environment is opened
 once per process); the pool starts again for the next job (``worker_restarts``). Nothing is
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable
+
+from tensorverse.forkserver import worker_context
 
 __all__ = ["AnalysisWorkers", "compare_in_worker", "plan_in_worker"]
 
@@ -65,12 +67,6 @@ def plan_in_worker(store_path: str, turn_id: str, policy: Any, now_ns: int) -> A
     return plan_compaction(_store(store_path), turn_id, policy, now_ns=now_ns)
 
 
-def _context() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tensorverse.shadow.compare", "tensorverse.store.compaction"])
-    return ctx
-
-
 class AnalysisWorkers:
     """A pool of ``workers`` analysis processes over the store at ``store_path``."""
 
@@ -89,7 +85,7 @@ class AnalysisWorkers:
             if self._closed:
                 raise RuntimeError("the analysis workers are closed")
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=_context())
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=worker_context())
             return self._pool
 
     def _broken(self, pool: ProcessPoolExecutor, what: str) -> None:

@@ -274,3 +274,10 @@ class StoreEdits(StoreReads):
         """After deletions: a store that refused writes for lack of space may take them again."""
         if self._writer is not None:
             self._writer.note_space_freed()
+
+    def note_full_elsewhere(self) -> None:
+        """Another process writing to this store (the proxy's ingest worker) had a write refused
+        for lack of space: this one reports itself full too (``stats()["full"]``), so that the
+        retention keeper compacts and prunes at once."""
+        if self._writer is not None:
+            self._writer.full = True

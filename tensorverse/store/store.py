@@ -122,6 +122,11 @@ class Store(StoreWrites, StoreEdits):
                                          f"after {timeout_s:g} s); open it again once the writer is up")
             time.sleep(0.05)
 
+    @property
+    def durable(self) -> bool:
+        """Whether every commit is synced to disk (``durable=False``: the OS flushes it later)."""
+        return self._durable
+
     @classmethod
     def open(cls, path: str | os.PathLike, **kwargs: Any) -> "Store":
         return cls(path, **kwargs)

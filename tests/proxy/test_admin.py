@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tensorverse.capture.frames import CONTENT_TYPE, encode_frame
 
@@ -144,24 +145,72 @@ def test_verdict_endpoint_and_gauges(fake, make_proxy):
     assert samples[("tensorverse_verdict_errors", ())] == 0
 
 
-def test_a_big_ingest_body_is_checked_off_the_loop_all_or_nothing(fake, make_proxy, settle):
+@pytest.mark.parametrize("in_worker", [True, False], ids=["worker", "proxy"])
+def test_a_body_is_stored_whole_or_refused_whole_in_the_worker_and_in_the_proxy(fake, make_proxy, settle, in_worker):
     import os
 
-    from tensorverse.proxy.admin import Ingest
-
-    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    proxy = make_proxy(fake.url, admin={"token": "s3cret", "ingest_process": in_worker})
+    assert (proxy.ingest.worker is not None) == in_worker
     auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
     blobs = [os.urandom(100_000) for _ in range(4)]
     good = b"".join(encode_frame("big", p, b, seq=p + 1, origin=5) for p, b in enumerate(blobs))
-    assert len(good) > Ingest.OFF_LOOP_BYTES
     bad = good[:-1] + bytes([good[-1] ^ 1])  # the last frame's crc
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.admin_url + "/ingest", content=bad, headers=auth)
         assert r.status_code == 400 and "crc32" in r.json()["error"]
         assert proxy.store.read_rows("big") == []
         r = c.post(proxy.admin_url + "/ingest", content=good, headers=auth)
-        assert r.status_code == 200 and r.json()["rows"] == 4
+        assert r.status_code == 200 and r.json() == {"rows": 4, "duplicates": 0, "runs": 1}
+        again = c.post(proxy.admin_url + "/ingest", content=good, headers=auth)  # a retried batch
+        assert again.json() == {"rows": 0, "duplicates": 4, "runs": 0}
+        stats = c.get(proxy.admin_url + "/stats").json()["ingest"]
     assert proxy.store.read_rows("big") == list(enumerate(blobs))
+    assert proxy.store.arrivals.knows("big")  # the runner waiting for them is woken either way
+    assert {k: stats[k] for k in ("batches", "rows", "duplicates", "rejected", "in_process")} == {
+        "batches": 2, "rows": 4, "duplicates": 4, "rejected": 1, "in_process": 0}
+
+
+def test_rows_the_ingest_worker_commits_wake_the_runner_waiting_for_them(fake, make_proxy):
+    """The worker writes in its own process; the proxy announces what it committed, so a shadow
+    run waiting for its rows ends on the last one, not on a poll of the store."""
+    import asyncio
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+
+    async def wait_and_post():
+        waiting = asyncio.ensure_future(proxy.store.arrivals.wait("run-w", {0, 1, 2}, 30.0))
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(proxy.admin_url + "/ingest", content=_frames("run-w", 3), headers=auth)
+        t = asyncio.get_running_loop().time()
+        got = await waiting
+        return r.status_code, got, asyncio.get_running_loop().time() - t
+
+    status, got, waited = asyncio.run(wait_and_post())
+    assert status == 200 and got == {0, 1, 2} and waited < 1.0
+
+
+def test_a_dead_ingest_worker_loses_nothing_its_body_is_stored_in_the_proxy_and_a_new_worker_takes_the_next(
+        fake, make_proxy):
+    import os
+    import signal
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+    with httpx.Client(timeout=30) as c:
+        assert c.post(proxy.admin_url + "/ingest", content=_frames("a", 2), headers=auth).status_code == 200
+        pid = proxy.ingest.worker.pid  # the worker, started by the first body
+        os.kill(pid, signal.SIGKILL)
+        r = c.post(proxy.admin_url + "/ingest", content=_frames("b", 3, seq0=10), headers=auth)
+        assert r.status_code == 200 and r.json()["rows"] == 3
+        r = c.post(proxy.admin_url + "/ingest", content=_frames("c", 1, seq0=20), headers=auth)
+        assert r.status_code == 200
+        stats = c.get(proxy.admin_url + "/stats").json()["ingest"]
+        metrics = c.get(proxy.admin_url + "/metrics").text
+    assert [len(proxy.store.read_rows(r)) for r in "abc"] == [2, 3, 1]
+    assert (stats["in_process"], stats["worker_restarts"], stats["rows"]) == (1, 1, 6)
+    assert proxy.ingest.worker.pid not in (None, pid)  # the last body went to a new worker
+    assert "tensorverse_capture_ingest_worker_restarts_total 1.0" in metrics
 
 
 def test_the_dedupe_window_remembers_each_origins_last_frames_and_forgets_older_ones(tmp_path):
@@ -173,7 +222,7 @@ def test_the_dedupe_window_remembers_each_origins_last_frames_and_forgets_older_
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from tensorverse.proxy.admin import Ingest
+    from tensorverse.proxy.ingest import Ingest
     from tensorverse.store import Store
 
     store = Store.open(tmp_path / "store", durable=False)
@@ -199,3 +248,87 @@ def test_the_dedupe_window_remembers_each_origins_last_frames_and_forgets_older_
     finally:
         store.close()
     assert [(o["rows"], o["duplicates"]) for o in out] == [(3, 0), (3, 0), (0, 3), (9, 3), (4, 0), (0, 2)]
+
+
+def test_a_store_full_in_the_ingest_worker_is_a_507_counted_and_makes_the_proxys_store_report_full(tmp_path):
+    """The worker's writes are refused at the store's cap: the sink hears 507 (it keeps the batch),
+    the rows are counted as dropped, and the proxy's own store says it is full, which starts
+    the retention keeper at once."""
+    import asyncio
+    import os
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from tensorverse.proxy.ingest import Ingest, IngestWorker
+    from tensorverse.store import Store
+
+    store = Store.open(tmp_path / "store", durable=False, max_size=1 << 20)
+    ingest = Ingest(store, "t", worker=IngestWorker(store.path, max_size=1 << 20, durable=False))
+    auth = {"Authorization": "Bearer t", "Content-Type": CONTENT_TYPE}
+
+    async def main():
+        app = web.Application(client_max_size=8 << 20)
+        app.router.add_post("/ingest", ingest.handle)
+        async with TestClient(TestServer(app)) as c:
+            statuses = []
+            for i in range(8):  # 8 x 256 KB of incompressible rows into a 1 MiB store
+                body = b"".join(encode_frame(f"r{i}", p, os.urandom(64_000), seq=4 * i + p + 1, origin=3)
+                                for p in range(4))
+                statuses.append((await c.post("/ingest", data=body, headers=auth)).status)
+            return statuses
+    try:
+        assert not store.stats()["full"]
+        statuses = asyncio.run(main())
+        full = store.stats()["full"]
+    finally:
+        ingest.close()
+        store.close()
+    assert statuses[0] == 200 and statuses[-1] == 507 and set(statuses) == {200, 507}
+    stored = statuses.count(200)
+    c = ingest.counters
+    assert (c["batches"], c["rows"], c["store_full"], c["rows_dropped_store_full"]) == (
+        stored, 4 * stored, 8 - stored, 4 * (8 - stored))
+    assert full
+
+
+def test_a_hung_ingest_worker_is_replaced_and_its_body_stored_in_the_proxy(tmp_path):
+    import asyncio
+    import os
+    import signal
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from tensorverse.proxy.ingest import Ingest, IngestWorker
+    from tensorverse.store import Store
+
+    store = Store.open(tmp_path / "store", durable=False)
+    worker = IngestWorker(store.path, durable=False, timeout_s=1.0)
+    ingest = Ingest(store, "t", worker=worker)
+    auth = {"Authorization": "Bearer t", "Content-Type": CONTENT_TYPE}
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/ingest", ingest.handle)
+        async with TestClient(TestServer(app)) as c:
+            first = (await c.post("/ingest", data=_frames("a", 2), headers=auth)).status
+            hung = worker.pid
+            os.kill(hung, signal.SIGSTOP)  # alive, silent
+            second = (await c.post("/ingest", data=_frames("b", 2, seq0=10), headers=auth)).status
+            third = (await c.post("/ingest", data=_frames("c", 2, seq0=20), headers=auth)).status
+            return first, second, third, hung
+    try:
+        *statuses, hung = asyncio.run(main())
+        rows = [len(store.read_rows(r)) for r in "abc"]
+    finally:
+        ingest.close()
+        store.close()
+    assert statuses == [200, 200, 200] and rows == [2, 2, 2]
+    assert (ingest.counters["in_process"], worker.restarts) == (1, 1)
+    try:  # the hung worker was killed, not left behind (a child of the fork server, which reaps it)
+        with open(f"/proc/{hung}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X")

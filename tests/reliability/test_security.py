@@ -215,7 +215,8 @@ def test_ingest_token_is_required_and_compared_in_constant_time():
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from tensorverse.proxy.admin import Ingest, make_admin_app
+    from tensorverse.proxy.admin import make_admin_app
+    from tensorverse.proxy.ingest import Ingest
 
     src = inspect.getsource(Ingest._authorized)
     assert "hmac.compare_digest" in src and "== self.token" not in src and "!= self.token" not in src
