@@ -40,7 +40,7 @@ from typing import Iterator, NamedTuple
 
 from tensorverse.store.engine_state import ENGINE_STATE_SIZE, EngineState, EngineStateError
 
-__all__ = ["Frame", "FrameError", "encode_frame", "iter_frames", "parse_frames",
+__all__ = ["Frame", "FrameError", "REASONS", "encode_frame", "iter_frames", "parse_frames",
            "MAGIC", "FRAME_VERSION", "HEADER_SIZE", "MAX_ID_BYTES", "MAX_BLOB_BYTES",
            "CONTENT_TYPE", "FLAG_ENGINE_STATE", "FLAG_COMPACT"]
 
@@ -60,8 +60,24 @@ _U64 = 1 << 64
 _U32 = 1 << 32
 
 
+#: why a body of frames is refused (`FrameError.reason`): ``truncated``, ``magic`` (not a frame,
+#: or the stream lost sync), ``version``, ``flags`` (unknown), ``capture_id`` (its length, UTF-8,
+#: or an id the store refuses), ``blob_size`` (over `MAX_BLOB_BYTES`), ``crc`` (garbled in
+#: transit), ``engine_state`` (an unknown layout), ``compact`` (a compact row that does not check)
+REASONS = ("truncated", "magic", "version", "flags", "capture_id", "blob_size", "crc", "engine_state", "compact")
+
+
 class FrameError(ValueError):
-    """A frame buffer is truncated, garbled, or from an unknown format version."""
+    """A frame buffer is truncated, garbled, or from an unknown format version; ``reason`` (one
+    of `REASONS`) says which, for code (ingest answers it beside the message)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,40 +144,40 @@ def iter_frames(buf: bytes | bytearray | memoryview) -> Iterator[Frame]:
     while off < n:
         where = _Where(index, off, n)  # formatted only into an error
         if n - off < HEADER_SIZE:
-            raise FrameError(f"{where}: truncated header ({n - off} of {HEADER_SIZE} bytes)")
+            raise FrameError(f"{where}: truncated header ({n - off} of {HEADER_SIZE} bytes)", "truncated")
         magic, version, flags, id_len, origin, seq, position, blob_len = _HEAD.unpack_from(view, off)
         if magic != MAGIC:
             raise FrameError(f"{where}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): "
-                             "not a Tensorverse frame, or the stream lost sync")
+                             "not a Tensorverse frame, or the stream lost sync", "magic")
         if version != FRAME_VERSION:
             raise FrameError(f"{where}: unsupported frame version {version} "
-                             f"(this reader knows {FRAME_VERSION})")
+                             f"(this reader knows {FRAME_VERSION})", "version")
         if flags & ~_FLAGS:
-            raise FrameError(f"{where}: unknown flags 0x{flags:02x}")
+            raise FrameError(f"{where}: unknown flags 0x{flags:02x}", "flags")
         es = ENGINE_STATE_SIZE if flags & FLAG_ENGINE_STATE else 0
         if not 1 <= id_len <= MAX_ID_BYTES:
-            raise FrameError(f"{where}: capture id length {id_len} outside 1..{MAX_ID_BYTES}")
+            raise FrameError(f"{where}: capture id length {id_len} outside 1..{MAX_ID_BYTES}", "capture_id")
         if blob_len > MAX_BLOB_BYTES:
-            raise FrameError(f"{where}: blob length {blob_len} exceeds {MAX_BLOB_BYTES}")
+            raise FrameError(f"{where}: blob length {blob_len} exceeds {MAX_BLOB_BYTES}", "blob_size")
         total = HEADER_SIZE + id_len + es + blob_len + _CRC.size
         if n - off < total:
             raise FrameError(f"{where}: truncated ({n - off} of {total} bytes; capture id "
-                             f"{id_len} bytes, engine state {es} bytes, blob {blob_len} bytes)")
+                             f"{id_len} bytes, engine state {es} bytes, blob {blob_len} bytes)", "truncated")
         end = off + total - _CRC.size
         (crc,) = _CRC.unpack_from(view, end)
         if zlib.crc32(view[off:end]) != crc:
-            raise FrameError(f"{where}: crc32 mismatch (frame garbled in transit)")
+            raise FrameError(f"{where}: crc32 mismatch (frame garbled in transit)", "crc")
         id_start = off + HEADER_SIZE
         try:
             capture_id = str(view[id_start:id_start + id_len], "utf-8")
         except UnicodeDecodeError as e:
-            raise FrameError(f"{where}: capture id is not UTF-8 ({e})") from None
+            raise FrameError(f"{where}: capture id is not UTF-8 ({e})", "capture_id") from None
         engine = None
         if es:
             try:
                 engine = EngineState.unpack(view[id_start + id_len:id_start + id_len + es])
             except EngineStateError as e:
-                raise FrameError(f"{where}: {e}") from None
+                raise FrameError(f"{where}: {e}", "engine_state") from None
         blob = bytes(view[id_start + id_len + es:end])
         yield Frame(capture_id, position, seq, origin, blob, engine, bool(flags & FLAG_COMPACT))
         off += total

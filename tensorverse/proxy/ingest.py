@@ -61,6 +61,7 @@ class Stored:
 
     status: int
     error: str = ""
+    reason: str = ""  # with 400: the refused frame's `tensorverse.capture.frames.REASONS` entry
     rows: int = 0
     rows_compact: int = 0
     duplicates: int = 0
@@ -72,10 +73,13 @@ def _checked(body: bytes) -> list:
     for i, f in enumerate(frames):  # ids the store would refuse are the sender's error
         try:
             check_id(f.capture_id, "capture")
-            if f.compact:  # 180 bytes: checked here, so the store holds no garbage
-                check_compact(f.blob, record=f"{f.capture_id}@{f.position}")
         except ValueError as e:
-            raise FrameError(f"frame {i}: {e}") from None
+            raise FrameError(f"frame {i}: {e}", "capture_id") from None
+        if f.compact:  # 180 bytes: checked here, so the store holds no garbage
+            try:
+                check_compact(f.blob, record=f"{f.capture_id}@{f.position}")
+            except ValueError as e:
+                raise FrameError(f"frame {i}: {e}", "compact") from None
     return frames
 
 
@@ -85,7 +89,7 @@ def store_frames(store: Any, seen: SeenFrames, body: bytes) -> Stored:
     try:
         frames = _checked(body)
     except FrameError as e:
-        return Stored(400, str(e))
+        return Stored(400, str(e), reason=e.reason)
     by_run: dict[str, list[tuple]] = defaultdict(list)
     dup = 0
     fresh: list[tuple[int, int]] = []  # (origin, seq) of the frames to store
@@ -377,6 +381,8 @@ class Ingest:
         elif out.status != 200:
             c["store_errors"] += 1
             c["rows_dropped_store_error"] += out.rows
+        if out.status == 400:
+            return self._json(400, error=out.error, reason=out.reason)
         if out.status != 200:
             return self._json(out.status, error=out.error)
         c["batches"] += 1

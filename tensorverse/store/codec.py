@@ -62,7 +62,8 @@ row's own blob, so a store can check ref links without decoding anything.
 
 Every blob is checked before anything is decompressed (trailing crc32 over the whole blob:
 every single-byte corruption and every truncation is caught), and the decoded bits are checked
-against the row checksum; any failure raises :class:`CodecError` naming the record.
+against the row checksum; any failure raises :class:`CodecError` naming the record, with its
+``reason`` (`REASONS`: truncated, magic, version, checksum, malformed, reference, input).
 
 Compressor objects are cached per thread (zstandard objects are not thread-safe); the module
 functions are safe to call from several threads at once.
@@ -77,7 +78,7 @@ import zlib
 import numpy as np
 import zstandard
 
-__all__ = ["CodecError", "encode_row", "decode_row", "blob_info", "row_checksum",
+__all__ = ["CodecError", "REASONS", "encode_row", "decode_row", "blob_info", "row_checksum",
            "CODEC_VERSION", "MAGIC"]
 
 MAGIC = b"TVLG"
@@ -114,13 +115,30 @@ _SPARSE_MIN = 4096
 _local = threading.local()
 
 
+#: why a row or blob is refused (`CodecError.reason`): ``input`` a row or argument that cannot be
+#: encoded; ``truncated`` a blob cut short; ``magic`` not a blob of this kind; ``version`` a format
+#: this Tensorverse does not read; ``checksum`` corrupt (a blob's or the decoded row's checksum);
+#: ``malformed`` a header, plane table or payload that contradicts itself; ``reference`` a delta
+#: blob without its reference row, or with the wrong one
+REASONS = ("input", "truncated", "magic", "version", "checksum", "malformed", "reference")
+
+
 class CodecError(ValueError):
-    """A logits blob or row that cannot be encoded or decoded; the message names the record."""
+    """A logits blob or row that cannot be encoded or decoded; the message names the record,
+    ``reason`` (one of `REASONS`) says why, for code."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (the proxy's workers) whole
+        return (type(self), (str(self), self.reason))
 
 
-def _fail(record: str, what: str) -> CodecError:
+def _fail(record: str, what: str, reason: str) -> CodecError:
     where = f"logits record {record!r}" if record else "logits blob"
-    return CodecError(f"{where}: {what}")
+    return CodecError(f"{where}: {what}", reason)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -157,10 +175,10 @@ def _as_bits(row, dtype: str | None, what: str, record: str) -> tuple[int, np.nd
         if hasattr(row, "__array__") or isinstance(row, (list, tuple)):
             row = np.asarray(row)
         else:
-            raise _fail(record, f"{what} must be a numpy array, not {type(row).__name__}")
+            raise _fail(record, f"{what} must be a numpy array, not {type(row).__name__}", "input")
     kind = row.dtype
     if dtype is not None and dtype not in _DTYPE_CODES:
-        raise _fail(record, f"unknown dtype {dtype!r} (expected float32, bfloat16 or float16)")
+        raise _fail(record, f"unknown dtype {dtype!r} (expected float32, bfloat16 or float16)", "input")
     order = ">" if kind.byteorder == ">" else "<"
     if kind.name == "bfloat16" and kind.itemsize == 2:  # ml_dtypes, if a caller has it
         code, bits = 2, row.view(order + "u2")
@@ -174,11 +192,11 @@ def _as_bits(row, dtype: str | None, what: str, record: str) -> tuple[int, np.nd
         hint = (" (pass bfloat16 bit patterns as np.uint16 with dtype='bfloat16')"
                 if kind.kind in "ui" and kind.itemsize == 2 else "")
         raise _fail(record, f"{what} has dtype {kind}, expected float32, float16 or "
-                            f"bfloat16 bits{hint}")
+                            f"bfloat16 bits{hint}", "input")
     if dtype is not None and _DTYPE_CODES[dtype] != code:
-        raise _fail(record, f"{what} has dtype {kind}, which does not match dtype={dtype!r}")
+        raise _fail(record, f"{what} has dtype {kind}, which does not match dtype={dtype!r}", "input")
     if bits.ndim < 1 or bits.ndim > _MAX_NDIM:
-        raise _fail(record, f"{what} must have 1 to {_MAX_NDIM} dimensions, got {bits.ndim}")
+        raise _fail(record, f"{what} must have 1 to {_MAX_NDIM} dimensions, got {bits.ndim}", "input")
     if bits.dtype.byteorder == ">":
         bits = bits.astype(bits.dtype.newbyteorder("<"))
     return code, np.ascontiguousarray(bits)
@@ -308,10 +326,10 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
     ``record`` names the record in error messages.
     """
     if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
-        raise _fail(record, f"zstd level must be an int in -7..22, got {level!r}")
+        raise _fail(record, f"zstd level must be an int in -7..22, got {level!r}", "input")
     code, bits = _as_bits(row, dtype, "row", record)
     if bits.size > _MAX_ENTRIES:
-        raise _fail(record, f"row too large ({bits.size} entries)")
+        raise _fail(record, f"row too large ({bits.size} entries)", "input")
     shape = bits.shape
     n = bits.size
     bf16, pk = _packed(code, bits)
@@ -323,7 +341,7 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
     if ref is not None:
         rcode, rbits = _as_bits(ref, _DTYPE_NAMES[code], "ref", record)
         if rbits.shape != shape:
-            raise _fail(record, f"ref has shape {rbits.shape}, row has shape {shape}")
+            raise _fail(record, f"ref has shape {rbits.shape}, row has shape {shape}", "reference")
         ref_bf16, rpk = _packed(rcode, rbits)
         crc_ref = zlib.crc32(rpk)
         both16 = bf16 and ref_bf16
@@ -358,80 +376,80 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
 def _parse(blob, record: str):
     """Validate framing + blob crc; return header fields and plane (method, memoryview) list."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise _fail(record, f"blob must be bytes, not {type(blob).__name__}")
+        raise _fail(record, f"blob must be bytes, not {type(blob).__name__}", "input")
     mv = memoryview(blob)
     if mv.ndim != 1 or mv.itemsize != 1:
         try:
             mv = mv.cast("B")
         except TypeError as e:
-            raise _fail(record, f"blob buffer is not contiguous bytes: {e}") from None
+            raise _fail(record, f"blob buffer is not contiguous bytes: {e}", "input") from None
     size = mv.nbytes
     minimum = _HEAD.size + 8 + 1 + _CRC.size
     if size < minimum:
-        raise _fail(record, f"blob truncated ({size} bytes, a blob has at least {minimum})")
+        raise _fail(record, f"blob truncated ({size} bytes, a blob has at least {minimum})", "truncated")
     if mv[:4] != MAGIC:
-        raise _fail(record, "not a logits blob (bad magic)")
+        raise _fail(record, "not a logits blob (bad magic)", "magic")
     (stored_crc,) = _CRC.unpack_from(mv, size - 4)
     if zlib.crc32(mv[: size - 4]) != stored_crc:
-        raise _fail(record, "blob checksum mismatch (corrupt or truncated)")
+        raise _fail(record, "blob checksum mismatch (corrupt or truncated)", "checksum")
     _, version, code, mode, ndim, crc_row, crc_ref = _HEAD.unpack_from(mv, 0)
     if version != CODEC_VERSION:
-        raise _fail(record, f"unsupported codec version {version} (this is {CODEC_VERSION})")
+        raise _fail(record, f"unsupported codec version {version} (this is {CODEC_VERSION})", "version")
     if code not in _DTYPE_NAMES:
-        raise _fail(record, f"unknown dtype code {code}")
+        raise _fail(record, f"unknown dtype code {code}", "malformed")
     if mode not in _MODE_NAMES:
-        raise _fail(record, f"unknown mode code {mode}")
+        raise _fail(record, f"unknown mode code {mode}", "malformed")
     if not 1 <= ndim <= _MAX_NDIM:
-        raise _fail(record, f"bad ndim {ndim}")
+        raise _fail(record, f"bad ndim {ndim}", "malformed")
     off = _HEAD.size
     if size < off + 8 * ndim + 1 + _CRC.size:
-        raise _fail(record, "blob truncated in the shape")
+        raise _fail(record, "blob truncated in the shape", "truncated")
     shape = struct.unpack_from("<%dQ" % ndim, mv, off)
     off += 8 * ndim
     n = 1
     for s in shape:
         n *= s
     if n > _MAX_ENTRIES:
-        raise _fail(record, f"implausible shape {shape}")
+        raise _fail(record, f"implausible shape {shape}", "malformed")
     k = mv[off]
     off += 1
     if mode in (_MODE_BF16, _MODE_DELTA_BF16) and code != 1:
-        raise _fail(record, f"mode {_MODE_NAMES[mode]} with dtype {_DTYPE_NAMES[code]}")
+        raise _fail(record, f"mode {_MODE_NAMES[mode]} with dtype {_DTYPE_NAMES[code]}", "malformed")
     want = 2 if mode in (_MODE_BF16, _MODE_DELTA_BF16) else _ITEMSIZE[code]
     if k != want:
         raise _fail(record, f"{k} byte planes for dtype {_DTYPE_NAMES[code]}, "
-                            f"mode {_MODE_NAMES[mode]} (expected {want})")
+                            f"mode {_MODE_NAMES[mode]} (expected {want})", "malformed")
     if size < off + _PLANE.size * k + _CRC.size:
-        raise _fail(record, "blob truncated in the plane table")
+        raise _fail(record, "blob truncated in the plane table", "truncated")
     planes = []
     pos = off + _PLANE.size * k
     for i in range(k):
         method, length = _PLANE.unpack_from(mv, off + _PLANE.size * i)
         if method not in _METHOD_NAMES:
-            raise _fail(record, f"plane {i}: unknown method {method}")
+            raise _fail(record, f"plane {i}: unknown method {method}", "malformed")
         if method == _ZERO and length != 0:
-            raise _fail(record, f"plane {i}: zero plane with {length} bytes")
+            raise _fail(record, f"plane {i}: zero plane with {length} bytes", "malformed")
         planes.append((method, mv[pos: pos + length]))
         pos += length
     if pos != size - _CRC.size:
         raise _fail(record, f"plane lengths add up to {pos - off} bytes, blob body has "
-                            f"{size - _CRC.size - off}")
+                            f"{size - _CRC.size - off}", "malformed")
     return code, mode, shape, n, crc_row, crc_ref, planes
 
 
 def _dense_bytes(method: int, data: memoryview, n: int, what: str, record: str):
     if method == _RAW:
         if data.nbytes != n:
-            raise _fail(record, f"{what}: raw data of {data.nbytes} bytes, expected {n}")
+            raise _fail(record, f"{what}: raw data of {data.nbytes} bytes, expected {n}", "malformed")
         return np.frombuffer(data, np.uint8, n)
     if method != _ZSTD:
-        raise _fail(record, f"{what}: bad method {method}")
+        raise _fail(record, f"{what}: bad method {method}", "malformed")
     try:
         out = decompressor().decompress(data, max_output_size=n)
     except zstandard.ZstdError as e:
-        raise _fail(record, f"{what}: zstd error: {e}") from None
+        raise _fail(record, f"{what}: zstd error: {e}", "malformed") from None
     if len(out) != n:
-        raise _fail(record, f"{what}: decompressed to {len(out)} bytes, expected {n}")
+        raise _fail(record, f"{what}: decompressed to {len(out)} bytes, expected {n}", "malformed")
     return np.frombuffer(out, np.uint8)
 
 
@@ -442,18 +460,18 @@ def _plane_bytes(method: int, data: memoryview, n: int, i: int, record: str):
     if method != _SPARSE:
         return _dense_bytes(method, data, n, f"plane {i}", record)
     if data.nbytes < _SPARSE_HEAD.size:
-        raise _fail(record, f"plane {i}: sparse header truncated")
+        raise _fail(record, f"plane {i}: sparse header truncated", "truncated")
     nz, bm_method, bm_len, v_method = _SPARSE_HEAD.unpack_from(data, 0)
     start = _SPARSE_HEAD.size
     if not 0 < nz <= n or start + bm_len > data.nbytes:
-        raise _fail(record, f"plane {i}: bad sparse header")
+        raise _fail(record, f"plane {i}: bad sparse header", "malformed")
     bm = _dense_bytes(bm_method, data[start: start + bm_len], (n + 7) // 8,
                       f"plane {i} bitmap", record)
     vals = _dense_bytes(v_method, data[start + bm_len:], nz, f"plane {i} values", record)
     idx = np.flatnonzero(np.unpackbits(bm, count=n).view(bool))  # faster than bool scatter
     if idx.size != nz:
         raise _fail(record, f"plane {i}: sparse bitmap has {idx.size} entries, header "
-                            f"says {nz}")
+                            f"says {nz}", "malformed")
     out = np.zeros(n, np.uint8)
     out[idx] = vals
     return out
@@ -473,35 +491,35 @@ def decode_row(blob: bytes | memoryview, *, ref: np.ndarray | None = None,
     if mode in (_MODE_PLAIN, _MODE_BF16):
         pk = _join(raw, n, width)
         if zlib.crc32(pk) != crc_row:
-            raise _fail(record, "decoded row checksum mismatch")
+            raise _fail(record, "decoded row checksum mismatch", "checksum")
         if mode == _MODE_BF16:
             return np.left_shift(pk, 16, dtype=np.uint32).view(np.float32).reshape(shape)
         return _finish(pk, code, shape)
     # delta modes
     if ref is None:
-        raise _fail(record, "blob is delta-encoded against a reference row; pass ref=")
+        raise _fail(record, "blob is delta-encoded against a reference row; pass ref=", "reference")
     rcode, rbits = _as_bits(ref, _DTYPE_NAMES[code], "ref", record)
     if rbits.shape != tuple(shape):
-        raise _fail(record, f"ref has shape {rbits.shape}, blob has shape {tuple(shape)}")
+        raise _fail(record, f"ref has shape {rbits.shape}, blob has shape {tuple(shape)}", "reference")
     ref_bf16, rpk = _packed(rcode, rbits)
     if zlib.crc32(rpk) != crc_ref:
         raise _fail(record, "ref does not match the row this blob was encoded against "
-                            "(ref checksum mismatch)")
+                            "(ref checksum mismatch)", "reference")
     if mode == _MODE_DELTA_BF16:
         if not ref_bf16:
-            raise _fail(record, "ref is not bf16-exact but the blob is a bf16 delta")
+            raise _fail(record, "ref is not bf16-exact but the blob is a bf16 delta", "reference")
         base = rpk
     else:
         base = rbits.reshape(n) if code == 1 else rpk
     bits = np.add(base, _unzigzag(_join(raw, n, width)))
     if mode == _MODE_DELTA_BF16:
         if zlib.crc32(bits) != crc_row:
-            raise _fail(record, "decoded row checksum mismatch")
+            raise _fail(record, "decoded row checksum mismatch", "checksum")
         return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32).reshape(shape)
     # the checksum is over the row's own packing (a bf16-exact row delta-coded in 32 bits
     # against a full float32 ref is checksummed as bf16)
     if zlib.crc32(_packed(code, bits)[1]) != crc_row:
-        raise _fail(record, "decoded row checksum mismatch")
+        raise _fail(record, "decoded row checksum mismatch", "checksum")
     return _finish(bits, code, shape)
 
 

@@ -164,7 +164,7 @@ def check_compact(blob: bytes | memoryview, *, record: str = "") -> None:
     n, vocab = _checked_head(b, record)[:2]
     ids = struct.unpack_from(f"<{n}i", b, _HEAD.size)
     if n and (min(ids) < 0 or max(ids) >= vocab):
-        raise CodecError(f"{_where(record)}: a token id outside the vocabulary of {vocab}")
+        raise CodecError(f"{_where(record)}: a token id outside the vocabulary of {vocab}", "malformed")
 
 
 def _where(record: str) -> str:
@@ -175,19 +175,19 @@ def _checked_head(b: bytes, record: str) -> tuple[int, int, int, int, int, float
     """A compact blob's entries, vocabulary, dtype code, k, fingerprint and log-sum-exp, after its
     crc32, header and length checks."""
     if len(b) < _HEAD.size + _CRC.size:
-        raise CodecError(f"{_where(record)}: truncated ({len(b)} bytes)")
+        raise CodecError(f"{_where(record)}: truncated ({len(b)} bytes)", "truncated")
     if _CRC.unpack_from(b, len(b) - 4)[0] != zlib.crc32(b[:-4]):
-        raise CodecError(f"{_where(record)}: checksum mismatch (corrupt or truncated)")
+        raise CodecError(f"{_where(record)}: checksum mismatch (corrupt or truncated)", "checksum")
     magic, version, code, k, e, vocab, fp, lse = _HEAD.unpack_from(b, 0)
     if magic != COMPACT_MAGIC:
-        raise CodecError(f"{_where(record)}: not a compact row (magic {magic!r})")
+        raise CodecError(f"{_where(record)}: not a compact row (magic {magic!r})", "magic")
     if version != _VERSION:
-        raise CodecError(f"{_where(record)}: compact format {version}, this Tensorverse reads {_VERSION}")
+        raise CodecError(f"{_where(record)}: compact format {version}, this Tensorverse reads {_VERSION}", "version")
     if code not in _DTYPE_NAMES or k == 0:
-        raise CodecError(f"{_where(record)}: bad header")
+        raise CodecError(f"{_where(record)}: bad header", "malformed")
     n = k + e
     if len(b) != _HEAD.size + 8 * n + _CRC.size:
-        raise CodecError(f"{_where(record)}: {len(b)} bytes for {n} entries")
+        raise CodecError(f"{_where(record)}: {len(b)} bytes for {n} entries", "malformed")
     return n, vocab, code, k, fp, lse
 
 
@@ -200,6 +200,6 @@ def decode_compact(blob: bytes | memoryview, *, record: str = "") -> CompactRow:
     ids = np.frombuffer(b, dtype="<i4", count=n, offset=_HEAD.size).astype(np.int32)
     logits = np.frombuffer(b, dtype="<f4", count=n, offset=_HEAD.size + 4 * n).astype(np.float32)
     if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise CodecError(f"{where}: a token id outside the vocabulary of {vocab}")
+        raise CodecError(f"{where}: a token id outside the vocabulary of {vocab}", "malformed")
     return CompactRow(vocab=int(vocab), dtype=_DTYPE_NAMES[code], fingerprint=int(fp), lse=float(lse), k=int(k),
                       ids=ids, logits=logits)

@@ -33,7 +33,7 @@ def test_ingest_rejects_bad_token_and_bad_frames(fake, make_proxy):
         good = _frames("r", 2)
         bad = good[:-1] + bytes([good[-1] ^ 1])  # crc mismatch in the 2nd frame
         r = c.post(proxy.admin_url + "/ingest", content=bad, headers={"Authorization": "Bearer s3cret"})
-        assert r.status_code == 400 and "crc32" in r.json()["error"]
+        assert r.status_code == 400 and r.json()["reason"] == "crc"
         assert c.post(proxy.admin_url + "/ingest", content=b"x" * 5000,
                       headers={"Authorization": "Bearer s3cret"}).status_code == 413
     assert proxy.store.read_rows("r") == []  # all or nothing
@@ -52,7 +52,9 @@ def test_ingest_stores_compact_frames_as_compact_rows_and_refuses_garbled_ones(f
     with httpx.Client(timeout=30) as c:
         bad = encode_frame("run-c", 5, blob[:-1] + bytes([blob[-1] ^ 1]), seq=3, origin=9, compact=True)
         r = c.post(proxy.admin_url + "/ingest", content=body + bad, headers=auth)
-        assert r.status_code == 400
+        assert r.status_code == 400 and r.json()["reason"] == "compact"
+        r = c.post(proxy.admin_url + "/ingest", content=encode_frame("a\x00b", 0, b"x", seq=9, origin=9), headers=auth)
+        assert r.status_code == 400 and r.json()["reason"] == "capture_id"  # an id the store would refuse
         assert proxy.store.read_rows("run-c") == [] and proxy.store.read_compact_rows("run-c") == []
         r = c.post(proxy.admin_url + "/ingest", content=body, headers=auth)
         assert r.status_code == 200 and r.json()["rows"] == 2
@@ -157,7 +159,7 @@ def test_a_body_is_stored_whole_or_refused_whole_in_the_worker_and_in_the_proxy(
     bad = good[:-1] + bytes([good[-1] ^ 1])  # the last frame's crc
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.admin_url + "/ingest", content=bad, headers=auth)
-        assert r.status_code == 400 and "crc32" in r.json()["error"]
+        assert r.status_code == 400 and r.json()["reason"] == "crc"
         assert proxy.store.read_rows("big") == []
         r = c.post(proxy.admin_url + "/ingest", content=good, headers=auth)
         assert r.status_code == 200 and r.json() == {"rows": 4, "duplicates": 0, "runs": 1}

@@ -9,6 +9,7 @@ documented fields, the planes are byte i of each little-endian entry, written ou
 
 from __future__ import annotations
 
+import pickle
 import struct
 import zlib
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from tensorverse.store.codec import CodecError, blob_info, decode_row, encode_row
+from tensorverse.store.codec import REASONS, CodecError, blob_info, decode_row, encode_row
 
 F32, BF16, F16 = 1, 2, 3  # dtype codes
 PLAIN, BF16_MODE, DELTA, DELTA_BF16 = 0, 1, 2, 3  # mode codes
@@ -328,3 +329,30 @@ def test_plane_errors_name_their_plane_and_the_record_or_the_blob():
     bad = _with_plane(3, (RAW, b"\x3f"))
     refused(bad, "plane 3: raw data of 1 bytes, expected 4")
     refused(bad, "plane 3: raw data of 1 bytes, expected 4", record="")
+
+
+def test_every_kind_of_refusal_says_why_by_its_reason_code():
+    """Code that meets a bad row (ingest, replay, a reader of someone's store) tells a blob cut
+    short from a corrupt one, a newer format, a missing reference or a bad argument by
+    ``reason``, never by parsing the message; the message still names the record."""
+    ref = np.linspace(-3, 3, 64, dtype=np.float32)
+    delta = encode_row(ref + np.float32(0.5), ref=ref)
+    cases = {
+        "truncated": lambda: decode_row(good_blob()[:20], record=REC),
+        "magic": lambda: decode_row(sealed(b"XXXX" + body(ROW_PLANES, crc_row=ROW_CRC)[4:]), record=REC),
+        "checksum": lambda: decode_row(good_blob()[:-1] + bytes([good_blob()[-1] ^ 1]), record=REC),
+        "version": lambda: decode_row(good_blob(version=2), record=REC),
+        "malformed": lambda: decode_row(good_blob(dtype=9), record=REC),
+        "reference": lambda: decode_row(delta, record=REC),
+        "input": lambda: encode_row("not a row", record=REC),  # type: ignore[arg-type]
+    }
+    assert set(cases) == set(REASONS)
+    for reason, call in cases.items():
+        with pytest.raises(CodecError) as e:
+            call()
+        assert (e.value.reason, str(e.value).startswith(f"logits record {REC!r}: ")) == (reason, True)
+        back = pickle.loads(pickle.dumps(e.value))  # as an analysis worker raises it to the proxy
+        assert (type(back), str(back), back.reason) == (CodecError, str(e.value), reason)
+    with pytest.raises(CodecError) as e:  # the decoded row is not the row the blob was made of
+        decode_row(blob(ROW_PLANES, crc_row=ROW_CRC ^ 1), record=REC)
+    assert e.value.reason == "checksum"
