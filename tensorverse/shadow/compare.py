@@ -261,6 +261,12 @@ def _full_metrics(store: Any, ref: Run, cand: Run,
                 pairs.append((rcp, ccp))
             m = topk_position_metrics([a.logprobs() for a, _ in pairs], [b.logprobs() for _, b in pairs],
                                       [tokens[p] for p in mixed])
+            assert m.rank_lower_bound is not None  # top-k metrics always say which ranks are bounds
+            for i, p in enumerate(mixed):  # the forced token's rank under the candidate:
+                if p in cf:  # exact from its full row (its compact form knows only some ids above)
+                    m.rank[i] = int(np.count_nonzero(cf[p] > cf[p][tokens[p]]))
+                elif m.rank[i] >= cc[p].k:  # its k kept ids are all above it: more may be
+                    m.rank_lower_bound[i] = True
             parts.append(m)
             order.extend(mixed)
             sparse.extend(mixed)

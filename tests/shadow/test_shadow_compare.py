@@ -1005,3 +1005,138 @@ def test_compact_rows_classify_like_full_rows_under_any_tie_rule_and_without_a_n
         fd, sd = full["attribution"]["details"], src["attribution"]["details"]
         assert sd[0] == fd[0]  # the secondary's row at 2 travelled in full: margin and steps exact
         assert sd[1]["flip_class"] == fd[1]["flip_class"] == "runtime"
+
+
+def _partition_kl(p_row: np.ndarray, q_row: np.ndarray, known: set[int]) -> float:
+    """KL(P||Q) over one bucket per id in ``known`` and one tail bucket, in float64 from the full
+    rows (independent of analysis/topk.py but for its documented tail floor)."""
+    from tensorverse.analysis.topk import TAIL_FLOOR
+
+    def logsoftmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+    lp, lq = logsoftmax(p_row), logsoftmax(q_row)
+    ids = sorted(known)
+    kl = sum(np.exp(lp[j]) * (lp[j] - lq[j]) for j in ids)
+    pt = max(1.0 - sum(np.exp(lp[j]) for j in ids), TAIL_FLOOR)
+    qt = max(1.0 - sum(np.exp(lq[j]) for j in ids), TAIL_FLOOR)
+    return float(max(kl + pt * (np.log(pt) - np.log(qt)), 0.0))
+
+
+def test_a_compact_side_keeping_ids_outside_the_full_sides_top_k_meets_their_exact_values(tmp_path):
+    """Where one side travelled compact and the other in full, the full side is reduced with the
+    compact side's kept ids added, so every id the compact side knows is known on both, also one
+    far outside the full side's own top 20: the KL over that partition is what float64 gives from
+    the two full rows. At 2 the candidate's row is compact and its second choice is the
+    reference's 31st; at 4 the reference's is compact and its second choice is the candidate's
+    last (the candidate flips there, far: a runtime flip, or noise where a noise run flips too).
+    Flips against a compact reference are judged on the grid of the reference's stored dtype: at
+    1 (float32) its second choice is two float32 steps below its first, a runtime flip; at 3
+    (bfloat16) one bfloat16 step, a near tie (a runtime flip under a rule without near ties)."""
+    from tensorverse.analysis.attribution import TieRule
+    from tensorverse.shadow.compare import compare_forced
+    from tensorverse.store import Store
+    from tensorverse.store.codec import row_checksum
+    from tensorverse.store.compact import compact_row, encode_compact
+
+    R = ref_logits()
+    R[3] = _bf16(R[3])
+    first, second = np.argsort(-R, axis=1, kind="stable")[:, 0], np.argsort(-R, axis=1, kind="stable")[:, 1]
+    R[1, second[1]] = np.nextafter(np.nextafter(R[1, first[1]], np.float32(-np.inf)), np.float32(-np.inf))
+    top3 = R[3, first[3]]
+    R[3, second[3]] = np.array([int(top3.view(np.uint32)) + (-0x10000 if top3 > 0 else 0x10000)],
+                               np.uint32).view(np.float32)[0]  # one bfloat16 step below
+    T = tokens_of(R)
+    assert T == first.tolist()
+    C = R.copy()
+    X = int(np.argsort(-R[2], kind="stable")[30])
+    C[2, X] = C[2].max() - 0.5  # the candidate's second choice at 2, outside the reference's top 20
+    Y = int(second[4])  # the reference's second choice at 4
+    C[4, Y] = C[4].min() - 1.0  # the candidate's last
+    Z = next(j for j in range(V) if j not in (T[4], Y))
+    C[4, Z] = R[4].max() + 1.0  # the candidate flips at 4, far
+    for p in (1, 3):
+        C[p, second[p]] = R[p].max() + 1.0  # and at 1 and 3, to the reference's second choice
+    assert int(np.argmax(C[2])) == T[2] and Y not in np.argsort(-C[4])[:20]
+
+    def put(st, rid: str, x: np.ndarray, compact_at: dict[int, str]) -> dict[int, list[int]]:
+        kept = {}
+        rows = [(p, encode_row(x[p])) for p in range(N) if p not in compact_at]
+        for p, dtype in compact_at.items():
+            c = compact_row(x[p], k=20, extra=[T[p]], dtype=dtype, fingerprint=row_checksum(x[p]))
+            rows.append((p, encode_compact(c), None, True))
+            kept[p] = c.ids.tolist()
+        st.write_rows(rid, rows).result()
+        return kept
+
+    with Store.open(tmp_path / "s") as st:
+        runs = {"sec-f": run_record("sec-f", "sec", "secondary", "forced", T),
+                "cand-f": run_record("cand-f", "cand", "shadow", "forced", T)}
+        for r in runs.values():
+            st.put_run(r).result()
+        kept_ref = put(st, "sec-f", R, {1: "float32", 3: "bfloat16", 4: "float32"})
+        kept_cand = put(st, "cand-f", C, {2: "float32"})
+        out = compare_forced(st, runs["cand-f"], runs["sec-f"], T)
+        noisy = compare_forced(st, runs["cand-f"], runs["sec-f"], T, noise_positions={4})
+        no_ties = compare_forced(st, runs["cand-f"], runs["sec-f"], T, rule=TieRule(ulps=0))
+    assert X in kept_cand[2] and Y in kept_ref[4] and out["compact_positions"] == [1, 2, 3, 4]
+    assert out["flips"] == noisy["flips"] == [1, 3, 4]
+    # judged on the stored dtype's grid; a noise run flipping where the reference travelled
+    # compact makes the flip noise there too
+    assert out["flip_classes"] == ["runtime", "near_tie", "runtime"]
+    assert noisy["flip_classes"] == ["runtime", "near_tie", "noise"]
+    assert no_ties["flip_classes"] == ["runtime", "runtime", "runtime"]  # the rule reaches them too
+    d = {a["position"]: a for a in out["attribution"]["details"]}
+    assert (d[1]["ref_dtype"], d[1]["steps"], d[3]["ref_dtype"], d[3]["steps"]) == ("float32", 2, "bfloat16", 1)
+    kl = out["metrics"]["kl"]
+    assert kl[2] == pytest.approx(_partition_kl(R[2], C[2], set(kept_cand[2])), rel=1e-5, abs=1e-9)
+    assert kl[4] == pytest.approx(_partition_kl(R[4], C[4], set(kept_ref[4])), rel=1e-5, abs=1e-9)
+    # without the other side's ids the same positions would read otherwise (the test can fail)
+    assert abs(_partition_kl(R[2], C[2], set(kept_cand[2]) - {X}) - kl[2]) > 1e-3
+    assert abs(_partition_kl(R[4], C[4], set(kept_ref[4]) - {Y}) - kl[4]) > 1e-3
+    # full and compact positions merged back in order: approximate, every rank exact here (the
+    # forced token is kept on both sides), as booleans
+    lower = out["metrics"]["rank_lower_bound"]
+    assert lower == [False] * N and {type(v) for v in lower} == {bool}
+    assert out["summary"]["approximate"] is True and out["approximate"] is True
+
+
+def test_the_forced_tokens_rank_against_a_compact_row_is_exact_or_says_it_is_a_lower_bound(tmp_path):
+    """At 1 the reference travelled compact and the candidate, which flips, in full with the
+    forced token 25th: its rank is counted on the full row (it read 20 when counted among the
+    compact form's ids, as if exact). At 2 the candidate's row is compact (k = 5) and the forced
+    token is 8th: its rank is at least 5, and says so."""
+    from tensorverse.shadow.compare import compare_forced
+    from tensorverse.store import Store
+    from tensorverse.store.codec import row_checksum
+    from tensorverse.store.compact import compact_row, encode_compact
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C = R.copy()
+    order = np.argsort(-C[1], kind="stable")
+    C[1, T[1]] = (C[1, order[24]] + C[1, order[25]]) / 2  # 24 entries above it
+    order = np.argsort(-C[2], kind="stable")
+    C[2, T[2]] = (C[2, order[7]] + C[2, order[8]]) / 2  # 7 entries above it
+    truth = [int(np.count_nonzero(C[p] > C[p, T[p]])) for p in range(N)]
+    assert truth[1:3] == [24, 7]
+
+    def compact(x: np.ndarray, p: int, k: int) -> bytes:
+        return encode_compact(compact_row(x[p], k=k, extra=[T[p]], fingerprint=row_checksum(x[p])))
+
+    with Store.open(tmp_path / "s") as st:
+        runs = {"sec-f": run_record("sec-f", "sec", "secondary", "forced", T),
+                "cand-f": run_record("cand-f", "cand", "shadow", "forced", T)}
+        for r in runs.values():
+            st.put_run(r).result()
+        st.write_rows("sec-f", [(p, encode_row(R[p])) for p in range(N) if p != 1]
+                      + [(1, compact(R, 1, 20), None, True)]).result()
+        st.write_rows("cand-f", [(p, encode_row(C[p])) for p in range(N) if p != 2]
+                      + [(2, compact(C, 2, 5), None, True)]).result()
+        out = compare_forced(st, runs["cand-f"], runs["sec-f"], T)
+    assert out["compact_positions"] == [1, 2]
+    rank, lower = out["metrics"]["rank"], out["metrics"]["rank_lower_bound"]
+    assert rank[1] == 24 and not lower[1]
+    assert rank[2] >= 5 and lower[2] and rank[2] <= truth[2]
+    assert [r for p, r in enumerate(rank) if p not in (1, 2)] == [t for p, t in enumerate(truth) if p not in (1, 2)]
