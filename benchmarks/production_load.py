@@ -239,15 +239,16 @@ def flipped_comparisons(store_path: Path) -> dict[str, Any]:
     same), so the rate is the same in both modes when the numbers are, whatever number of turns
     each shadowed (the evidence proxy also shadows during the TTFT rounds)."""
     from tensorverse.store import Store
+    from tensorverse.store.records import ForcedComparison
 
     st = Store.open(store_path, readonly=True)
     try:
         turns = flipped = 0
         for ses in st.iter_sessions():
-            for t in st.iter_turns(ses["id"]):
-                cmps = [c for r in st.iter_runs(t["id"]) for c in st.iter_comparisons(r["id"])]
+            for t in st.iter_turns(ses.id):
+                cmps = [c for r in st.iter_runs(t.id) for c in st.iter_comparisons(r.id)]
                 turns += bool(cmps)
-                flipped += sum(1 for c in cmps if c.get("flips"))
+                flipped += sum(1 for c in cmps if isinstance(c, ForcedComparison) and c.flips)
         return {"flipped": flipped, "turns": turns, "per_turn": round(flipped / turns, 4) if turns else None}
     finally:
         st.close()

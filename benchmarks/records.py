@@ -10,9 +10,10 @@ The records are shaped as the writers write them, written to and read back from 
 per-position top-k, and a forced comparison with its per-position metric columns.
 
 Figures (medians over ``--repeats`` rounds, microseconds per record): ``read_us`` (the store's
-``get_*``, JSON parse and, for turns, zstd and the logprobs' canonical shape), ``decode_us``
-(``records.<kind>(dict)``), and their ratio ``decode_vs_read``. ``turn_input_us``: the shadow
-runner's ``TurnInput.from_dict`` on the stored turn (works with the code before typed records
+``get_*``, JSON parse and, for turns, zstd and the logprobs' canonical shape; since the reads
+return the typed records, their decode too), ``decode_us`` (``records.<kind>(dict)`` on the stored
+dict, as ``Store.records`` gives it), and their ratio ``decode_vs_read``. ``turn_input_us``: the
+shadow runner's ``TurnInput.from_dict`` on the stored turn's dict (works with the code before typed records
 too, where it lived in ``tensorverse.shadow.runner``: run this file with that tree on PYTHONPATH
 for a before/after).
 """
@@ -120,10 +121,15 @@ def main() -> int:
             store.put_turn(_turn(args.messages, args.tokens, args.top)).result()
             store.put_run(_run(args.tokens, args.top)).result()
             store.put_comparison("r1", "r0", _comparison(args.tokens)).result()
-            turn, run, cmp = store.get_turn("t1"), store.get_run("r1"), store.get_comparison("r1", "r0")
             reads = {"turn": lambda: store.get_turn("t1"), "run": lambda: store.get_run("r1"),
                      "comparison": lambda: store.get_comparison("r1", "r0")}
-            for kind, rec in (("turn", turn), ("run", run), ("comparison", cmp)):
+            # the stored dicts: what the reads return before typed records, ``Store.records`` since
+            # (the reads decode them: their figure includes the decode then)
+            stored: dict = {}
+            for kind, get in reads.items():
+                rec = get()
+                stored[kind] = rec if isinstance(rec, dict) else next(iter(store.records(kind)))
+            for kind, rec in stored.items():
                 read = _median_us(reads[kind], args.n, args.repeats)
                 out[f"{kind}_read_us"] = round(read, 1)
                 if records is not None:
@@ -131,6 +137,7 @@ def main() -> int:
                     d = _median_us(lambda: decode(rec), args.n, args.repeats)  # noqa: B023 - called in this iteration
                     out[f"{kind}_decode_us"] = round(d, 1)
                     out[f"{kind}_decode_vs_read"] = round(d / read, 3)
+            turn = stored["turn"]
             out["turn_input_us"] = round(_median_us(lambda: TurnInput.from_dict(turn), args.n, args.repeats), 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -42,8 +42,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -62,7 +62,7 @@ def _live(store: Store) -> int:
 
 
 def _comparisons(store: Store, run_ids) -> dict[str, bytes]:
-    return {rid: orjson.dumps(list(store.iter_comparisons(rid)), option=orjson.OPT_SORT_KEYS) for rid in run_ids}
+    return {rid: msgspec.json.encode(list(store.iter_comparisons(rid)), order="sorted") for rid in run_ids}
 
 
 def _run_bytes(store: Store, rid: str) -> int:
@@ -77,8 +77,8 @@ def check_turn(store: Store, turn, src: StoredRows) -> tuple[bool, int, int]:
     ref_id = turn.run_ids[("secondary", "forced")]
     for backend in ("twin", "candidate"):
         rid = turn.run_ids[(backend, "forced")]
-        comp = next(c for c in store.iter_comparisons(rid) if c["ref_run_id"] == ref_id)
-        cols = comp["metrics"]
+        comp = next(c for c in store.iter_comparisons(rid) if c.ref_run_id == ref_id)
+        cols = comp.metrics
         full = []
         for p in range(len(turn.tokens)):
             try:
@@ -86,7 +86,7 @@ def check_turn(store: Store, turn, src: StoredRows) -> tuple[bool, int, int]:
             except RowCompacted:
                 continue
             full.append((p, widen_bf16(r), widen_bf16(c)))
-        for p in comp["flips"]:
+        for p in comp.flips:
             total += 1
             kept += any(q == p for q, _, _ in full)
         if full:
@@ -99,8 +99,8 @@ def check_turn(store: Store, turn, src: StoredRows) -> tuple[bool, int, int]:
             ok &= m.rank.tolist() == [cols["rank"][p] for p, _, _ in full]
     free_id = turn.run_ids[("candidate", "free")]
     fc = next(iter(store.iter_comparisons(free_id)))
-    if fc.get("first_flip") is not None:
-        p = fc["first_flip"]
+    if fc.first_flip is not None:
+        p = fc.first_flip
         total += 1
         try:
             src.row(free_id, p), src.row(turn.run_ids[("candidate", "forced")], p), src.row(ref_id, p)

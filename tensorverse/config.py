@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tensorverse.refusal import Refusal
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -51,8 +53,13 @@ ALWAYS_REDACTED_HEADERS = (
 )
 
 
-class ConfigError(ValueError):
-    """The configuration file is missing, unreadable or invalid; the message names each bad key."""
+class ConfigError(Refusal):
+    """The configuration file is missing, unreadable or invalid; the message names each bad key.
+    ``reason``: ``unreadable`` (the file cannot be read), ``syntax`` (not TOML or YAML),
+    ``dependency`` (YAML without PyYAML), ``shape`` (its top level is not a table), ``invalid``
+    (keys unknown, missing or of the wrong value: the message lists each)."""
+
+    REASONS = ("unreadable", "syntax", "dependency", "shape", "invalid")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -460,7 +467,7 @@ def parse_config(data: dict[str, Any], source: str = "") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_errors(e, source)) from None
+        raise ConfigError(format_validation_errors(e, source), "invalid") from None
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -469,21 +476,22 @@ def load_config(path: str | os.PathLike) -> Config:
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read configuration {p}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read configuration {p}: {e.strerror or e}", "unreadable") from None
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
-            raise ConfigError(f"{p}: YAML configuration needs PyYAML (pip install pyyaml), or use TOML") from None
+            raise ConfigError(f"{p}: YAML configuration needs PyYAML (pip install pyyaml), or use TOML",
+                              "dependency") from None
         try:
             data = yaml.safe_load(raw) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+            raise ConfigError(f"{p}: not valid YAML: {e}", "syntax") from None
     else:
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+            raise ConfigError(f"{p}: not valid TOML: {e}", "syntax") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a table/mapping")
+        raise ConfigError(f"{p}: the top level must be a table/mapping", "shape")
     return parse_config(data, f"({p})")

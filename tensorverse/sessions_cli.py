@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import orjson
 
-from tensorverse.store import records
+if TYPE_CHECKING:
+    from tensorverse.store import Store
+
 
 FIRST_USER_CHARS = 80
 
@@ -44,11 +46,11 @@ class SessionRow:
     first_user: str
 
 
-def _first_user(store: Any, sid: str, scrubber: Any) -> str:
+def _first_user(store: Store, sid: str, scrubber: Any) -> str:
     from tensorverse.proxy.grouping import first_user_text
     from tensorverse.proxy.sessions import request_messages
 
-    for turn in map(records.turn, store.iter_turns(sid)):
+    for turn in store.iter_turns(sid):
         if turn.kind != "main":
             continue
         msgs = request_messages(turn.endpoint, turn.request) or []
@@ -59,11 +61,11 @@ def _first_user(store: Any, sid: str, scrubber: Any) -> str:
     return ""
 
 
-def session_rows(store: Any, limit: int | None = None) -> Iterator[SessionRow]:
+def session_rows(store: Store, limit: int | None = None) -> Iterator[SessionRow]:
     """The newest ``limit`` sessions (all when None), oldest first."""
     from tensorverse.replay.scrub import Scrubber
 
-    sessions = [records.session(s) for s in store.iter_sessions()]
+    sessions = list(store.iter_sessions())
     if limit:
         sessions = sessions[-limit:]
     scrubber = Scrubber()  # one mapping for the whole list: the same host gets the same placeholder

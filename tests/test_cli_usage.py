@@ -525,16 +525,16 @@ def _run_sessions(form: Form, tmp: Path, capsys) -> None:
         elif action == "merge":
             assert "2 turn(s) moved" in out
             a = st.get_session("a")
-            assert a["turns"] == 9 and a["edits"][-1]["op"] == "merge" and a["edits"][-1]["reason"] == g["reason"]
+            assert a.turns == 9 and a.edits[-1]["op"] == "merge" and a.edits[-1]["reason"] == g["reason"]
             with pytest.raises(RecordNotFound):
                 st.get_session("b")
         elif action == "split":
             at = g["at"]
             a = st.get_session("a")
-            new = a["edits"][-1]["to_session"]
-            assert a["turns"] == at and st.get_session(new)["turns"] == 7 - at
-            assert [t["id"] for t in st.iter_turns(new)] == [f"a-t{i}" for i in range(at, 7)]
-            assert a["edits"][-1]["reason"] == g["reason"] and new in out
+            new = a.edits[-1]["to_session"]
+            assert a.turns == at and st.get_session(new).turns == 7 - at
+            assert [t.id for t in st.iter_turns(new)] == [f"a-t{i}" for i in range(at, 7)]
+            assert a.edits[-1]["reason"] == g["reason"] and new in out
         else:
             raise AssertionError(f"no check for `sessions {action}`: add one")
 
@@ -922,7 +922,7 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
     action = g.get("store_action")
     assert code == 0, f"{inst.argv}: {err}"
     with Store.open(store, readonly=True) as st:
-        alive = [x["id"] for x in st.iter_sessions()]
+        alive = [x.id for x in st.iter_sessions()]
         if action == "stats":
             if g.get("json"):
                 d = orjson.loads(out)
@@ -936,7 +936,7 @@ def _run_store(form: Form, tmp: Path, capsys) -> None:
             else:
                 assert alive == []  # past max-age (from the option or the config)
         elif action == "pin":
-            assert st.get_session("sess1").get("pinned", False) is (not g.get("unpin"))
+            assert st.get_session("sess1").pinned is (not g.get("unpin"))
         elif action == "compact":  # its turns hold no rows: nothing to compact, every turn says why
             skipped = orjson.loads(out)["skipped"] if g.get("json") else out
             assert "no rows" in skipped and alive == ["sess1"], out

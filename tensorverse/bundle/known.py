@@ -54,7 +54,7 @@ def known_corpus(path: str | Path) -> KnownCorpus:
     model = c.manifest.get("model")
     if not model:
         raise CorpusError(f"{p}: the corpus names no model (corpus.json has no 'model'); a rig "
-                          "suite's corpus must name its model by content hash")
+                          "suite's corpus must name its model by content hash", "no_model")
     tokens = {(case["id"], int(t["index"])): list((t.get("reference") or {}).get("output_token_ids") or [])
               for case in c.cases for t in case["turns"]}
     return KnownCorpus(name=c.manifest.get("name") or p.name, path=p,

@@ -38,6 +38,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
+from tensorverse.refusal import Refusal
 from tensorverse.store.engine_state import ENGINE_STATE_SIZE, EngineState, EngineStateError
 
 __all__ = ["Frame", "FrameError", "REASONS", "encode_frame", "iter_frames", "parse_frames",
@@ -67,17 +68,11 @@ _U32 = 1 << 32
 REASONS = ("truncated", "magic", "version", "flags", "capture_id", "blob_size", "crc", "engine_state", "compact")
 
 
-class FrameError(ValueError):
+class FrameError(Refusal):
     """A frame buffer is truncated, garbled, or from an unknown format version; ``reason`` (one
     of `REASONS`) says which, for code (ingest answers it beside the message)."""
 
-    def __init__(self, message: str, reason: str) -> None:
-        assert reason in REASONS, reason
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.reason))
+    REASONS = REASONS
 
 
 @dataclass(frozen=True, slots=True)

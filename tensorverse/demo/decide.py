@@ -19,9 +19,12 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tensorverse.demo import corpus
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 DECIDE_SEED = 515_151  # the batches' tasks: Random(DECIDE_SEED + batch), router Random the same
 TASKS_PER_BATCH = 4
@@ -135,7 +138,7 @@ def _calls_text(calls: Iterable[Any]) -> str:
     return "; ".join(parts) or "(no tool call)"
 
 
-def first_broken_call(store: Any, sessions: list[str], backend: str, token_text: Callable[[int | None], str]
+def first_broken_call(store: Store, sessions: list[str], backend: str, token_text: Callable[[int | None], str]
                       ) -> dict[str, Any] | None:
     """The first free run of ``backend`` (sessions in order, turns in order) whose tool calls
     differ from the primary's: both calls, the token where the run left the primary's path, and
@@ -143,16 +146,15 @@ def first_broken_call(store: Any, sessions: list[str], backend: str, token_text:
     free flip's attribution (``margin``: logit difference in nats, where the primary's recorded
     top-k holds both tokens)."""
     from tensorverse.analysis.toolcalls import extract_tool_calls
-    from tensorverse.store import records
 
     for sid in sessions:
-        for t in sorted(map(records.turn, store.iter_turns(sid)), key=lambda t: t.index):
-            runs = {(r.backend, r.mode): r for r in map(records.run, store.iter_runs(t.id))}
+        for t in sorted(store.iter_turns(sid), key=lambda t: t.index):
+            runs = {(r.backend, r.mode): r for r in store.iter_runs(t.id)}
             rec = next((r for (b, m), r in runs.items() if m == "recorded"), None)
             free = runs.get((backend, "free"))
             if rec is None or free is None or free.status != "ok":
                 continue
-            cmp = next((c for c in map(records.comparison, store.iter_comparisons(free.id))
+            cmp = next((c for c in store.iter_comparisons(free.id)
                         if c.mode == "free" and c.status == "ok"), None)
             if cmp is None or cmp.verdict in (None, "match"):
                 continue
@@ -171,14 +173,13 @@ def first_broken_call(store: Any, sessions: list[str], backend: str, token_text:
     return None
 
 
-def _forced_margin(store: Any, forced: Any, position: int | None) -> tuple[float | None, str | None]:
+def _forced_margin(store: Store, forced: Any, position: int | None) -> tuple[float | None, str | None]:
     """The forced comparison's margin (p1 - p2 of its reference) at ``position``: the free run left
     the primary's path there, on the primary's exact prefix, which is what the forced run decodes."""
-    from tensorverse.store import records
 
     if forced is None or forced.status != "ok" or position is None:
         return None, None
-    cmps = [c for c in map(records.comparison, store.iter_comparisons(forced.id))
+    cmps = [c for c in store.iter_comparisons(forced.id)
             if c.mode == "forced" and c.status == "ok" and not c.noise_floor]
     for c in sorted(cmps, key=lambda c: c.kind != "full"):  # full rows first
         margins = (c.metrics or {}).get("margin") or []
@@ -197,15 +198,14 @@ def viewer_link(base: str, b: dict[str, Any]) -> str:
     return f"{base}/#/t/{b['turn_id']}?mode=free" + (f"&p={pos}" if pos is not None else "")
 
 
-def runs_seconds(store: Any, sessions: list[str], backend: str) -> float:
+def runs_seconds(store: Store, sessions: list[str], backend: str) -> float:
     """The request time of ``backend``'s runs in ``sessions``: what the shadow cost (CPU-seconds
     here, GPU-seconds on a GPU shadow: how `[shadow] gpu_seconds_per_day` budgets are charged)."""
-    from tensorverse.store import records
 
     total = 0.0
     for sid in sessions:
         for t in store.iter_turns(sid):
-            for r in map(records.run, store.iter_runs(t["id"])):
+            for r in store.iter_runs(t.id):
                 if r.backend == backend and r.mode in ("forced", "free"):
                     total += float(r.timings.get("request_s") or 0.0)
     return total

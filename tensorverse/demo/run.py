@@ -31,12 +31,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tensorverse.demo.decide import DEFAULT_MAX_SECONDS, DEFAULT_MAX_TURNS
 from tensorverse.ports import free_port
 from tensorverse.proxy.loop import LoopThread
-from tensorverse.store import records
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 DEFAULT_OUT = Path("out/demo")
 DEFAULT_TASKS = 4
@@ -243,11 +245,11 @@ def shadow_departures(summary: dict[str, Any], backend: str) -> ShadowDepartures
     )
 
 
-def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: str = UNDER_TEST) -> dict[str, Any]:
+def summarize_session(store: Store, session_id: str, tok: Any = None, under_test: str = UNDER_TEST) -> dict[str, Any]:
     """The demo's summary of one session, computed from what the store holds; ``under_test`` (a
     backend name) gets its verdict against the noise floor in ``summary["under_test"]``."""
-    turns = [records.turn(t) for t in store.iter_turns(session_id)]
-    roles = {b.name: b.role or "shadow" for b in map(records.backend, store.iter_backends())}
+    turns = list(store.iter_turns(session_id))
+    roles = {b.name: b.role or "shadow" for b in store.iter_backends()}
     per: dict[str, dict[str, Any]] = {}
     first_flip: dict[str, Any] | None = None
     closest: dict[str, Any] | None = None
@@ -266,7 +268,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
 
     for t in sorted(turns, key=lambda t: t.index):
         tid = t.id
-        runs = [records.run(r) for r in store.iter_runs(tid)]
+        runs = list(store.iter_runs(tid))
         for r in runs:
             if r.mode == "recorded":
                 continue
@@ -274,7 +276,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
             if r.status != "ok":
                 entry(r.backend)["failed_runs"] += 1
         for r in runs:
-            cmps = [records.comparison(c) for c in store.iter_comparisons(r.id)]
+            cmps = list(store.iter_comparisons(r.id))
             for c in cmps:
                 if c.status != "ok":
                     continue
@@ -386,7 +388,7 @@ def summarize_session(store: Any, session_id: str, tok: Any = None, under_test: 
     return summary
 
 
-def session_verdicts(store: Any, session_id: str | list[str]) -> dict[str, Any]:
+def session_verdicts(store: Store, session_id: str | list[str]) -> dict[str, Any]:
     """Every shadow's verdict (docs/verdict.md) over this session's turns (or these sessions'),
     default policy."""
     from tensorverse.analysis.verdict import VerdictPolicy, verdicts, verdicts_json

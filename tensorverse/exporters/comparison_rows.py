@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgspec
 import orjson
 
 from tensorverse.exporters.export import comparison_row
 from tensorverse.store import records
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 __all__ = ["ComparisonRow", "StoreRows", "TableError", "from_store", "read_tables", "row_of", "REQUIRED"]
 
@@ -77,7 +80,7 @@ def row_of(c: records.Comparison, turn_id: str | None, session_id: str | None,
     return _row(comparison_row(c, turn_id, session_id, turn_created_ns), f"turn {turn_id}")
 
 
-def from_store(store: Any) -> list[ComparisonRow]:
+def from_store(store: Store) -> list[ComparisonRow]:
     """Every comparison of the store, as the export would write it (sessions in creation order)."""
     return StoreRows(store).rows()
 
@@ -89,7 +92,7 @@ class StoreRows:
     A turn moved to another session keeps its rows under its new session id; a deleted one
     (retention) is dropped."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self._created: dict[str, int] = {}  # turn id -> created_ns (a turn's time never changes)
         self._rows: dict[str, dict[tuple[str, str], ComparisonRow]] = {}  # turn id -> key -> row
@@ -98,16 +101,16 @@ class StoreRows:
         st = self.store
         out: list[ComparisonRow] = []
         seen: set[str] = set()
-        for s in map(records.session, st.iter_sessions()):
+        for s in st.iter_sessions():
             for tid in st.turn_ids(s.id):
                 seen.add(tid)
                 if tid not in self._created:
-                    self._created[tid] = records.turn(st.get_turn(tid)).created_ns
+                    self._created[tid] = st.get_turn(tid).created_ns
                 cache = self._rows.setdefault(tid, {})
                 keys = st.comparison_keys(tid)
                 for key in keys:
                     if key not in cache:
-                        cache[key] = row_of(records.comparison(st.get_comparison(*key)), tid, s.id,
+                        cache[key] = row_of(st.get_comparison(*key), tid, s.id,
                                             self._created[tid])
                 for key in set(cache) - set(keys):
                     del cache[key]

@@ -25,12 +25,14 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from tensorverse.store import records
 from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison, Run, Session, Turn
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 __all__ = ["SCHEMA", "TABLES", "FORMATS", "export_store", "parse_since", "ExportError"]
 
@@ -384,7 +386,7 @@ class _Table:
 # --------------------------------------------------------------------------- export
 
 
-def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
+def _logits_rows(store: Store, run: Run) -> Iterator[dict[str, Any]]:
     """A run's rows in position order: full ones decoded (deltas through their reference),
     compacted ones as what compaction kept (never as missing or zero logits)."""
     import numpy as np
@@ -408,7 +410,7 @@ def _logits_rows(store: Any, run: Run) -> Iterator[dict[str, Any]]:
                    "kept_ids": c.ids.tolist(), "kept_logits": c.logits.tolist(), "lse": c.lse}
 
 
-def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet", since_ns: int = 0,
+def export_store(store: Store, out_dir: str | os.PathLike, *, fmt: str = "parquet", since_ns: int = 0,
                  until_ns: int | None = None, include_text: bool = False, logits: bool = False,
                  tables: Sequence[str] | None = None, batch_rows: int = 50_000,
                  progress: Callable[[str, int], None] | None = None) -> dict[str, dict[str, Any]]:
@@ -446,17 +448,17 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
         need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits", "engine"))
         states = _EngineStates(store)
         n_sessions = 0
-        for s in map(records.session, store.iter_sessions(since_ns=since_ns, until_ns=until_ns)):
+        for s in store.iter_sessions(since_ns=since_ns, until_ns=until_ns):
             n_sessions += 1
             add("sessions", session_row(s))
-            for t in map(records.turn, store.iter_turns(s.id)):
+            for t in store.iter_turns(s.id):
                 add("turns", turn_row(t, include_text))
                 if not need_runs:
                     continue
-                for r in map(records.run, store.iter_runs(t.id)):
+                for r in store.iter_runs(t.id):
                     add("runs", run_row(r, s.id, include_text))
                     if "comparisons" in writers or "positions" in writers:
-                        for c in map(records.comparison, store.iter_comparisons(r.id)):
+                        for c in store.iter_comparisons(r.id):
                             add("comparisons", comparison_row(c, t.id, s.id, t.created_ns))
                             if "positions" in writers:
                                 for p in _with_tokens(position_rows(c, t.id, s.id), t):
@@ -481,7 +483,7 @@ def export_store(store: Any, out_dir: str | os.PathLike, *, fmt: str = "parquet"
 class _EngineStates:
     """Engine states of the runs being exported, read once per run (the last few kept)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, dict] = {}
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from tensorverse.analysis.regions import UNKNOWN, region_at
+from tensorverse.store.records import Run
 
 __all__ = [
     "Metrics",
@@ -493,27 +494,27 @@ class Metrics:
             if added_latency_s is not None and endpoint:
                 self.latency.observe((endpoint,), added_latency_s)
 
-    def observe_runs(self, runs: Iterable[Mapping[str, Any]]) -> None:
+    def observe_runs(self, runs: Iterable[Run]) -> None:
         """Shadow run records as the runner stored them (the primary's ``recorded`` one is skipped)."""
         with self._lock:
             for r in runs:
-                mode = r.get("mode")
-                if mode not in MODES or not isinstance(r.get("backend"), str):
+                mode = r.mode
+                if mode not in MODES:
                     continue
-                b = r["backend"]
-                role = self._role(b, r.get("role"))
-                status = r.get("status")
+                b = r.backend
+                role = self._role(b, r.role)
+                status = r.status
                 self.runs.inc((b, role, mode, status if status in RUN_OUTCOMES else "failed"))
-                total = (r.get("timings") or {}).get("total_s")
+                total = r.timings.get("total_s")
                 if isinstance(total, (int, float)):
                     self.run_duration.observe((b, mode), float(total))
 
-    def observe_parser_check(self, primary_run: Mapping[str, Any]) -> None:
+    def observe_parser_check(self, primary_run: Run) -> None:
         """The parser check of one turn (the primary's ``recorded`` run, once per turn)."""
-        pc = primary_run.get("parser_check")
-        if not isinstance(pc, Mapping):
+        pc = primary_run.parser_check
+        if pc is None:
             return
-        b = primary_run.get("backend") if isinstance(primary_run.get("backend"), str) else self.primary
+        b = primary_run.backend or self.primary
         bad = bool(pc.get("mismatch"))
         with self._lock:
             self.parser_checks.inc((b, "mismatch" if bad else "match"))
@@ -607,16 +608,16 @@ class Metrics:
                 verdict = "none"
             self.verdicts.inc((b, role, verdict if verdict in VERDICTS else "malformed"))
 
-    def observe_missing_rows(self, runs: Iterable[Mapping[str, Any]]) -> None:
+    def observe_missing_rows(self, runs: Iterable[Run]) -> None:
         """Rows expected by full-capture runs that never reached the store."""
         with self._lock:
             for r in runs:
-                rows = r.get("rows")
-                if r.get("mode") not in MODES or not isinstance(rows, Mapping):
+                rows = r.rows
+                if r.mode not in MODES or rows is None:
                     continue
                 exp, have = rows.get("expected"), rows.get("present")
                 if isinstance(exp, int) and isinstance(have, int) and exp > have:
-                    self.rows_missing.inc((r["backend"], r["mode"]), exp - have)
+                    self.rows_missing.inc((r.backend, r.mode), exp - have)
 
     # -- exposition -------------------------------------------------------------------------------
     def families(self) -> list[Any]:

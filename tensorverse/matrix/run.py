@@ -34,11 +34,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tensorverse.matrix.launcher import Launch, ServerProcess, StartError, cores_refusal
 from tensorverse.matrix.layout import run_dir
 from tensorverse.matrix.spec import MatrixSpec, server_settings, settings_key
+
+if TYPE_CHECKING:
+    from tensorverse.store.records import Run
 
 __all__ = ["RunRequest", "run_config", "load_run", "run_dir", "BACKEND", "corpus_sha"]
 
@@ -118,12 +121,12 @@ def reference_basis(out: Path, run: Mapping[str, Any] | None, corpus: Any) -> di
     return basis
 
 
-def _entry(run: Mapping[str, Any], tokens: list[int] | None = None) -> dict[str, Any]:
-    return {"run_id": run["id"], "status": run.get("status"), "capture": run.get("capture"),
-            "method": run.get("method"), "rows": run.get("rows"), "error": run.get("error"),
-            "tokens": tokens, "token_ids": run.get("token_ids"), "text": run.get("text"),
-            "finish_reason": run.get("finish_reason"), "timings": run.get("timings"),
-            "retries": run.get("retries")}
+def _entry(run: Run, tokens: list[int] | None = None) -> dict[str, Any]:
+    return {"run_id": run.id, "status": run.status, "capture": run.capture,
+            "method": run.method, "rows": run.rows, "error": run.error,
+            "tokens": tokens, "token_ids": run.token_ids, "text": run.text,
+            "finish_reason": run.finish_reason, "timings": run.timings,
+            "retries": run.retries or None}
 
 
 async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -158,7 +161,7 @@ async def capture(req: RunRequest, url: str, store: Any, cases: Sequence[Mapping
                         free = await with_retries(lambda: runner.run_free(t, backend), spec.replay.retries, 0.5)  # noqa: B023 - called in this iteration
                         ent["free"] = _entry(free)
                     if req.basis is None:
-                        tokens = list(free.get("token_ids") or []) if free and free.get("status") == "ok" \
+                        tokens = list(free.token_ids or []) if free and free.status == "ok" \
                             else list(rec["output_token_ids"])
                     else:
                         tokens = list(req.basis[case["id"]][str(turn["index"])])

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensorverse.config import format_validation_errors
+from tensorverse.refusal import Refusal
 from tensorverse.matrix.launcher import PP, TP, parallel_ranks
 
 __all__ = ["MatrixSpec", "Point", "SpecError", "load_spec", "parse_spec", "settings_key",
@@ -52,8 +53,13 @@ CONCURRENCY = "concurrency"
 RUN_SETTINGS = (CONCURRENCY,)
 
 
-class SpecError(ValueError):
-    """The spec is missing, unreadable or invalid; the message names each bad key."""
+class SpecError(Refusal):
+    """The spec is missing, unreadable or invalid; the message names each bad key. ``reason``:
+    ``unreadable`` (the file cannot be read), ``syntax`` (not TOML), ``invalid`` (keys unknown,
+    missing or of the wrong value: the message lists each), ``unknown_point`` (a point asked for
+    by a name the spec does not define)."""
+
+    REASONS = ("unreadable", "syntax", "invalid", "unknown_point")
 
 
 def is_option(key: str) -> bool:
@@ -260,7 +266,7 @@ class MatrixSpec(_Section):
         for p in self.all_points():
             if p.name == name:
                 return p
-        raise SpecError(f"no point named {name!r} (points: {[p.name for p in self.all_points()]})")
+        raise SpecError(f"no point named {name!r} (points: {[p.name for p in self.all_points()]})", "unknown_point")
 
     @property
     def reference(self) -> str:
@@ -311,7 +317,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "") -> MatrixSpec:
     try:
         return MatrixSpec.model_validate(dict(data))
     except ValidationError as e:
-        raise SpecError(format_validation_errors(e, source, "matrix spec")) from None
+        raise SpecError(format_validation_errors(e, source, "matrix spec"), "invalid") from None
 
 
 def load_spec(path: str | Path) -> MatrixSpec:
@@ -320,9 +326,9 @@ def load_spec(path: str | Path) -> MatrixSpec:
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise SpecError(f"cannot read matrix spec {p}: {e.strerror or e}") from None
+        raise SpecError(f"cannot read matrix spec {p}: {e.strerror or e}", "unreadable") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"{p}: not valid TOML: {e}") from None
+        raise SpecError(f"{p}: not valid TOML: {e}", "syntax") from None
     return parse_spec(data, str(p))

@@ -29,18 +29,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
+
+from tensorverse.store.records import Run
 
 __all__ = ["ShadowBudget", "DAY_S", "gpu_seconds_of"]
 
 DAY_S = 86_400.0
 
 
-def gpu_seconds_of(runs: Iterable[Mapping[str, Any]], gpus: int) -> float:
+def gpu_seconds_of(runs: Iterable[Run], gpus: int) -> float:
     """GPU-seconds of a shadow's runs: their requests' wall time times ``gpus``."""
     s = 0.0
     for r in runs:
-        t = (r.get("timings") or {}).get("request_s") if isinstance(r, Mapping) else None
+        t = r.timings.get("request_s")
         if isinstance(t, (int, float)) and t > 0:
             s += float(t)
     return s * gpus
@@ -86,7 +88,7 @@ class ShadowBudget:
             q.append(now)
         return None
 
-    def charge(self, name: str, runs: Iterable[Mapping[str, Any]]) -> float:
+    def charge(self, name: str, runs: Iterable[Run]) -> float:
         """Charge ``name`` for its runs of one turn; returns the GPU-seconds charged."""
         s = gpu_seconds_of(runs, self.gpus.get(name, 1))
         if s > 0:

@@ -20,6 +20,16 @@ from collections import OrderedDict
 __all__ = ["SeenFrames"]
 
 
+class _Window:
+    """One origin's highest stored seq and its ring of bits (bit ``seq % window``)."""
+
+    __slots__ = ("hi", "bits")
+
+    def __init__(self, hi: int, nbytes: int) -> None:
+        self.hi = hi
+        self.bits = bytearray(nbytes)
+
+
 class SeenFrames:
     """See the module docstring. ``key in seen`` for ``(origin, seq)``; :meth:`add` once stored."""
 
@@ -30,7 +40,7 @@ class SeenFrames:
             raise ValueError(f"origins must be >= 1, got {origins}")
         self.window = window
         self.origins = origins
-        self._by: OrderedDict[int, tuple[list[int], bytearray]] = OrderedDict()  # origin -> ([hi], bits)
+        self._by: OrderedDict[int, _Window] = OrderedDict()
         self._lock = threading.Lock()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
@@ -41,11 +51,11 @@ class SeenFrames:
         w = self._by.get(origin)
         if w is None:
             return False
-        hi = w[0][0]
+        hi = w.hi
         if seq > hi or seq <= hi - self.window:
             return False
         i = seq % self.window
-        return bool(w[1][i >> 3] & (1 << (i & 7)))
+        return bool(w.bits[i >> 3] & (1 << (i & 7)))
 
     def add(self, origin: int, seq: int) -> None:
         """Remember frame ``seq`` of ``origin`` (a seq below its origin's window is not kept)."""
@@ -55,13 +65,12 @@ class SeenFrames:
     def _add(self, origin: int, seq: int) -> None:
         w = self._by.get(origin)
         if w is None:
-            w = self._by[origin] = ([seq], bytearray(self.window >> 3))
+            w = self._by[origin] = _Window(seq, self.window >> 3)
             while len(self._by) > self.origins:
                 self._by.popitem(last=False)
         else:
             self._by.move_to_end(origin)
-        top, bits = w
-        hi = top[0]
+        bits, hi = w.bits, w.hi
         if seq > hi:  # the window moves up: its new slots held seqs a window older
             if seq - hi >= self.window:
                 bits[:] = bytes(len(bits))
@@ -69,7 +78,7 @@ class SeenFrames:
                 for s in range(hi + 1, seq + 1):
                     i = s % self.window
                     bits[i >> 3] &= ~(1 << (i & 7)) & 0xFF
-            top[0] = seq
+            w.hi = seq
         elif seq <= hi - self.window:
             return
         i = seq % self.window
@@ -77,7 +86,7 @@ class SeenFrames:
 
     def nbytes(self) -> int:
         """The bit rings' bytes (what the window costs beyond a few objects per origin)."""
-        return sum(len(bits) for _, bits in self._by.values())
+        return sum(len(w.bits) for w in self._by.values())
 
     def __len__(self) -> int:
         """Origins remembered."""

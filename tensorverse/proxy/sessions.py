@@ -303,7 +303,7 @@ class Sessions(Addon):
         if self.store is None:
             return None
         try:
-            return int(self.store.get_session(sid).get("turns", 0))
+            return int(self.store.get_session(sid).turns)
         except Exception:  # noqa: BLE001 - RecordNotFound, or a store we cannot read
             return None
 

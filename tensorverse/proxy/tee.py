@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 from tensorverse.proxy.budget import ShadowBudget
 from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
+from tensorverse.store.records import Run
 
 log = logging.getLogger("tensorverse.proxy.tee")
 
@@ -261,12 +262,12 @@ class ShadowTee(Addon):
                 async with asyncio.timeout(deadline):  # no extra task, unlike wait_for
                     runs = await self.runner(turn, [b.backend], self.store, modes=modes)
                 c["ok"] += 1
-                if self.budget is not None and isinstance(runs, list):
-                    self.budget.charge(b.name, (r for r in runs if isinstance(r, dict)
-                                                and r.get("mode") in ("forced", "free")))
-                if self.metrics is not None and isinstance(runs, list):
+                recs = [r for r in runs if isinstance(r, Run)] if isinstance(runs, list) else []
+                if self.budget is not None and recs:
+                    self.budget.charge(b.name, (r for r in recs if r.mode in ("forced", "free")))
+                if self.metrics is not None and recs:
                     try:
-                        self.metrics.observe_runs(r for r in runs if isinstance(r, dict))
+                        self.metrics.observe_runs(recs)
                     except Exception:
                         log.exception("shadow tee: metrics of %s runs", b.name)
             except asyncio.TimeoutError:
@@ -335,13 +336,13 @@ class PackageRunner:
         # the relay's GIL; None: in a thread
         self.workers = workers
 
-    async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Any:
+    async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> list[Run]:
         runs = await self._runner.run_turn(turn, modes=modes, backends=list(backends))
-        bad = [r for r in runs[1:] if r.get("status") not in ("ok", None)]
+        bad = [r for r in runs[1:] if r.status != "ok"]
         if bad and len(bad) == len(runs) - 1:
             if self.metrics is not None:  # the tee counts this turn as failed and sees no runs
                 self.metrics.observe_runs(runs)
-            raise RuntimeError("; ".join(f"{r.get('mode')}: {r.get('status')} {r.get('error') or ''}".strip()
+            raise RuntimeError("; ".join(f"{r.mode}: {r.status} {r.error or ''}".strip()
                                          for r in bad))
         return runs
 
@@ -375,11 +376,11 @@ class PackageRunner:
                 pass
 
             compared = {r.get("run_id") for r in results}
-            runs = [r for r in store.iter_runs(turn_id) if r.get("id") in compared]
+            runs = [r for r in store.iter_runs(turn_id) if r.id in compared]
             self.metrics.observe_missing_rows(runs)
             if any(r.get("mode") == "free" and r.get("diverged") for r in results):
                 try:
-                    pieces = store.get_run(primary_run_id(turn_id)).get("pieces")
+                    pieces = store.get_run(primary_run_id(turn_id)).pieces
                 except KeyError:
                     pieces = None
                 for r in results:

@@ -37,9 +37,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tensorverse.shadow.backend import Backend
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
+    from tensorverse.store.records import Run
 
 __all__ = ["NoiseOptions", "ProbeTurn", "probe_noise", "forced_in_batch", "turns_from_store", "turns_from_corpus",
            "parse_levels", "render_noise", "RESULTS_FORMAT"]
@@ -79,13 +83,13 @@ class NoiseOptions:
     probe_id: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
-def turns_from_store(store: Any, *, limit: int | None = None) -> list[ProbeTurn]:
+def turns_from_store(store: Store, *, limit: int | None = None) -> list[ProbeTurn]:
     """Recorded turns of a store that have prompt and output token ids (newest sessions first)."""
     from tensorverse.shadow.turn import TurnInput
 
     out: list[ProbeTurn] = []
     for s in store.iter_sessions():
-        for t in store.iter_turns(s["id"]):
+        for t in store.iter_turns(s.id):
             try:
                 ti = TurnInput.from_dict(t)
             except ValueError:
@@ -138,7 +142,7 @@ async def _filler(session: Any, backend: Backend, prompt: Sequence[int], model: 
 
 async def forced_in_batch(runner: Any, backend: Backend, turn: Any, concurrency: int, *,
                           run_id: str | None = None, filler_tokens: int | None = None,
-                          settle_s: float = 0.2, session: Any = None) -> dict[str, Any]:
+                          settle_s: float = 0.2, session: Any = None) -> Run:
     """``runner.run_forced(turn, backend)`` (a :class:`~tensorverse.shadow.turn.TurnInput`)
     inside a batch of ``concurrency`` requests: ``concurrency - 1`` fillers (the same prompt,
     free-running, ``ignore_eos``, nothing captured) start ``settle_s`` before it and are
@@ -166,7 +170,7 @@ async def forced_in_batch(runner: Any, backend: Backend, turn: Any, concurrency:
 
 
 async def _forced_in_batch(runner: Any, session: Any, backend: Backend, turn: ProbeTurn, c: int,
-                           run_id: str, opts: NoiseOptions) -> dict[str, Any]:
+                           run_id: str, opts: NoiseOptions) -> Run:
     from tensorverse.shadow.turn import TurnInput
 
     ti = TurnInput(id=turn.id, prompt_token_ids=list(turn.prompt_token_ids),
@@ -181,7 +185,7 @@ def _batch_stats(sizes: list[int]) -> dict[str, Any] | None:
     return {"min": min(sizes), "median": statistics.median(sizes), "max": max(sizes), "rows": len(sizes)}
 
 
-async def probe_noise(store: Any, turns: Sequence[ProbeTurn], opts: NoiseOptions) -> dict[str, Any]:
+async def probe_noise(store: Store, turns: Sequence[ProbeTurn], opts: NoiseOptions) -> dict[str, Any]:
     """Run the probe (see the module docstring); return the results dict."""
     import aiohttp
 
@@ -198,7 +202,7 @@ async def probe_noise(store: Any, turns: Sequence[ProbeTurn], opts: NoiseOptions
     backend.concurrency = max(backend.concurrency, 1)
     turns = [ProbeTurn(t.id, t.prompt_token_ids, t.tokens[: opts.max_positions] if opts.max_positions else t.tokens,
                        t.model) for t in turns]
-    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in opts.levels}
+    runs: dict[int, list[Run]] = {c: [] for c in opts.levels}
     timeout = aiohttp.ClientTimeout(total=backend.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         runner = ShadowRunner(store, [backend], rows_timeout_s=opts.rows_timeout_s, check_tokenizer=False,
@@ -214,26 +218,26 @@ async def probe_noise(store: Any, turns: Sequence[ProbeTurn], opts: NoiseOptions
     for c in opts.levels:
         sizes: list[int] = []
         for run in runs[c]:
-            sizes.extend(st.batch_size for st in (await asyncio.to_thread(store.read_engine_states, run["id"])).values())
-            if run.get("status") != "ok" or run.get("capture") != "full":
-                errors.append(f"{_label(c)} {run.get('turn_id')}: {run.get('status')} "
-                              f"{run.get('capture')} {run.get('error') or ''}".strip())
+            sizes.extend(st.batch_size for st in (await asyncio.to_thread(store.read_engine_states, run.id)).values())
+            if run.status != "ok" or run.capture != "full":
+                errors.append(f"{_label(c)} {run.turn_id}: {run.status} "
+                              f"{run.capture} {run.error or ''}".strip())
         batch[_label(c)] = _batch_stats(sizes)
     for c in opts.levels[1:]:
         for t, ref_run, run in zip(turns, runs[ref_c], runs[c]):
-            forced: dict[str, Any] = {"status": run.get("status") or "failed", "capture": run.get("capture")}
-            ok = all(r.get("status") == "ok" and r.get("capture") == "full" for r in (ref_run, run))
+            forced: dict[str, Any] = {"status": run.status or "failed", "capture": run.capture}
+            ok = all(r.status == "ok" and r.capture == "full" for r in (ref_run, run))
             if ok:
                 ps = list(range(len(t.tokens)))
                 try:
-                    r = await asyncio.to_thread(load_rows, store, ref_run["id"], ps)
-                    q = await asyncio.to_thread(load_rows, store, run["id"], ps)
+                    r = await asyncio.to_thread(load_rows, store, ref_run.id, ps)
+                    q = await asyncio.to_thread(load_rows, store, run.id, ps)
                     forced.update(forced_turn(r, q, list(t.tokens)))
                 except KeyError as e:  # a row that never arrived
                     forced.update(status="failed", error=f"missing row: {e}")
             else:
                 forced["status"] = "failed"
-                forced["error"] = run.get("error") or ref_run.get("error") or "no full rows"
+                forced["error"] = run.error or ref_run.error or "no full rows"
             cases[c].append({"id": t.id, "turns": [{"index": 0, "positions": len(t.tokens),
                                                     "backends": {_label(c): {"forced": forced}}}]})
     summary = {_label(c): summarize_backend(_label(c), cases[c], is_reference=False) for c in opts.levels[1:]}
@@ -253,7 +257,7 @@ async def probe_noise(store: Any, turns: Sequence[ProbeTurn], opts: NoiseOptions
         "flips": {k: v["flips"] for k, v in summary.items()},
         "kl_max": {k: (v.get("kl") or {}).get("max") for k, v in summary.items()},
         "cases": {_label(c): cases[c] for c in opts.levels[1:]},
-        "run_ids": {_label(c): [r["id"] for r in runs[c]] for c in opts.levels},
+        "run_ids": {_label(c): [r.id for r in runs[c]] for c in opts.levels},
         "errors": errors,
         "wall_s": round(wall, 3),
         "s_per_1000_positions": round(wall / max(1, positions * len(opts.levels)) * 1000, 3),

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from tensorverse.jsonschemas import first_error
+from tensorverse.refusal import Refusal
 from tensorverse.replay.scrub import SCRUBBER_VERSION, Scrubber
 from tensorverse.store import records
 from tensorverse.store.records import Turn
@@ -46,8 +47,17 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"
                   "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-class CorpusError(ValueError):
-    """A corpus or case that cannot be read, with the file and the reason."""
+class CorpusError(Refusal):
+    """A corpus or case that cannot be read, with the file and the reason. ``reason``:
+    ``missing`` (no ``corpus.json``, or a case file it lists is absent), ``syntax`` (not JSON),
+    ``format`` (not a Tensorverse case or corpus manifest), ``version`` (written by a newer
+    Tensorverse), ``schema`` (fails the format's JSON Schema), ``empty_prompt`` (a turn without
+    prompt token ids), ``outside`` (a case file outside the corpus directory), ``checksum`` (a
+    case file whose sha256 differs from the manifest's), ``case_id`` (a case whose id is not the
+    manifest's, or repeats), ``no_model`` (a rig suite's corpus that names no model)."""
+
+    REASONS = ("missing", "syntax", "format", "version", "schema", "empty_prompt", "outside", "checksum",
+               "case_id", "no_model")
 
 
 def _version() -> str | None:
@@ -67,31 +77,31 @@ def schema(name: str) -> dict[str, Any]:
 def _validate(obj: Any, name: str, where: str) -> None:
     e = first_error(schema(name), obj)
     if e is not None:
-        raise CorpusError(f"{where}: {e}")
+        raise CorpusError(f"{where}: {e}", "schema")
 
 
 def validate_case(case: Mapping[str, Any], where: str = "case") -> None:
     if not isinstance(case, Mapping):
-        raise CorpusError(f"{where}: a case is a JSON object")
+        raise CorpusError(f"{where}: a case is a JSON object", "format")
     if case.get("format") != CASE_FORMAT:
-        raise CorpusError(f"{where}: not a Tensorverse case (format {case.get('format')!r})")
+        raise CorpusError(f"{where}: not a Tensorverse case (format {case.get('format')!r})", "format")
     v = case.get("format_version")
     if isinstance(v, int) and v > FORMAT_VERSION:
         raise CorpusError(f"{where}: case format {v} is newer than this Tensorverse reads "
-                          f"({FORMAT_VERSION}); upgrade Tensorverse")
+                          f"({FORMAT_VERSION}); upgrade Tensorverse", "version")
     _validate(case, "case", where)
     for t in case.get("turns") or ():
         if not t.get("prompt_token_ids"):
-            raise CorpusError(f"{where}: turn {t.get('index')}: prompt_token_ids is empty")
+            raise CorpusError(f"{where}: turn {t.get('index')}: prompt_token_ids is empty", "empty_prompt")
 
 
 def validate_manifest(m: Mapping[str, Any], where: str = "corpus.json") -> None:
     if not isinstance(m, Mapping) or m.get("format") != CORPUS_FORMAT:
-        raise CorpusError(f"{where}: not a Tensorverse corpus manifest")
+        raise CorpusError(f"{where}: not a Tensorverse corpus manifest", "format")
     v = m.get("format_version")
     if isinstance(v, int) and v > FORMAT_VERSION:
         raise CorpusError(f"{where}: corpus format {v} is newer than this Tensorverse reads "
-                          f"({FORMAT_VERSION}); upgrade Tensorverse")
+                          f"({FORMAT_VERSION}); upgrade Tensorverse", "version")
     _validate(m, "corpus", where)
 
 
@@ -123,7 +133,7 @@ def load_corpus(path: str | os.PathLike, *, verify: bool = True) -> Corpus:
                                  "cases": [{"id": case["id"], "file": p.name}]}, [case])
     mpath = p / "corpus.json"
     if not mpath.is_file():
-        raise CorpusError(f"{p}: no corpus.json (not a Tensorverse corpus directory)")
+        raise CorpusError(f"{p}: no corpus.json (not a Tensorverse corpus directory)", "missing")
     manifest = _read_json(mpath)
     validate_manifest(manifest, str(mpath))
     cases = []
@@ -131,20 +141,20 @@ def load_corpus(path: str | os.PathLike, *, verify: bool = True) -> Corpus:
     for entry in manifest["cases"]:
         f = p / entry["file"]
         if not f.resolve().is_relative_to(p.resolve()):
-            raise CorpusError(f"{mpath}: case file {entry['file']!r} is outside the corpus")
+            raise CorpusError(f"{mpath}: case file {entry['file']!r} is outside the corpus", "outside")
         raw = f.read_bytes() if f.is_file() else None
         if raw is None:
-            raise CorpusError(f"{mpath}: case file {entry['file']} is missing")
+            raise CorpusError(f"{mpath}: case file {entry['file']} is missing", "missing")
         if verify and entry.get("sha256") and hashlib.sha256(raw).hexdigest() != entry["sha256"]:
             raise CorpusError(f"{f}: sha256 differs from corpus.json (edited after writing? "
-                              "re-run `tensorverse scrub` or update the manifest)")
+                              "re-run `tensorverse scrub` or update the manifest)", "checksum")
         try:
             case = json.loads(raw)
         except ValueError as e:
-            raise CorpusError(f"{f}: not JSON: {e}") from None
+            raise CorpusError(f"{f}: not JSON: {e}", "syntax") from None
         validate_case(case, str(f))
         if case["id"] != entry["id"] or case["id"] in seen:
-            raise CorpusError(f"{f}: case id {case['id']!r} does not match the manifest or repeats")
+            raise CorpusError(f"{f}: case id {case['id']!r} does not match the manifest or repeats", "case_id")
         seen.add(case["id"])
         cases.append(case)
     return Corpus(p, manifest, cases)
@@ -154,7 +164,7 @@ def _read_json(p: Path) -> Any:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise CorpusError(f"{p}: not JSON: {e}") from None
+        raise CorpusError(f"{p}: not JSON: {e}", "syntax") from None
 
 
 _INT_LIST = re.compile(r"\[\n[\d,\s]*?\]")
@@ -185,7 +195,7 @@ def write_corpus(path: str | os.PathLike, cases: Sequence[Mapping[str, Any]], *,
         shutil.copyfile(SCHEMA_DIR / f"{s}.schema.json", p / "schema" / f"{s}.schema.json")
     entries = []
     for case in cases:
-        validate_case(case, f"case {case.get('id')}")
+        validate_case(case, f"case {case.get('id') if isinstance(case, Mapping) else len(entries)}")
         raw = _dump(case)
         rel = f"cases/{case['id']}.json"
         (p / rel).write_bytes(raw)
@@ -365,7 +375,7 @@ def scrub_store(store_path: str | os.PathLike, out: str | os.PathLike, *, tokeni
             chosen = [store.get_session(s) for s in sessions]
         else:
             chosen = list(store.iter_sessions())
-        recorded = [(s, [records.turn(t) for t in store.iter_turns(s["id"])]) for s in chosen]
+        recorded = [(s, list(store.iter_turns(s.id))) for s in chosen]
     # pass 1: learn names and reserved addresses over the whole corpus
     for _, turns in recorded:
         for t in turns:
@@ -374,9 +384,9 @@ def scrub_store(store_path: str | os.PathLike, out: str | os.PathLike, *, tokeni
     cases = []
     totals: dict[str, int] = {}
     for n, (s, turns) in enumerate(recorded):
-        cid = f"case-{_hash_id(s['id'])}"
+        cid = f"case-{_hash_id(s.id)}"
         case, counters = case_from_turns(turns, scrubber=scrubber, tokenizer=tokenizer, case_id=cid,
-                                         tokenizer_info=tok_info, session_id=s["id"])
+                                         tokenizer_info=tok_info, session_id=s.id)
         for k, v in counters.items():
             totals[k] = totals.get(k, 0) + v
         if case["turns"]:

@@ -48,12 +48,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.replay.journal import journal_key, read_journal
 from tensorverse.replay.options import ReplayOptions
-from tensorverse.store.records import RECORDED, Session, Turn
+from tensorverse.store.records import RECORDED, Run, Session, Turn
 from tensorverse.replay.rig import rig_fingerprint
 from tensorverse.shadow.backend import Backend
 
@@ -95,11 +95,9 @@ def _turn_id(prefix: str, case_id: str, index: int) -> str:
 # ----------------------------------------------------------------------------------- the runner
 
 
-def _vs_recorded(run: Mapping[str, Any] | None, rec: Mapping[str, Any]) -> dict[str, Any]:
+def _vs_recorded(run: Run | None, rec: Mapping[str, Any]) -> dict[str, Any]:
     """A free run against the case's recorded output: divergence and tool-call verdict."""
     from tensorverse.shadow.compare import compare_free
-
-    from tensorverse.store.records import Run
 
     recorded = Run(id=f"{rec['id']}~recorded", turn_id=rec["id"], backend=RECORDED, mode=RECORDED,
                    token_ids=list(rec.get("output_token_ids") or []), text=rec.get("text") or "",
@@ -108,9 +106,9 @@ def _vs_recorded(run: Mapping[str, Any] | None, rec: Mapping[str, Any]) -> dict[
     return compare_free(cand, recorded)
 
 
-def _departures(run: Mapping[str, Any], tokens: Sequence[int]) -> list[int] | None:
+def _departures(run: Run, tokens: Sequence[int]) -> list[int] | None:
     """Forced positions where the run's top-1 is not the forced (basis) token (None: no top-k)."""
-    tl = run.get("top_logprobs")
+    tl = run.top_logprobs
     if not isinstance(tl, list) or len(tl) < len(tokens):
         return None
     out = []
@@ -175,13 +173,13 @@ class _Replay:
                                         f"({want}); token ids would mean different text")
         return out
 
-    async def _run(self, t: dict[str, Any], modes: Sequence[str], backends: Sequence[Backend]) -> list[dict]:
+    async def _run(self, t: dict[str, Any], modes: Sequence[str], backends: Sequence[Backend]) -> list[Run]:
         """``run_turn`` with retries (backoff) for runs that failed or timed out."""
-        runs = await self.runner.run_turn(t, modes=modes, backends=list(backends))
-        latest = {(r["backend"], r["mode"]): r for r in runs if r["mode"] != RECORDED}
+        runs: list[Run] = await self.runner.run_turn(t, modes=modes, backends=list(backends))
+        latest = {(r.backend, r.mode): r for r in runs if r.mode != RECORDED}
         delay = self.opts.backoff_s
         for attempt in range(self.opts.retries):
-            bad = [(b, m) for (b, m), r in latest.items() if r["status"] in ("failed", "timeout")]
+            bad = [(b, m) for (b, m), r in latest.items() if r.status in ("failed", "timeout")]
             if not bad:
                 break
             await asyncio.sleep(delay)
@@ -190,29 +188,29 @@ class _Replay:
             for name, mode in bad:
                 again = await self.runner.run_turn(t, modes=[mode], backends=[by_name[name]])
                 for r in again:
-                    if r["mode"] != RECORDED:
-                        r["retries"] = attempt + 1
-                        latest[(r["backend"], r["mode"])] = r
+                    if r.mode != RECORDED:
+                        r.retries = attempt + 1
+                        latest[(r.backend, r.mode)] = r
         return list(latest.values())
 
-    async def _basis(self, rec: dict[str, Any], ref: Backend | None) -> tuple[dict[str, Any], dict | None, dict]:
+    async def _basis(self, rec: dict[str, Any], ref: Backend | None) -> tuple[dict[str, Any], Run | None, dict]:
         """The turn's basis: the reference backend's free run on the scrubbed prompt (retried
         like any run), stored under the turn. Returns ``(turn input, that run, basis info)``;
         the recorded output stands in when the reference cannot run."""
         from tensorverse.shadow.turn import TurnInput
 
-        run: dict[str, Any] | None = None
+        run: Run | None = None
         if ref is not None:
             ti = TurnInput.from_dict(rec)
             run = await with_retries(lambda: self.runner.run_free(ti, ref), self.opts.retries, self.opts.backoff_s)
-            run["role"] = ref.role
+            run.role = ref.role
             await asyncio.to_thread(lambda: self.store.put_run(run).result())
-        if run is None or run["status"] != "ok":
+        if run is None or run.status != "ok":
             info = {"source": RECORDED, "tokens": len(rec["output_token_ids"]),
-                    "why": "reference refused" if run is None else f"reference free run {run['status']}"}
+                    "why": "reference refused" if run is None else f"reference free run {run.status}"}
             return dict(rec, backend=RECORDED), run, info
-        t = dict(rec, output_token_ids=list(run.get("token_ids") or []), text=run.get("text"),
-                 finish_reason=run.get("finish_reason"), backend=ref.name)
+        t = dict(rec, output_token_ids=list(run.token_ids or []), text=run.text,
+                 finish_reason=run.finish_reason, backend=ref.name)
         vs = _vs_recorded(run, rec)
         return t, run, {"source": "reference", "backend": ref.name, "tokens": len(t["output_token_ids"]),
                         "vs_recorded": {k: vs[k] for k in ("diverged", "first_flip", "verdict")}}
@@ -258,7 +256,7 @@ class _Replay:
                     t["pieces"] = pieces
             await self._put_case_records(case, turn, t, first=turn["index"] == case["turns"][0]["index"])
             tokens = list(t["output_token_ids"])
-            runs: list[dict] = [ref_run] if ref_run is not None else []
+            runs: list[Run] = [ref_run] if ref_run is not None else []
             # on the recorded path: every mode; off it (and the reference, whose free run is the
             # basis): forced only, on the recorded context
             on_path = [b for b in live if b.name in active and b is not ref_b]
@@ -288,7 +286,7 @@ class _Replay:
                 free = per[name].get("free")
                 if free is None or "free" not in opts.modes:
                     continue
-                run = next((r for r in runs if r["backend"] == name and r["mode"] == "free"), None)
+                run = next((r for r in runs if r.backend == name and r.mode == "free"), None)
                 path = _vs_recorded(run, rec)["verdict"] if free.get("status") == "ok" and run else None
                 if free.get("status") != "ok" or path != "match":
                     active.discard(name)
@@ -298,29 +296,29 @@ class _Replay:
                     if opts.simulator is not None and free.get("status") == "ok" \
                             and turn["index"] < len(case["turns"]) - 1:
                         b = next(x for x in live if x.name == name)
-                        run = next(r for r in runs if r["backend"] == name and r["mode"] == "free")
+                        run = next(r for r in runs if r.backend == name and r.mode == "free")
                         sim = await self._simulate(case, turn, b, run)
                         branch[name].update(status="simulated", simulated=sim)
             turns_out.append({"index": turn["index"], "positions": len(tokens), "basis": basis,
                               "backends": per})
         return {"id": case["id"], "session": session_id, "turns": turns_out, "branches": branch}
 
-    def _reference_free_row(self, row: dict[str, Any], run: Mapping[str, Any] | None,
+    def _reference_free_row(self, row: dict[str, Any], run: Run | None,
                             rec: Mapping[str, Any], *, on_path: bool) -> None:
         """The reference's free row: its basis run against the recorded output (what the
         scrubbing changed), only while its branch is on the recorded path."""
         if not on_path or run is None:
             row.pop("free", None)
             return
-        res: dict[str, Any] = {"status": run["status"], "capture": run.get("capture"),
-                               "method": run.get("method"), "template": None, "basis": True}
-        if run.get("retries"):
-            res["retries"] = run["retries"]
-        if run["status"] != "ok":
-            res["error"] = run.get("error")
+        res: dict[str, Any] = {"status": run.status, "capture": run.capture,
+                               "method": run.method, "template": None, "basis": True}
+        if run.retries:
+            res["retries"] = run.retries
+        if run.status != "ok":
+            res["error"] = run.error
         else:
             c = _vs_recorded(run, rec)
-            res.update(tokens=len(run.get("token_ids") or []), finish_reason=run.get("finish_reason"),
+            res.update(tokens=len(run.token_ids or []), finish_reason=run.finish_reason,
                        diverged=c["diverged"], first_flip=c["first_flip"],
                        common_prefix=c["common_prefix"], verdict=c["verdict"],
                        differences=[{k: v for k, v in d.items()
@@ -328,23 +326,23 @@ class _Replay:
                                     for d in (c.get("tool_calls") or {}).get("differences") or ()],
                        vs="recorded")
             if self.opts.include_text:
-                res["text"] = run.get("text")
+                res["text"] = run.text
         row["free"] = res
 
-    def _turn_result(self, b: Backend, runs: Sequence[Mapping], comps: Sequence[Mapping],
+    def _turn_result(self, b: Backend, runs: Sequence[Run], comps: Sequence[Mapping],
                      tokens: Sequence[int]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for mode in self.opts.modes:
-            run = next((r for r in runs if r["backend"] == b.name and r["mode"] == mode), None)
+            run = next((r for r in runs if r.backend == b.name and r.mode == mode), None)
             if run is None:
                 continue
-            res: dict[str, Any] = {"status": run["status"], "capture": run.get("capture"),
-                                   "method": run.get("method"),
-                                   "template": (run.get("template") or {}).get("status")}
-            if run.get("retries"):
-                res["retries"] = run["retries"]
-            if run["status"] != "ok":
-                res["error"] = run.get("error")
+            res: dict[str, Any] = {"status": run.status, "capture": run.capture,
+                                   "method": run.method,
+                                   "template": (run.template or {}).get("status")}
+            if run.retries:
+                res["retries"] = run.retries
+            if run.status != "ok":
+                res["error"] = run.error
                 out[mode] = res
                 continue
             if mode == "forced":
@@ -364,9 +362,9 @@ class _Replay:
                     res["compare_error"] = c.get("error")
             else:
                 c = next((c for c in comps if c.get("mode") == "free" and c.get("backend") == b.name), None)
-                res.update(tokens=len(run.get("token_ids") or []), finish_reason=run.get("finish_reason"))
+                res.update(tokens=len(run.token_ids or []), finish_reason=run.finish_reason)
                 if self.opts.include_text:
-                    res["text"] = run.get("text")
+                    res["text"] = run.text
                 if c is not None and c.get("status") == "ok":
                     tc = c.get("tool_calls") or {}
                     res.update(diverged=c.get("diverged"), first_flip=c.get("first_flip"),
@@ -381,7 +379,7 @@ class _Replay:
         return out
 
     async def _simulate(self, case: Mapping[str, Any], turn: Mapping[str, Any], b: Backend,
-                        run: Mapping[str, Any]) -> list[dict[str, Any]]:
+                        run: Run) -> list[dict[str, Any]]:
         """Continue a diverged branch with the tool simulator, up to the remaining turns."""
         from tensorverse.analysis.toolcalls import extract_tool_calls
         from tensorverse.shadow.client import BackendError
@@ -390,7 +388,7 @@ class _Replay:
         steps: list[dict[str, Any]] = []
         messages = list(turn.get("messages") or [])
         tools = turn.get("tools")
-        text = run.get("text") or ""
+        text = run.text or ""
         remaining = len(case["turns"]) - 1 - turn["index"]
         for step in range(remaining):
             x = extract_tool_calls(text)
@@ -421,14 +419,14 @@ class _Replay:
                  "sampling": dict(turn.get("sampling") or {}), "backend": RECORDED}
             from tensorverse.shadow.turn import TurnInput
 
-            r = await self.runner.run_free(TurnInput.from_dict(t), b)
-            text = r.get("text") or ""
+            r: Run = await self.runner.run_free(TurnInput.from_dict(t), b)
+            text = r.text or ""
             y = extract_tool_calls(text)
-            steps.append({"step": step, "status": r["status"], "tokens": len(r.get("token_ids") or []),
-                          "finish_reason": r.get("finish_reason"),
+            steps.append({"step": step, "status": r.status, "tokens": len(r.token_ids or []),
+                          "finish_reason": r.finish_reason,
                           "tool_calls": [c.name for c in y.calls], "malformed": len(y.malformed),
                           **({"text": text} if self.opts.include_text else {})})
-            if r["status"] != "ok":
+            if r.status != "ok":
                 break
         return steps
 
@@ -567,19 +565,19 @@ def _verdict(store: Any) -> dict[str, Any]:
     return verdicts_json([v for v in vs if v.role != "reference"], policy)
 
 
-async def with_retries(run: Callable[[], Any], retries: int, backoff_s: float) -> dict[str, Any]:
+async def with_retries(run: Callable[[], Awaitable[Run]], retries: int, backoff_s: float) -> Run:
     """``await run()`` again while it comes back ``failed`` or ``timeout``, at most ``retries``
     more times, waiting ``backoff_s`` and then twice as long each time; the last run (its
     ``retries`` says how many more it took)."""
     out = await run()
     delay = backoff_s
     for attempt in range(retries):
-        if out.get("status") not in ("failed", "timeout"):
+        if out.status not in ("failed", "timeout"):
             break
         await asyncio.sleep(delay)
         delay *= 2
         out = await run()
-        out["retries"] = attempt + 1
+        out.retries = attempt + 1
     return out
 
 

@@ -45,7 +45,7 @@ flips against the primary's top-k (and where its free run diverges, for free fli
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -73,6 +73,9 @@ from tensorverse.store import records
 from tensorverse.store.records import Run
 from tensorverse.store.compact import CompactRow, compact_row, decode_compact
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 __all__ = ["compare_turn", "compare_runs", "put_comparisons", "select_reference", "load_rows", "latest_runs",
            "CHUNK", "TurnCompacted"]
@@ -121,7 +124,7 @@ class TurnCompacted(AnalysisInputError):
     were computed from the full rows; recomputing them from what is left would guess."""
 
 
-def _refuse_compacted(store: Any, turn_id: str | None) -> None:
+def _refuse_compacted(store: Store, turn_id: str | None) -> None:
     rec = store.compaction(turn_id) if turn_id and hasattr(store, "compaction") else None
     if rec is not None:
         why = "pruned by [retention]" if rec.get("rows_pruned") else "compacted"
@@ -129,7 +132,7 @@ def _refuse_compacted(store: Any, turn_id: str | None) -> None:
                             "ones (computed from the full rows) and are not recomputed")
 
 
-def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
+def load_rows(store: Store, run_id: str, positions: Sequence[int]) -> np.ndarray:
     """Decode the rows of ``positions`` of a run into one float32 matrix (deltas through
     their reference run; a compacted position raises `RowCompacted`)."""
     src = StoredRows(store)
@@ -142,7 +145,7 @@ def load_rows(store: Any, run_id: str, positions: Sequence[int]) -> np.ndarray:
     return np.stack([r.reshape(-1) for r in rows]).astype(np.float32, copy=False)
 
 
-def _row_positions(store: Any, run: Run, n: int) -> list[int]:
+def _row_positions(store: Store, run: Run, n: int) -> list[int]:
     """Positions < n whose row the run has in the store, in full or (reduced at the source) as
     its compact form."""
     rows = run.rows or {}
@@ -213,7 +216,7 @@ def _kept(c: CompactRow) -> tuple[dict[int, float], str]:
     return vals, "bfloat16" if c.dtype == "bfloat16" else row_dtype(np.asarray(c.logits, np.float32))
 
 
-def _full_metrics(store: Any, ref: Run, cand: Run,
+def _full_metrics(store: Store, ref: Run, cand: Run,
                   tokens: Sequence[int], noise_positions: Collection[int] | None = None,
                   rule: TieRule = DEFAULT_RULE,
                   ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution], list[int]]:
@@ -325,7 +328,7 @@ def _template_mismatch(*runs: Run | None) -> bool:
     return any(r is not None and (r.template or {}).get("status") == "template_mismatch" for r in runs)
 
 
-def compare_forced(store: Any, cand: RunLike, ref: RunLike,
+def compare_forced(store: Store, cand: RunLike, ref: RunLike,
                    tokens: Sequence[int], *, pieces: Sequence[str] | None = None,
                    roles: Mapping[str, str] | None = None,
                    noise_positions: Collection[int] | None = None, noise_source: str | None = None,
@@ -411,7 +414,7 @@ def compare_forced(store: Any, cand: RunLike, ref: RunLike,
     return result
 
 
-def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Any) -> int | None:
+def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Store) -> int | None:
     """First position where a backend's forced run preferred another token than the primary's."""
     if forced is None or forced.status != "ok":
         return None
@@ -509,7 +512,7 @@ def compare_free(cand: RunLike, primary: RunLike, *,
     }
 
 
-def compare_runs(store: Any, runs: Iterable[RunLike], *,
+def compare_runs(store: Store, runs: Iterable[RunLike], *,
                  roles: Mapping[str, str] | None = None, pieces: Sequence[str] | None = None,
                  store_results: bool = True,
                  backends: Collection[str] | None = None) -> list[dict[str, Any]]:
@@ -634,7 +637,7 @@ def compare_runs(store: Any, runs: Iterable[RunLike], *,
     return out
 
 
-def put_comparisons(store: Any, results: Sequence[Mapping[str, Any]]) -> None:
+def put_comparisons(store: Store, results: Sequence[Mapping[str, Any]]) -> None:
     """Store the comparisons :func:`compare_runs` returned (waits for the writer)."""
     futures = [store.put_comparison(r["run_id"], r["ref_run_id"],
                                     {k: v for k, v in r.items() if k not in ("run_id", "ref_run_id")})
@@ -643,7 +646,7 @@ def put_comparisons(store: Any, results: Sequence[Mapping[str, Any]]) -> None:
         f.result()
 
 
-def compare_turn(store: Any, turn_id: str, *, roles: Mapping[str, str] | None = None,
+def compare_turn(store: Store, turn_id: str, *, roles: Mapping[str, str] | None = None,
                  store_results: bool = True,
                  backends: Collection[str] | None = None) -> list[dict[str, Any]]:
     """Compare the stored runs of one turn and store the comparisons. Pure numpy on stored rows;

@@ -45,6 +45,8 @@ from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, prim
                                      primary_run_id, run_record, sent_sampling)
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
 from tensorverse.shadow.turn import TurnInput
+from tensorverse.store import records
+from tensorverse.store.records import Run
 
 # How long a run waits for its captured rows to land in the store (the tee budgets for it).
 ROWS_TIMEOUT_S = 30.0
@@ -141,12 +143,12 @@ class ShadowRunner:
             info = self.store.get_backend(name)
         except Exception:  # noqa: BLE001 - not registered
             return None
-        url = info.get("url") if isinstance(info, Mapping) else None
+        url = info.url
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return None
         try:
-            return Backend(name=name, url=url, model=info.get("model"), role="primary",
-                           timeout_s=float(info.get("timeout_s") or 30.0))
+            return Backend(name=name, url=url, model=info.model, role="primary",
+                           timeout_s=float(info.timeout_s or 30.0))
         except (TypeError, ValueError):
             return None
 
@@ -165,8 +167,8 @@ class ShadowRunner:
         info = backend.info()
         if backend.role == "primary":  # keep what the proxy stored about its primary
             try:
-                info = {**self.store.get_backend(backend.name), **{k: v for k, v in info.items()
-                                                                  if v is not None}}
+                stored = records.checked(self.store.get_backend(backend.name), records.BackendInfo)
+                info = {**stored, **{k: v for k, v in info.items() if v is not None}}
             except Exception:  # noqa: BLE001
                 pass
         if fp and fp.get("available"):
@@ -291,7 +293,7 @@ class ShadowRunner:
             resp = await self._client(backend).completions(body)
             return resp, _now() - t0
 
-    async def run_forced(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
+    async def run_forced(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> Run:
         from tensorverse.store.schema import new_id
 
         t_start = _now()
@@ -302,7 +304,7 @@ class ShadowRunner:
         caps = await self.capabilities(backend)
         resp = None
         if caps.forcing:
-            body = forced_body(t, backend, run["id"], capture=caps.capture,
+            body = forced_body(t, backend, run.id, capture=caps.capture,
                                positions=self.forced_positions)
             self._ask_evidence(t, body, run)
             try:
@@ -310,50 +312,51 @@ class ShadowRunner:
             except BackendError as e:
                 if caps.capture and _sink_refusal(e):
                     caps.capture = False  # the server has the plugin but no sink
-                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
-                    body = forced_body(t, backend, run["id"], capture=False)
+                    run.attempts.append({"method": "forced_decode", "error": str(e)})
+                    body = forced_body(t, backend, run.id, capture=False)
                     try:
                         resp, dt = await self._post(backend, body)
                     except BackendError as e2:
                         if e2.kind in ("timeout", "connect"):
                             return fail_run(run, e2)
-                        run["attempts"].append({"method": "forced_decode", "error": str(e2)})
+                        run.attempts.append({"method": "forced_decode", "error": str(e2)})
                 elif e.kind in ("timeout", "connect"):
-                    run["timings"]["total_s"] = round(_now() - t_start, 4)
+                    run.timings["total_s"] = round(_now() - t_start, 4)
                     return fail_run(run, e)
                 else:
-                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
+                    run.attempts.append({"method": "forced_decode", "error": str(e)})
             if resp is not None:
                 try:
                     got = parse_completion(resp)
                 except BackendError as e:
-                    run["attempts"].append({"method": "forced_decode", "error": str(e)})
+                    run.attempts.append({"method": "forced_decode", "error": str(e)})
                     got = None
                 if got is not None:
                     j = first_difference(t.output_token_ids, got["token_ids"])
                     if j is None:
-                        run.update(status="ok", method="forced_decode", sampling=sent_sampling(body),
-                                   k=body.get("logprobs", 0), token_ids=got["token_ids"], text=got["text"],
-                                   finish_reason=got["finish_reason"],
-                                   top_logprobs=got["top_logprobs"],
-                                   token_logprobs=got["token_logprobs"])
-                        run["timings"]["request_s"] = round(dt, 4)
+                        run.status, run.method, run.sampling = "ok", "forced_decode", sent_sampling(body)
+                        run.k = body.get("logprobs", 0)
+                        run.token_ids, run.text = got["token_ids"], got["text"]
+                        run.finish_reason = got["finish_reason"]
+                        run.top_logprobs = got["top_logprobs"]
+                        run.token_logprobs = got["token_logprobs"]
+                        run.timings["request_s"] = round(dt, 4)
                         if KEY_CAPTURE in (body.get("vllm_xargs") or {}):
                             rows = await self._collect_rows(run, n, self.forced_positions)
                             if not rows["present"]:
-                                run["attempts"].append({
+                                run.attempts.append({
                                     "method": "capture",
                                     "error": f"no captured row arrived in {self.rows_timeout_s:g} s "
                                              "(is the server's TENSORVERSE_CAPTURE_SINK pointing at "
                                              "this store or its recorder?)"})
-                        run["timings"]["total_s"] = round(_now() - t_start, 4)
+                        run.timings["total_s"] = round(_now() - t_start, 4)
                         return run
                     emitted = got["token_ids"]
                     msg = (f"the backend did not emit the forced tokens (first difference at "
                            f"position {j}: forced {t.output_token_ids[j] if j < n else None}, emitted "
                            f"{emitted[j] if j < len(emitted) else None}): the Tensorverse plugin is "
                            "missing or switched off; falling back to prompt_logprobs scoring")
-                    run["attempts"].append({"method": "forced_decode", "error": msg})
+                    run.attempts.append({"method": "forced_decode", "error": msg})
                     caps.forcing = False
                     caps.capture = False
         # Fallback: score the primary's output in one prefill (top-k only, approximate).
@@ -362,17 +365,17 @@ class ShadowRunner:
             resp, dt = await self._post(backend, body)
             got = parse_prompt_logprobs(resp, len(t.prompt_token_ids), t.output_token_ids)
         except BackendError as e:
-            run["timings"]["total_s"] = round(_now() - t_start, 4)
+            run.timings["total_s"] = round(_now() - t_start, 4)
             return fail_run(run, e)
-        run.update(status="ok", method="prompt_logprobs", sampling=sent_sampling(body),
-                   token_ids=list(t.output_token_ids), top_logprobs=got["top_logprobs"],
-                   token_logprobs=got["token_logprobs"], capture="topk", approximate=True,
-                   k=max(1, backend.logprobs))
-        run["timings"]["request_s"] = round(dt, 4)
-        run["timings"]["total_s"] = round(_now() - t_start, 4)
+        run.status, run.method, run.sampling = "ok", "prompt_logprobs", sent_sampling(body)
+        run.token_ids = list(t.output_token_ids)
+        run.top_logprobs, run.token_logprobs = got["top_logprobs"], got["token_logprobs"]
+        run.capture, run.approximate, run.k = "topk", True, max(1, backend.logprobs)
+        run.timings["request_s"] = round(dt, 4)
+        run.timings["total_s"] = round(_now() - t_start, 4)
         return run
 
-    def _ask_evidence(self, t: TurnInput, body: dict[str, Any], run: dict[str, Any]) -> None:
+    def _ask_evidence(self, t: TurnInput, body: dict[str, Any], run: Run) -> None:
         """With evidence at the source: ask the plugin for compact rows and the positions every
         run keeps in full (`tensorverse.shadow.evidence`); say so on the run."""
         xargs = body.get("vllm_xargs")
@@ -381,48 +384,49 @@ class ShadowRunner:
         full = requested_positions(t, self.evidence)
         close = close_threshold(t, self.evidence)
         xargs.update(evidence_xargs(self.evidence, full, close))
-        run["evidence"] = {"k": self.evidence.k, "close_nats": close, "requested": len(full)}
+        run.evidence = {"k": self.evidence.k, "close_nats": close, "requested": len(full)}
 
-    async def run_free(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> dict[str, Any]:
+    async def run_free(self, t: TurnInput, backend: Backend, run_id: str | None = None) -> Run:
         from tensorverse.store.schema import new_id
 
         t_start = _now()
         run = run_record(t, backend, "free", run_id or new_id())
         caps = await self.capabilities(backend)
-        body = free_body(t, backend, run["id"], capture=caps.capture, margin=self.free_margin,
+        body = free_body(t, backend, run.id, capture=caps.capture, margin=self.free_margin,
                          positions=self.free_positions)
         self._ask_evidence(t, body, run)
         if caps.capture and "vllm_xargs" not in body:
-            run["attempts"].append({"method": "capture", "error": "capture skipped: the primary's "
-                                    "sampling uses penalties, which the plugin cannot capture under"})
+            run.attempts.append({"method": "capture", "error": "capture skipped: the primary's "
+                                 "sampling uses penalties, which the plugin cannot capture under"})
         try:
             resp, dt = await self._post(backend, body)
         except BackendError as e:
             if not _sink_refusal(e):
-                run["timings"]["total_s"] = round(_now() - t_start, 4)
+                run.timings["total_s"] = round(_now() - t_start, 4)
                 return fail_run(run, e)
             caps.capture = False
-            run["attempts"].append({"method": "generate", "error": str(e)})
-            body = free_body(t, backend, run["id"], capture=False, margin=self.free_margin)
+            run.attempts.append({"method": "generate", "error": str(e)})
+            body = free_body(t, backend, run.id, capture=False, margin=self.free_margin)
             try:
                 resp, dt = await self._post(backend, body)
             except BackendError as e2:
-                run["timings"]["total_s"] = round(_now() - t_start, 4)
+                run.timings["total_s"] = round(_now() - t_start, 4)
                 return fail_run(run, e2)
         try:
             got = parse_completion(resp)
         except BackendError as e:
             return fail_run(run, e)
-        run.update(status="ok", method="generate", sampling=sent_sampling(body), k=body.get("logprobs", 0),
-                   token_ids=got["token_ids"], text=got["text"], finish_reason=got["finish_reason"],
-                   top_logprobs=got["top_logprobs"], token_logprobs=got["token_logprobs"])
-        run["timings"]["request_s"] = round(dt, 4)
+        run.status, run.method, run.sampling = "ok", "generate", sent_sampling(body)
+        run.k = body.get("logprobs", 0)
+        run.token_ids, run.text, run.finish_reason = got["token_ids"], got["text"], got["finish_reason"]
+        run.top_logprobs, run.token_logprobs = got["top_logprobs"], got["token_logprobs"]
+        run.timings["request_s"] = round(dt, 4)
         if "vllm_xargs" in body and got["token_ids"]:
             await self._collect_rows(run, len(got["token_ids"]), self.free_positions)
-        run["timings"]["total_s"] = round(_now() - t_start, 4)
+        run.timings["total_s"] = round(_now() - t_start, 4)
         return run
 
-    async def _collect_rows(self, run: dict, n: int, position_spec: Any) -> dict:
+    async def _collect_rows(self, run: Run, n: int, position_spec: Any) -> dict[str, Any]:
         """Wait for the captured rows of a run's `n` output positions (those `position_spec`
         selects) and record what arrived; a run with its rows becomes exact (`capture: full`)."""
         positions = list(range(n))
@@ -431,12 +435,12 @@ class ShadowRunner:
 
             ps = Positions.parse(position_spec)
             positions = [p for p in positions if p in ps]
-        rows = await self.wait_rows(run["id"], positions)
-        run["rows"] = rows
-        run["timings"]["rows_wait_s"] = rows["waited_s"]
+        rows = await self.wait_rows(run.id, positions)
+        run.rows = rows
+        run.timings["rows_wait_s"] = rows["waited_s"]
         if rows["present"]:
-            run["capture"] = "full"
-            run["approximate"] = False
+            run.capture = "full"
+            run.approximate = False
         return rows
 
     async def _pieces(self, t: TurnInput, allowed: Sequence[Backend]) -> list[str] | None:
@@ -445,8 +449,8 @@ class ShadowRunner:
             return t.pieces
         try:  # an earlier call for this turn (another backend) may have stored them
             prev = await asyncio.to_thread(self.store.get_run, primary_run_id(t.id))
-            pieces = prev.get("pieces")
-            if isinstance(pieces, list) and len(pieces) == len(t.output_token_ids):
+            pieces = prev.pieces
+            if pieces is not None and len(pieces) == len(t.output_token_ids):
                 return pieces
         except Exception:  # noqa: BLE001 - not there yet
             pass
@@ -493,7 +497,7 @@ class ShadowRunner:
 
     async def run_turn(self, turn: Mapping[str, Any] | TurnInput, *,
                        modes: Sequence[str] = MODES,
-                       backends: Sequence[Backend] | None = None) -> list[dict[str, Any]]:
+                       backends: Sequence[Backend] | None = None) -> list[Run]:
         """Run ``modes`` of one turn on every non-primary backend; store and return the records.
 
         The first record is the primary's (``mode: recorded``). Never raises for backend trouble."""
@@ -516,7 +520,7 @@ class ShadowRunner:
                 for mode in modes:
                     if (b.name, mode) not in written:
                         run = run_record(t, b, mode, new_id())
-                        run.update(status="timeout", error="cancelled: the deadline for the turn passed")
+                        run.status, run.error = "timeout", "cancelled: the deadline for the turn passed"
                         try:
                             self.store.put_run(run)  # the writer thread commits it; not awaited
                         except Exception as e:  # noqa: BLE001
@@ -524,7 +528,7 @@ class ShadowRunner:
             raise
 
     async def _run_turn(self, t: TurnInput, targets: list[Backend], primary: Backend | None,
-                        modes: Sequence[str], written: set[tuple[str, str]]) -> list[dict[str, Any]]:
+                        modes: Sequence[str], written: set[tuple[str, str]]) -> list[Run]:
         expected, basis = await self._template_basis(t, primary)
 
         # Same-dictionary check (cached per backend) and chat-template check (per turn).
@@ -549,12 +553,12 @@ class ShadowRunner:
                 t = dataclasses.replace(t, pieces=list(pieces))
 
         async def run_one(b: Backend, verdict: dict[str, Any], tmpl: dict[str, Any] | None,
-                          mode: str) -> dict[str, Any]:
+                          mode: str) -> Run:
             from tensorverse.store.schema import new_id
 
             if not verdict["allowed"]:
                 run = run_record(t, b, mode, new_id())
-                run.update(status="refused", error=verdict["message"])
+                run.status, run.error = "refused", verdict["message"]
             else:
                 try:
                     if mode == "forced":
@@ -565,9 +569,9 @@ class ShadowRunner:
                     log.exception("tensorverse shadow: %s run of turn %s on %s", mode, t.id, b.name)
                     run = run_record(t, b, mode, new_id())
                     fail_run(run, f"internal error: {type(e).__name__}: {e}")
-            run["tokenizer"] = {"same_dictionary": verdict["allowed"], "message": verdict["message"],
-                                "fingerprint": verdict.get("fingerprint")}
-            run["template"] = tmpl
+            run.tokenizer = {"same_dictionary": verdict["allowed"], "message": verdict["message"],
+                             "fingerprint": verdict.get("fingerprint")}
+            run.template = tmpl
             written.add((b.name, mode))
             await self._put("put_run", run)
             return run
@@ -579,21 +583,21 @@ class ShadowRunner:
             await self._register(primary, self.cache.get_fp(primary))
         allowed = [b for b, v, _ in vetted if v["allowed"]]
         pieces = t.pieces if self.evidence is not None else None
-        if pieces is None and any(r["status"] == "ok" for r in runs):
+        if pieces is None and any(r.status == "ok" for r in runs):
             try:
                 pieces = await self._pieces(t, allowed)
             except Exception as e:  # noqa: BLE001
                 log.info("tensorverse shadow: no pieces for turn %s: %s", t.id, e)
         record = primary_record(t, pieces, primary)
         if pieces is not None:
-            record["parser_check"] = primary_parser_check(t, pieces)
+            record.parser_check = primary_parser_check(t, pieces)
         await self._put("put_run", record)
         return [record, *runs]
 
 
 async def shadow_turn(turn: Mapping[str, Any], backends: Sequence[Backend], store: Any, *,
                       modes: Sequence[str] = MODES, compare: bool = True,
-                      **runner_kwargs: Any) -> list[dict[str, Any]]:
+                      **runner_kwargs: Any) -> list[Run]:
     """Run one recorded turn on the shadow backends (forced + free), store the run records and,
     with ``compare``, the comparisons. Returns the run records (the primary's first).
 
@@ -611,8 +615,8 @@ async def shadow_turn(turn: Mapping[str, Any], backends: Sequence[Backend], stor
         from tensorverse.shadow.compare import compare_turn
 
         try:
-            await asyncio.to_thread(compare_turn, store, runs[0]["turn_id"],
+            await asyncio.to_thread(compare_turn, store, runs[0].turn_id,
                                     backends=[b.name for b in backends if b.role != "primary"])
         except Exception:
-            log.exception("tensorverse shadow: comparing turn %s failed", runs[0]["turn_id"])
+            log.exception("tensorverse shadow: comparing turn %s failed", runs[0].turn_id)
     return runs

@@ -1,4 +1,5 @@
-"""Run records, built by pure functions: what ``store.put_run`` stores for a turn's runs.
+"""Run records, built by pure functions: what ``store.put_run`` stores for a turn's runs, as
+:class:`~tensorverse.store.records.Run` records.
 
 Run record (``store.put_run``; its ``id`` is the capture id): ``id``, ``turn_id``,
 ``session_id``, ``backend``, ``role``, ``mode`` (``forced``/``free``; the primary's own output is
@@ -21,7 +22,7 @@ from tensorverse.capture.optin import KEY_FORCE
 from tensorverse.shadow.backend import Backend
 from tensorverse.shadow.client import BackendError
 from tensorverse.shadow.turn import TurnInput
-from tensorverse.store.records import FORCED, FREE, RECORDED
+from tensorverse.store.records import FORCED, FREE, RECORDED, Run
 
 __all__ = ["RECORDED", "MODES", "primary_run_id", "run_record", "fail_run", "sent_sampling",
            "primary_record", "primary_parser_check"]
@@ -36,42 +37,42 @@ def primary_run_id(turn_id: str) -> str:
     return f"{turn_id}~primary"
 
 
-def run_record(t: TurnInput, backend: Backend, mode: str, run_id: str) -> dict[str, Any]:
+def run_record(t: TurnInput, backend: Backend, mode: str, run_id: str) -> Run:
     """A run's record before it runs: ``failed`` with no tokens until the run fills it in."""
-    return {
-        "id": run_id,
-        "turn_id": t.id,
-        "session_id": t.session_id,
-        "backend": backend.name,
-        "role": backend.role,
-        "mode": mode,
-        "status": "failed",
-        "capture": "topk",
-        "approximate": True,
-        "method": None,
-        "token_ids": [],
-        "text": None,
-        "finish_reason": None,
-        "top_logprobs": None,
-        "token_logprobs": None,
-        "k": backend.logprobs,
-        "rows": None,
-        "timings": {},
-        "sampling": None,
-        "prompt_tokens": len(t.prompt_token_ids),
-        "attempts": [],
-        "error": None,
-    }
+    return Run(
+        id=run_id,
+        turn_id=t.id,
+        session_id=t.session_id,
+        backend=backend.name,
+        role=backend.role,
+        mode=mode,
+        status="failed",
+        capture="topk",
+        approximate=True,
+        method=None,
+        token_ids=[],
+        text=None,
+        finish_reason=None,
+        top_logprobs=None,
+        token_logprobs=None,
+        k=backend.logprobs,
+        rows=None,
+        timings={},
+        sampling=None,
+        prompt_tokens=len(t.prompt_token_ids),
+        attempts=[],
+        error=None,
+    )
 
 
-def fail_run(run: dict[str, Any], e: BackendError | str) -> dict[str, Any]:
+def fail_run(run: Run, e: BackendError | str) -> Run:
     """Mark ``run`` failed (or ``timeout``) with the error's words; returns it."""
     if isinstance(e, BackendError):
-        run["status"] = "timeout" if e.kind == "timeout" else "failed"
-        run["error"] = str(e)
+        run.status = "timeout" if e.kind == "timeout" else "failed"
+        run.error = str(e)
     else:
-        run["status"] = "failed"
-        run["error"] = e
+        run.status = "failed"
+        run.error = e
     return run
 
 
@@ -85,28 +86,28 @@ def sent_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def primary_record(t: TurnInput, pieces: list[str] | None,
-                   primary: Backend | None) -> dict[str, Any]:
+                   primary: Backend | None) -> Run:
     """The ``recorded`` run: the primary's own answer, as the turn holds it."""
-    return {
-        "id": primary_run_id(t.id),
-        "turn_id": t.id,
-        "session_id": t.session_id,
-        "backend": t.primary or (primary.name if primary else "primary"),
-        "role": "primary",
-        "mode": RECORDED,
-        "status": "ok",
-        "capture": "topk" if t.top_logprobs else "none",
-        "approximate": True,
-        "method": "recorded",
-        "token_ids": list(t.output_token_ids),
-        "text": t.text,
-        "finish_reason": t.finish_reason,
-        "top_logprobs": t.top_logprobs,
-        "pieces": pieces,
-        "tool_calls": t.tool_calls,
-        "prompt_tokens": len(t.prompt_token_ids),
-        "sampling": t.sampling,
-    }
+    return Run(
+        id=primary_run_id(t.id),
+        turn_id=t.id,
+        session_id=t.session_id,
+        backend=t.primary or (primary.name if primary else "primary"),
+        role="primary",
+        mode=RECORDED,
+        status="ok",
+        capture="topk" if t.top_logprobs else "none",
+        approximate=True,
+        method="recorded",
+        token_ids=list(t.output_token_ids),
+        text=t.text,
+        finish_reason=t.finish_reason,
+        top_logprobs=t.top_logprobs,
+        pieces=None if pieces is None else list(pieces),
+        tool_calls=t.tool_calls,
+        prompt_tokens=len(t.prompt_token_ids),
+        sampling=t.sampling,
+    )
 
 
 def primary_parser_check(t: TurnInput, pieces: Sequence[str]) -> dict[str, Any] | None:

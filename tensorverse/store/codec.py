@@ -78,6 +78,8 @@ import zlib
 import numpy as np
 import zstandard
 
+from tensorverse.refusal import Refusal
+
 __all__ = ["CodecError", "REASONS", "encode_row", "decode_row", "blob_info", "row_checksum",
            "CODEC_VERSION", "MAGIC"]
 
@@ -123,17 +125,11 @@ _local = threading.local()
 REASONS = ("input", "truncated", "magic", "version", "checksum", "malformed", "reference")
 
 
-class CodecError(ValueError):
+class CodecError(Refusal):
     """A logits blob or row that cannot be encoded or decoded; the message names the record,
     ``reason`` (one of `REASONS`) says why, for code."""
 
-    def __init__(self, message: str, reason: str) -> None:
-        assert reason in REASONS, reason
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # crosses process boundaries (the proxy's workers) whole
-        return (type(self), (str(self), self.reason))
+    REASONS = REASONS
 
 
 def _fail(record: str, what: str, reason: str) -> CodecError:

@@ -39,16 +39,18 @@ import logging
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from tensorverse.analysis.metrics import widen_bf16
-from tensorverse.store import records
 from tensorverse.store.codec import blob_info, decode_row, encode_row
 from tensorverse.store.compact import compact_row, encode_compact
 from tensorverse.store.records import Comparison, Run
 from tensorverse.store.store import CompactionConflict, RowChange
+
+if TYPE_CHECKING:
+    from tensorverse.store.store import Store
 
 __all__ = ["EvidencePolicy", "RowFacts", "EvidencePlan", "CompactionResult", "CompactionPlan", "plan_evidence",
            "plan_compaction", "apply_plan", "compact_turn", "compact_store", "due_turns", "sampled", "Planner"]
@@ -221,7 +223,7 @@ class CompactionPlan:
 Planner = Callable[[str, EvidencePolicy, int], CompactionPlan]
 
 
-def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None,
+def compact_turn(store: Store, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None,
                  dry_run: bool = False, planner: Planner | None = None) -> CompactionResult:
     """Compact one turn (see the module docstring): plan it (read and encode: on the caller's
     thread, or by ``planner``), then one write transaction. Skips a turn that is compacted
@@ -235,7 +237,7 @@ def compact_turn(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: in
     return apply_plan(store, plan)
 
 
-def apply_plan(store: Any, plan: CompactionPlan) -> CompactionResult:
+def apply_plan(store: Store, plan: CompactionPlan) -> CompactionResult:
     """Commit a plan in one transaction; ``conflict`` when a row changed since it was read."""
     if plan.record is None:
         return plan.result
@@ -250,26 +252,26 @@ def _skip(turn_id: str, why: str) -> CompactionPlan:
     return CompactionPlan(CompactionResult(turn_id, "skipped", why))
 
 
-def plan_compaction(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None) -> CompactionPlan:
+def plan_compaction(store: Store, turn_id: str, policy: EvidencePolicy, *, now_ns: int | None = None) -> CompactionPlan:
     """What compacting one turn writes (see :func:`compact_turn`), read from ``store`` (which
     may be open read-only) without writing anything."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     if store.compaction(turn_id) is not None:
         return _skip(turn_id, "compacted already")
-    turn = records.turn(store.get_turn(turn_id))
+    turn = store.get_turn(turn_id)
     if turn.session_id:
         try:
-            if records.session(store.get_session(turn.session_id)).pinned:
+            if store.get_session(turn.session_id).pinned:
                 return _skip(turn_id, "pinned")
         except KeyError:
             pass
     if (now_ns - int(turn.created_ns or 0)) < policy.after_s * 1e9:
         return _skip(turn_id, "recent")
-    runs = [records.run(r) for r in store.iter_runs(turn_id)]
+    runs = list(store.iter_runs(turn_id))
     with_rows = [r for r in runs if r.mode in ("forced", "free") and store.count_rows(r.id)]
     if not with_rows:
         return _skip(turn_id, "no rows")
-    comparisons = [records.comparison(c) for r in runs for c in store.iter_comparisons(r.id)]
+    comparisons = [c for r in runs for c in store.iter_comparisons(r.id)]
     compared = {c.run_id for c in comparisons}
     primary = next((r for r in runs if r.mode == "recorded"), None)
     refs = {c.ref_run_id for c in comparisons if c.mode == "forced" and c.kind == "full" and c.status == "ok"}
@@ -356,12 +358,12 @@ def plan_compaction(store: Any, turn_id: str, policy: EvidencePolicy, *, now_ns:
     return CompactionPlan(result, record, tuple(changes))
 
 
-def due_turns(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None) -> Iterable[str]:
+def due_turns(store: Store, policy: EvidencePolicy, *, now_ns: int | None = None) -> Iterable[str]:
     """Turns that may be compacted, oldest session first: not compacted, not pinned, recorded at
     least ``after_s`` ago."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     cutoff = int(now_ns - policy.after_s * 1e9)
-    for s in map(records.session, store.iter_sessions(until_ns=cutoff + 1)):
+    for s in store.iter_sessions(until_ns=cutoff + 1):
         if s.pinned:
             continue
         for tid in store.turn_ids(s.id):
@@ -369,7 +371,7 @@ def due_turns(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None) 
                 yield tid
 
 
-def compact_store(store: Any, policy: EvidencePolicy, *, now_ns: int | None = None, dry_run: bool = False,
+def compact_store(store: Store, policy: EvidencePolicy, *, now_ns: int | None = None, dry_run: bool = False,
                   limit: int | None = None, progress: Callable[[CompactionResult], None] | None = None,
                   planner: Planner | None = None) -> list[CompactionResult]:
     """Compact every due turn (at most ``limit``); one transaction per turn; ``planner``: who

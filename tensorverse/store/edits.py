@@ -264,7 +264,7 @@ class StoreEdits(StoreReads):
 
         One transaction per session, so a long purge never holds the writer for long.
         """
-        old = [s["id"] for s in self.iter_sessions(until_ns=cutoff_ns)]
+        old = [s.id for s in self.iter_sessions(until_ns=cutoff_ns)]
         deleted = sum(bool(self.delete_session(sid).result()) for sid in old)
         if deleted:
             self.note_space_freed()
@@ -280,4 +280,4 @@ class StoreEdits(StoreReads):
         for lack of space: this one reports itself full too (``stats()["full"]``), so that the
         retention keeper compacts and prunes at once."""
         if self._writer is not None:
-            self._writer.full = True
+            self._writer.note_full_elsewhere()

@@ -1,5 +1,6 @@
-"""The store's reads: records by id, iterations in short read transactions (so no reader
-starves a map resize), rows and their engine states, the turn stamp, and the store's stats."""
+"""The store's reads: records by id as their typed Structs (`tensorverse.store.records`),
+iterations in short read transactions (so no reader starves a map resize), rows and their engine
+states, the turn stamp, and the store's stats."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Iterator
 
 import orjson
 
-from tensorverse.store import schema
+from tensorverse.store import records, schema
 from tensorverse.store.base import _PAGE, RecordNotFound, StoreBase, _loads
 from tensorverse.store.engine_state import EngineState
+from tensorverse.store.records import BackendInfo, Comparison, Run, Session, Turn
 from tensorverse.store.turns import read_turn
 
 
@@ -22,26 +24,27 @@ class StoreReads(StoreBase):
         with self._read() as txn:
             return self._version(txn)
 
-    def get_backend(self, name: str) -> dict:
-        return self._get_json(schema.BACKENDS, schema.check_id(name, "backend"), "backend")
+    def get_backend(self, name: str) -> BackendInfo:
+        return records.backend(self._get_json(schema.BACKENDS, schema.check_id(name, "backend"), "backend"))
 
-    def get_session(self, session_id: str) -> dict:
-        return self._get_json(schema.SESSIONS, schema.check_id(session_id, "session"), "session")
+    def get_session(self, session_id: str) -> Session:
+        return records.session(self._get_json(schema.SESSIONS, schema.check_id(session_id, "session"), "session"))
 
-    def get_turn(self, turn_id: str) -> dict:
-        return read_turn(self._get_json(schema.TURNS, schema.check_id(turn_id, "turn"), "turn"))
+    def get_turn(self, turn_id: str) -> Turn:
+        return records.turn(read_turn(self._get_json(schema.TURNS, schema.check_id(turn_id, "turn"), "turn")))
 
-    def get_run(self, run_id: str) -> dict:
-        return self._get_json(schema.RUNS, schema.check_id(run_id, "run"), "run")
+    def get_run(self, run_id: str) -> Run:
+        return records.run(self._get_json(schema.RUNS, schema.check_id(run_id, "run"), "run"))
 
-    def get_comparison(self, run_id: str, ref_run_id: str) -> dict:
-        return self._get_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id), "comparison")
+    def get_comparison(self, run_id: str, ref_run_id: str) -> Comparison:
+        return records.comparison(self._get_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id),
+                                                 "comparison"))
 
-    def iter_backends(self) -> Iterator[dict]:
+    def iter_backends(self) -> Iterator[BackendInfo]:
         for _, value in self._paged(schema.BACKENDS, b""):
-            yield orjson.loads(value)
+            yield records.backend(orjson.loads(value))
 
-    def iter_sessions(self, *, since_ns: int = 0, until_ns: int | None = None) -> Iterator[dict]:
+    def iter_sessions(self, *, since_ns: int = 0, until_ns: int | None = None) -> Iterator[Session]:
         """Sessions in creation order, created in [since_ns, until_ns)."""
         start = schema.session_time_bound(since_ns)
         stop = None if until_ns is None else schema.session_time_bound(until_ns)
@@ -49,7 +52,7 @@ class StoreReads(StoreBase):
         while True:
             with self._read() as txn:
                 cur = txn.cursor(db=self._dbs[schema.SESSIONS_BY_TIME])
-                page: list[dict] = []
+                page: list[Session] = []
                 if cur.set_range(last or start):
                     for key, _ in cur:
                         if key == last:
@@ -59,17 +62,17 @@ class StoreReads(StoreBase):
                         raw = txn.get(key[8:], db=self._dbs[schema.SESSIONS])
                         last = key
                         if raw is not None:
-                            page.append(orjson.loads(raw))
+                            page.append(records.session(orjson.loads(raw)))
                         if len(page) >= _PAGE:
                             break
             yield from page
             if len(page) < _PAGE:
                 return
 
-    def iter_turns(self, session_id: str) -> Iterator[dict]:
+    def iter_turns(self, session_id: str) -> Iterator[Turn]:
         """The turns of a session in index order."""
         for _, tkey in self._paged(schema.TURNS_BY_SESSION, schema.child_prefix(session_id, "session")):
-            yield read_turn(self._get_json(schema.TURNS, tkey, "turn"))
+            yield records.turn(read_turn(self._get_json(schema.TURNS, tkey, "turn")))
 
     def turn_ids(self, session_id: str) -> list[str]:
         """A session's turn ids in index order, from the index alone (no turn record read)."""
@@ -94,21 +97,23 @@ class StoreReads(StoreBase):
                     out.append((rid.decode(), key[len(p):].decode()))
         return out
 
-    def iter_runs(self, turn_id: str) -> Iterator[dict]:
+    def iter_runs(self, turn_id: str) -> Iterator[Run]:
         prefix = schema.child_prefix(turn_id, "turn")
         for key, _ in self._paged(schema.RUNS_BY_TURN, prefix):
-            yield self._get_json(schema.RUNS, key[len(prefix) :], "run")
+            yield records.run(self._get_json(schema.RUNS, key[len(prefix) :], "run"))
 
-    def iter_comparisons(self, run_id: str) -> Iterator[dict]:
+    def iter_comparisons(self, run_id: str) -> Iterator[Comparison]:
         for _, value in self._paged(schema.COMPARISONS, schema.child_prefix(run_id, "run")):
-            yield orjson.loads(value)
+            yield records.comparison(orjson.loads(value))
 
     _RECORD_DBS = {"session": schema.SESSIONS, "turn": schema.TURNS, "run": schema.RUNS,
                    "comparison": schema.COMPARISONS, "backend": schema.BACKENDS}
 
     def records(self, kind: str) -> Iterator[dict]:
         """Every stored record of ``kind`` (session, turn, run, comparison, backend) in key order,
-        whatever it belongs to: for checks and exports of a whole store."""
+        whatever it belongs to, **as the dict stored**: for checks of a whole store (a field no
+        record type declares, a value of the wrong type), which the typed reads above would
+        drop or refuse. Everything else reads the typed records."""
         db = self._RECORD_DBS.get(kind)
         if db is None:
             raise ValueError(f"unknown record kind {kind!r} (one of {', '.join(self._RECORD_DBS)})")

@@ -5,9 +5,9 @@ a field without a format change and a record written by an older Tensorverse sti
 write is checked against these types before it is queued (:func:`checked`, in each
 ``Store.put_*``: a field not declared here, or of the wrong type, fails that write with
 ``RecordError``), and ``Store.put_*`` take the typed records as well as dicts. The types are also
-how readers see the records: :func:`turn`, :func:`run`, :func:`comparison`,
-:func:`session` and :func:`backend` decode a stored dict into a msgspec Struct, checking every
-field's type (``RecordError`` when a field has the wrong type). Fields a reader does not know are
+how readers see the records: the store's reads (``Store.get_*``, ``Store.iter_*``) return them,
+decoded by :func:`turn`, :func:`run`, :func:`comparison`, :func:`session` and :func:`backend`,
+which check every field's type (``RecordError`` when a field has the wrong type). Fields a reader does not know are
 ignored, so a newer writer's record still decodes; fields a record lacks take the defaults below.
 Old field names are rewritten once, by the store's migrations (`tensorverse.store.schema`), never
 guessed by readers.
@@ -27,6 +27,8 @@ from typing import Any, Iterable, Literal, Mapping, TypeVar
 
 import msgspec
 
+from tensorverse.refusal import Refusal
+
 __all__ = ["Record", "Session", "Turn", "Run", "Comparison", "ComparisonBase", "ForcedComparison", "FreeComparison",
            "comparison_type", "BackendInfo", "RecordError", "session", "turn", "run",
            "comparison", "backend", "decode", "at_default", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
@@ -37,8 +39,12 @@ FORCED = "forced"
 FREE = "free"
 
 
-class RecordError(ValueError):
-    """A stored record whose field has the wrong type."""
+class RecordError(Refusal):
+    """A record that does not fit its type. ``reason``: ``type`` (a field of the wrong type, or a
+    required one missing), ``untyped`` (a write with fields its type does not declare),
+    ``kind`` (a record stored as another kind), ``mode`` (a comparison of an unknown mode)."""
+
+    REASONS = ("type", "untyped", "kind", "mode")
 
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -59,6 +65,7 @@ class Session(Record, kw_only=True):
     updated_ns: int | None = None
     edits: list[dict[str, Any]] = []  # merges, splits and moves, by hand or by the proxy
     pinned: bool = False  # `tensorverse store pin`: never pruned by retention
+    split_from: str | None = None  # the session a `tensorverse sessions split` made this one from
 
 
 class Turn(Record, kw_only=True):
@@ -239,7 +246,7 @@ def comparison_type(record: Mapping[str, Any] | ComparisonBase) -> type[ForcedCo
     if mode == FORCED:
         return ForcedComparison
     raise RecordError(f"comparison of {record.get('run_id') if isinstance(record, Mapping) else record.run_id!r}: "
-                      f"unknown mode {mode!r} (forced, free)")
+                      f"unknown mode {mode!r} (forced, free)", "mode")
 
 
 class BackendInfo(Record, kw_only=True):
@@ -286,7 +293,7 @@ def decode(record: Mapping[str, Any] | R, cls: type[R]) -> R:
         return msgspec.convert(record, cls, strict=False)
     except msgspec.ValidationError as e:
         rid = record.get("id") if isinstance(record, Mapping) else None
-        raise RecordError(f"{cls.__name__.lower()} {rid!r}: {e}") from None
+        raise RecordError(f"{cls.__name__.lower()} {rid!r}: {e}", "type") from None
 
 
 def session(record: Mapping[str, Any] | Session) -> Session:
@@ -338,12 +345,12 @@ def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, 
     tests, instead of reaching the store."""
     if isinstance(record, Record):
         if not isinstance(record, cls):
-            raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}")
+            raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}", "kind")
         out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(record))
         return out
     extra = unknown_fields(record, cls)
     if extra:
         rid = record.get("id") or record.get("name") or record.get("run_id")
-        raise RecordError(f"{cls.__name__.lower()} {rid!r}: untyped fields {extra}")
+        raise RecordError(f"{cls.__name__.lower()} {rid!r}: untyped fields {extra}", "untyped")
     decode(record, cls)
     return dict(record)

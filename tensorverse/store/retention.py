@@ -23,9 +23,11 @@ import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from tensorverse.store.records import session as decode_session
+if TYPE_CHECKING:
+    from tensorverse.store.store import Store
+
 
 __all__ = ["SessionUsage", "StoreUsage", "RetentionPolicy", "PrunePlan", "PruneResult", "usage", "plan", "prune",
            "parse_duration", "parse_bytes", "RetentionKeeper"]
@@ -86,14 +88,14 @@ class StoreUsage:
         return d
 
 
-def usage(store: Any, *, window_s: float = 86400.0, now_ns: int | None = None) -> StoreUsage:
+def usage(store: Store, *, window_s: float = 86400.0, now_ns: int | None = None) -> StoreUsage:
     """Measure ``store`` (read-only; one read transaction per session)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     st = store.stats()
     tables = store.table_bytes()
     rows: dict[str, dict[str, dict[str, int]]] = {}
     sessions: list[SessionUsage] = []
-    for s in map(decode_session, store.iter_sessions()):
+    for s in store.iter_sessions():
         total, by = store.session_bytes(s.id)
         rows_b = sum(b for _, b in by.values())
         for (backend, mode), (n, b) in by.items():
@@ -194,11 +196,11 @@ class PruneResult:
         return {"age": out["age"], "rows": len(self.rows_dropped), "bytes": out["bytes"]}
 
 
-def _live(store: Any) -> int:
+def _live(store: Store) -> int:
     return sum(store.table_bytes().values())
 
 
-def prune(store: Any, policy: RetentionPolicy, *, now_ns: int | None = None,
+def prune(store: Store, policy: RetentionPolicy, *, now_ns: int | None = None,
           progress: Callable[[int], None] | None = None) -> PruneResult:
     """Keep the budget: delete expired unpinned sessions; then, while the live bytes exceed
     ``max_bytes`` (measured again after every step, so what is freed is exact), drop the rows
@@ -217,7 +219,7 @@ def prune(store: Any, policy: RetentionPolicy, *, now_ns: int | None = None,
 
     if policy.max_age_s is not None:
         cutoff = int(now_ns - policy.max_age_s * 1e9)
-        for s in [decode_session(x) for x in store.iter_sessions(until_ns=cutoff)]:
+        for s in list(store.iter_sessions(until_ns=cutoff)):
             if not s.pinned:
                 drop(s.id, "age")
     live = _live(store)
@@ -225,7 +227,7 @@ def prune(store: Any, policy: RetentionPolicy, *, now_ns: int | None = None,
     rows_dropped: list[str] = []
     if policy.max_bytes is not None and live > policy.max_bytes:
         over = True
-        unpinned = [s for s in map(decode_session, store.iter_sessions()) if not s.pinned]
+        unpinned = [s for s in store.iter_sessions() if not s.pinned]
         for s in unpinned:  # the rows of the oldest sessions first: records and comparisons stay
             if store.drop_session_rows(s.id).result():
                 rows_dropped.append(s.id)
@@ -253,7 +255,7 @@ class RetentionKeeper:
     store refuses writes for lack of space). ``days_left``: at the live bytes' growth since the
     previous run, how long until ``max_bytes`` (else the cap, else the filesystem) is reached."""
 
-    def __init__(self, store: Any, policy: RetentionPolicy, interval_s: float = 300.0,
+    def __init__(self, store: Store, policy: RetentionPolicy, interval_s: float = 300.0,
                  evidence: Any = None, planner: Any = None) -> None:
         self.store = store
         self.policy = policy

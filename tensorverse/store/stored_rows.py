@@ -11,13 +11,16 @@ it silently.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tensorverse.store import RecordNotFound, records
+from tensorverse.store import RecordNotFound
 from tensorverse.store.codec import CodecError, blob_info, decode_row
 from tensorverse.store.compact import CompactRow, decode_compact
+
+if TYPE_CHECKING:
+    from tensorverse.store.store import Store
 
 __all__ = ["StoredRows", "RowCompacted", "RowPruned"]
 
@@ -49,7 +52,7 @@ class StoredRows:
 
     _MAX_DEPTH = 4  # delta chains: a free row -> its backend's forced row -> the reference's row
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self._compaction: dict[str, dict | None] = {}
 
@@ -59,7 +62,7 @@ class StoredRows:
             rec = None
             if hasattr(self.store, "compaction"):
                 try:
-                    rec = self.store.compaction(records.run(self.store.get_run(run_id)).turn_id)
+                    rec = self.store.compaction(self.store.get_run(run_id).turn_id)
                 except (KeyError, ValueError):
                     rec = None
             self._compaction[run_id] = rec

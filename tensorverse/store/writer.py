@@ -263,3 +263,7 @@ class Writer:
     def note_space_freed(self) -> None:
         """After retention frees pages, writes may succeed again."""
         self.full = False
+
+    def note_full_elsewhere(self) -> None:
+        """Another process's write to this store was refused for lack of space: so would ours be."""
+        self.full = True

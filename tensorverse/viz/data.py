@@ -48,12 +48,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from tensorverse.store import RecordNotFound
 from tensorverse.viz.forced import stored_flip_count
 from tensorverse.viz.lanes import TurnInputs
-from tensorverse.store import records
 from tensorverse.store.records import BackendInfo, Comparison, Run, Session, Turn
 from tensorverse.viz.lane import FORCED, FREE, Lane, backend_infos, turn_from_record
 from tensorverse.viz.sessions import (
@@ -64,6 +63,9 @@ from tensorverse.viz.sessions import (
     turn_brief,
 )
 from tensorverse.viz.turn import TurnBuilder
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 __all__ = ["ViewData", "NotFound"]
 
@@ -79,7 +81,7 @@ class NotFound(KeyError):
 class ViewData:
     """Builds the viewer's view models from a store. Thread-safe; caches turn views."""
 
-    def __init__(self, store: Any, *, cache_turns: int = 64, summary_ttl_s: float = 5.0,
+    def __init__(self, store: Store, *, cache_turns: int = 64, summary_ttl_s: float = 5.0,
                  inline_rows: int = INLINE_ROWS) -> None:
         self.store = store
         self.inline_rows = inline_rows
@@ -107,26 +109,24 @@ class ViewData:
 
     def _session(self, sid: str) -> Session:
         try:
-            raw = self.store.get_session(sid)
+            return self.store.get_session(sid)
         except (KeyError, ValueError):
             raise NotFound(f"no session {sid!r}") from None
-        return records.session(raw)
 
     def _turn_record(self, tid: str) -> Turn:
         try:
-            raw = self.store.get_turn(tid)
+            return self.store.get_turn(tid)
         except (KeyError, ValueError):
             raise NotFound(f"no turn {tid!r}") from None
-        return records.turn(raw)
 
     def _runs(self, tid: str) -> list[Run]:
-        return [records.run(r) for r in self._safe(lambda: list(self.store.iter_runs(tid)), [])]
+        return self._safe(lambda: list(self.store.iter_runs(tid)), [])
 
     def _turn_records(self, sid: str) -> list[Turn]:
-        return [records.turn(t) for t in self._safe(lambda: list(self.store.iter_turns(sid)), [])]
+        return self._safe(lambda: list(self.store.iter_turns(sid)), [])
 
     def _comparisons(self, run_id: str) -> list[Comparison]:
-        return [records.comparison(c) for c in self._safe(lambda: list(self.store.iter_comparisons(run_id)), [])]
+        return self._safe(lambda: list(self.store.iter_comparisons(run_id)), [])
 
     def _inputs(self, turn: Turn, backends: Mapping[str, BackendInfo]) -> TurnInputs:
         return TurnInputs(turn_from_record(turn, backends), self._runs(turn.id), backends)
@@ -201,7 +201,7 @@ class ViewData:
         other sorts and filters summarise every session (cached)."""
         offset, limit = page_bounds(sort, order, offset, limit)
         backends = self._backend_records()
-        raw = [records.session(s) for s in self._safe(lambda: list(self.store.iter_sessions()), [])]
+        raw = self._safe(lambda: list(self.store.iter_sessions()), [])
         return sessions_page(raw, lambda s: self._session_summary(s, backends), q=q, sort=sort,
                              order=order, offset=offset, limit=limit, verdict=verdict, backend=backend)
 

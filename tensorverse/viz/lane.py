@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from tensorverse.store.records import FORCED, FREE, RECORDED, BackendInfo, Comparison, Run, Turn
-from tensorverse.store.records import backend as backend_record
 
 __all__ = ["Lane", "TurnRec", "lane_from_run", "turn_from_record", "primary_name", "backend_infos",
            "comparison_flips", "topk_entry", "FORCED", "FREE", "RECORDED", "ROLES_REFERENCE",
@@ -241,11 +240,6 @@ def comparison_flips(cmp: Comparison) -> int | None:
     return None
 
 
-def backend_infos(records: Iterable[Mapping[str, Any]]) -> dict[str, BackendInfo]:
-    """The stored backend records, typed, by name."""
-    out = {}
-    for r in records:
-        if r.get("name"):
-            info = backend_record(r)
-            out[info.name] = info
-    return out
+def backend_infos(records: Iterable[BackendInfo]) -> dict[str, BackendInfo]:
+    """The stored backend records by name (a record without a name is left out)."""
+    return {r.name: r for r in records if r.name}

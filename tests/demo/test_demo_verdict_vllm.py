@@ -26,11 +26,10 @@ def _broken_by_turn(store, session_id: str) -> dict[str, dict[str, bool]]:
     """Per turn and backend: do its free run's tool calls differ from the primary's? Re-parsed
     from the stored runs' texts, not read from the comparisons the verdict reads."""
     from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
-    from tensorverse.store import records
 
     out: dict[str, dict[str, bool]] = {}
-    for t in map(records.turn, store.iter_turns(session_id)):
-        runs = [records.run(r) for r in store.iter_runs(t.id)]
+    for t in store.iter_turns(session_id):
+        runs = list(store.iter_runs(t.id))
         rec = next(r for r in runs if r.mode == "recorded")
         ref = extract_tool_calls(rec.text or "", openai_tool_calls=rec.tool_calls)
         row = {}

@@ -122,23 +122,23 @@ def expected_from_store(store, session_id: str, under_test: str, floor: str) -> 
     (the shadow under test: its rows' argmax against the secondary's rows' argmax, the forced
     reference; the secondary: its top-1 against the primary's recorded top-1), the forced
     positions, and the free turns that diverged (token ids other than the primary's)."""
-    turns = sorted(store.iter_turns(session_id), key=lambda t: t["index"])
+    turns = sorted(store.iter_turns(session_id), key=lambda t: t.index)
     exp = {name: {"flips": 0, "positions": 0, "free_turns": 0, "diverged_turns": 0, "flip_turns": []}
            for name in (under_test, floor)}
     for t in turns:
-        ids = list(t["output_token_ids"])
+        ids = list(t.output_token_ids)
         n = len(ids)
-        runs = {(r["backend"], r["mode"]): r for r in store.iter_runs(t["id"]) if r.get("status") == "ok"}
-        primary = next(r for r in store.iter_runs(t["id"]) if r["mode"] == "recorded")
-        cand = _row_argmax(store, runs[(under_test, "forced")]["id"])
-        ref = _row_argmax(store, runs[(floor, "forced")]["id"])
+        runs = {(r.backend, r.mode): r for r in store.iter_runs(t.id) if r.status == "ok"}
+        primary = next(r for r in store.iter_runs(t.id) if r.mode == "recorded")
+        cand = _row_argmax(store, runs[(under_test, "forced")].id)
+        ref = _row_argmax(store, runs[(floor, "forced")].id)
         common = sorted(p for p in set(cand) & set(ref) if p < n)
         flips = [p for p in common if cand[p] != ref[p]]
         exp[under_test]["flips"] += len(flips)
         exp[under_test]["positions"] += len(common)
         exp[under_test]["flip_turns"].append(flips)
-        ptop = primary["top_logprobs"][:n]
-        stop = runs[(floor, "forced")]["top_logprobs"][:n]
+        ptop = primary.top_logprobs[:n]
+        stop = runs[(floor, "forced")].top_logprobs[:n]
         sflips = [p for p in range(min(len(ptop), len(stop))) if _top1(ptop[p]) != _top1(stop[p])]
         exp[floor]["flips"] += len(sflips)
         exp[floor]["positions"] += min(len(ptop), len(stop))
@@ -146,7 +146,7 @@ def expected_from_store(store, session_id: str, under_test: str, floor: str) -> 
         for name in (under_test, floor):
             free = runs[(name, "free")]
             exp[name]["free_turns"] += 1
-            exp[name]["diverged_turns"] += list(free["token_ids"]) != ids
+            exp[name]["diverged_turns"] += list(free.token_ids) != ids
     return exp
 
 
@@ -177,10 +177,10 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_
         turns = list(st.iter_turns(res.session_id))
         # every recorded turn was shadowed by both backends, forced and free
         for t in turns:
-            runs = {(r["backend"], r["mode"]) for r in st.iter_runs(t["id"]) if r.get("status") == "ok"}
+            runs = {(r.backend, r.mode) for r in st.iter_runs(t.id) if r.status == "ok"}
             assert {(ut, "forced"), (ut, "free"), ("secondary", "forced"), ("secondary", "free")} <= runs
         exp = expected_from_store(st, res.session_id, ut, "secondary")
-        n_tokens = sum(len(t["output_token_ids"]) for t in turns)
+        n_tokens = sum(len(t.output_token_ids) for t in turns)
     assert printed["turns"] == len(turns) >= 2  # a tool call and an answer at least
     assert printed["output_tokens"] == n_tokens
     for name in (ut, "secondary"):
@@ -211,7 +211,7 @@ def test_demo_end_to_end_summary_matches_store(demo_model_dir, bf16_server, tmp_
     if first is not None:
         # the verdict's first flip is the under-test backend's earliest (turn, position)
         ff = v["first_flip"]
-        assert ff is not None and (ff["turn"], ff["position"]) == (turns[first[0]]["index"], first[1])
+        assert ff is not None and (ff["turn"], ff["position"]) == (turns[first[0]].index, first[1])
     _loop_ran_one_batch_and_stopped_at_its_cap(printed, out, tmp_path / "demo" / "store", ut)
     _compacted_store_still_serves(tmp_path / "demo" / "store", res.session_id, ut, demo_model_dir, bf16_server,
                                   tmp_path, capsys)
@@ -232,7 +232,7 @@ def _loop_ran_one_batch_and_stopped_at_its_cap(printed, out, store_dir, ut):
         batch = list(st.iter_turns(f"{sid}-b1"))
         assert len(batch) >= 4  # four held-out tasks: a tool call and an answer at least for each
         for t in batch:
-            runs = {(r["backend"], r["mode"]) for r in st.iter_runs(t["id"]) if r.get("status") == "ok"}
+            runs = {(r.backend, r.mode) for r in st.iter_runs(t.id) if r.status == "ok"}
             assert {(ut, "forced"), (ut, "free")} <= runs
         rows = [r for r in from_store(st) if r.session_id in (sid, f"{sid}-b1")]
     policy = VerdictPolicy()
@@ -264,9 +264,9 @@ def _compacted_store_still_serves(store_dir, session_id, ut, model_dir, server, 
     shutil.copytree(store_dir, path)
     with Store.open(path, readonly=True) as st:
         # every session of the demo: the scripted one and the run-until-decided loop's
-        before = {t["id"]: ViewData(st).turn_view(t["id"]) for sess in st.iter_sessions()
-                  for t in st.iter_turns(sess["id"])}
-        assert {t["id"] for t in st.iter_turns(session_id)} < set(before)
+        before = {t.id: ViewData(st).turn_view(t.id) for sess in st.iter_sessions()
+                  for t in st.iter_turns(sess.id)}
+        assert {t.id for t in st.iter_turns(session_id)} < set(before)
     assert cli_main(["store", "--store", str(path), "compact", "--after", "0s", "--json"]) == 0
     done = json.loads(capsys.readouterr().out)
     assert done["turns"] == len(before) and done["bytes_after"] < done["bytes_before"]

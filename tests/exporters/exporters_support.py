@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tensorverse.proxy.loop import LoopThread
+from tensorverse.store.records import Comparison
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,14 +103,13 @@ class Pipeline:
         self.store.close()
 
 
-def store_comparisons(store: Any) -> list[dict]:
-    """Every stored comparison, each with ``session_id``."""
+def store_comparisons(store: Any) -> list[Comparison]:
+    """Every stored comparison (the typed records), session by session."""
     out = []
     for s in store.iter_sessions():
-        for t in store.iter_turns(s["id"]):
-            for r in store.iter_runs(t["id"]):
-                for c in store.iter_comparisons(r["id"]):
-                    out.append({**c, "session_id": s["id"]})
+        for t in store.iter_turns(s.id):
+            for r in store.iter_runs(t.id):
+                out.extend(store.iter_comparisons(r.id))
     return out
 
 

@@ -27,9 +27,9 @@ def test_parquet_roundtrip_matches_the_store(built, tmp_path):
     out = tmp_path / "pq"
     result = export_store(built.store, out, fmt="parquet")
     comps = store_comparisons(built.store)
-    forced = [c for c in comps if c["mode"] == "forced" and c["status"] == "ok"]
+    forced = [c for c in comps if c.mode == "forced" and c.status == "ok"]
     assert result["comparisons"]["rows"] == len(comps)
-    assert result["positions"]["rows"] == sum(c["n"] for c in forced)
+    assert result["positions"]["rows"] == sum(c.n for c in forced)
     assert result["sessions"]["rows"] == 5 and result["turns"]["rows"] == 5
     for table, cols in SCHEMA.items():
         if table in result:
@@ -42,31 +42,31 @@ def test_parquet_roundtrip_matches_the_store(built, tmp_path):
     got = dict(((b, r), f) for b, r, f in con.execute(
         f"select backend, ref_role, sum(flip::int) from '{pos}' group by all").fetchall())
     for (b, r), f in got.items():
-        assert f == sum(len(c["flips"]) for c in forced if c["backend"] == b and c["ref_role"] == r)
+        assert f == sum(len(c.flips) for c in forced if c.backend == b and c.ref_role == r)
     # KL mean per comparison from the positions == the stored summary
     rows = con.execute(f"select run_id, ref_run_id, avg(kl), max(kl), count(*) from '{pos}' group by all").fetchall()
-    by_key = {(c["run_id"], c["ref_run_id"]): c for c in forced}
+    by_key = {(c.run_id, c.ref_run_id): c for c in forced}
     for run_id, ref_run_id, mean, mx, n in rows:
-        s = by_key[(run_id, ref_run_id)]["summary"]
+        s = by_key[(run_id, ref_run_id)].summary
         assert mean == pytest.approx(s["kl"]["mean"], rel=1e-12) and mx == pytest.approx(s["kl"]["max"])
         assert n == s["n"]
     # the comparisons table agrees with the positions table
     agg = con.execute(f"select sum(flips), sum(n) from '{cmp_}' where mode = 'forced' and status = 'ok'").fetchone()
-    assert agg == (sum(len(c["flips"]) for c in forced), sum(c["n"] for c in forced))
+    assert agg == (sum(len(c.flips) for c in forced), sum(c.n for c in forced))
     # flip classes (issue 19): every flipped position has one, equal to the store's, and the
     # comparisons' per-class counts agree with the positions
     by_class = dict(((b, r, k), f) for b, r, k, f in con.execute(
         f"select backend, ref_role, flip_class, count(*) from '{pos}' where flip group by all").fetchall())
     want: dict = {}
     for c in forced:
-        for k in c["flip_classes"]:
-            want[(c["backend"], c["ref_role"], k)] = want.get((c["backend"], c["ref_role"], k), 0) + 1
+        for k in c.flip_classes:
+            want[(c.backend, c.ref_role, k)] = want.get((c.backend, c.ref_role, k), 0) + 1
     assert by_class == want and None not in {k for _, _, k in by_class}
     assert con.execute(f"select count(*) from '{pos}' where not flip and flip_class is not null").fetchone() == (0,)
     for run_id, ref_run_id, fbc, rt in con.execute(
             f"select run_id, ref_run_id, flips_by_class, runtime_flips from '{cmp_}' where mode = 'forced' "
             "and status = 'ok'").fetchall():
-        assert json.loads(fbc) == by_key[(run_id, ref_run_id)]["flips_by_class"] and rt == json.loads(fbc)["runtime"]
+        assert json.loads(fbc) == by_key[(run_id, ref_run_id)].flips_by_class and rt == json.loads(fbc)["runtime"]
     ex = con.execute(f"select excess_low, excess, excess_high from '{cmp_}' where excess is not null").fetchall()
     assert ex and all(lo <= e <= hi for lo, e, hi in ex)
     # the primary's parser check, per turn

@@ -24,6 +24,7 @@ from tensorverse.exporters.metrics import (
     Metrics,
     exported_names,
 )
+from tensorverse.store.records import Run
 
 LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table",
             "decision", "bound", "job"}  # decision: 3 values, bound: estimate, low, high; job: compare, plan
@@ -172,11 +173,12 @@ def test_free_comparison_updates():
 
 def test_runs_and_requests():
     m = Metrics.from_config(cfg())
-    m.observe_runs([{"mode": "recorded", "backend": "prim"},
-                    {"mode": "forced", "backend": "fi", "status": "ok", "timings": {"total_s": 0.3}},
-                    {"mode": "free", "backend": "fi", "status": "timeout"},
-                    {"mode": "free", "backend": "kv", "status": "weird"}])
-    m.observe_missing_rows([{"mode": "forced", "backend": "fi", "rows": {"expected": 10, "present": 7}}])
+    m.observe_runs([Run(id="r0", turn_id="t1", mode="recorded", backend="prim"),
+                    Run(id="r1", turn_id="t1", mode="forced", backend="fi", status="ok", timings={"total_s": 0.3}),
+                    Run(id="r2", turn_id="t1", mode="free", backend="fi", status="timeout"),
+                    Run(id="r3", turn_id="t1", mode="free", backend="kv", status="weird")])
+    m.observe_missing_rows([Run(id="r1", turn_id="t1", mode="forced", backend="fi",
+                                rows={"expected": 10, "present": 7})])
     m.observe_request("ok", added_latency_s=0.0004, endpoint="chat.completions")
     m.observe_request("aborted")
     text = generate_latest(m.registry()).decode()
@@ -225,13 +227,13 @@ def test_proxy_exposes_every_declared_metric(make_pipeline):
     comps = store_comparisons(p.store)
     for backend in ("cand", "fp8-kv", "secondary"):
         for mode in ("forced", "free"):
-            mine = [c for c in comps if c["backend"] == backend and c["mode"] == mode and c.get("ref_role") == "primary"]
+            mine = [c for c in comps if c.backend == backend and c.mode == mode and c.ref_role == "primary"]
             assert mine
             if mode == "forced":
-                flips, n = sum(len(c["flips"]) for c in mine), sum(c["n"] for c in mine)
+                flips, n = sum(len(c.flips) for c in mine), sum(c.n for c in mine)
             else:
-                flips = sum(bool(c["diverged"]) or c["flip_class"] == "parser" for c in mine)
-                n = sum(c["common_prefix"] + bool(c["diverged"]) for c in mine)
+                flips = sum(bool(c.diverged) or c.flip_class == "parser" for c in mine)
+                n = sum(c.common_prefix + bool(c.diverged) for c in mine)
             role = "secondary" if backend == "secondary" else "shadow"
             lab = dict(backend=backend, role=role, mode=mode, ref_role="primary")
             assert value(text, "tensorverse_compared_tokens_total", **lab) == n
@@ -246,20 +248,20 @@ def test_proxy_exposes_every_declared_metric(make_pipeline):
                     by_class[d["class"]] = by_class.get(d["class"], 0) + v
             want = {}
             for c in mine:
-                for cls in ([c["flip_class"]] if mode == "free" and c["flip_class"] else c.get("flip_classes") or []):
+                for cls in (([c.flip_class] if c.flip_class else []) if mode == "free" else c.flip_classes or []):
                     want[cls] = want.get(cls, 0) + 1
             assert {k: v for k, v in by_class.items() if v} == want
             if backend == "secondary" and mode == "forced":
                 assert set(want) <= {"tie", "near_tie", "noise"}  # the noise floor's flips are noise
     assert value(text, "tensorverse_requests_total", backend="primary", role="primary", outcome="ok") == 4
     # the parser check of each shadowed primary turn (made in the shadow worker), once per turn
-    checked = [r for sess in p.store.iter_sessions() for t in p.store.iter_turns(sess["id"])
-               for r in p.store.iter_runs(t["id"]) if r.get("mode") == "recorded" and r.get("parser_check")]
+    checked = [r for sess in p.store.iter_sessions() for t in p.store.iter_turns(sess.id)
+               for r in p.store.iter_runs(t.id) if r.mode == "recorded" and r.parser_check]
     assert len(checked) == 4
     assert value(text, "tensorverse_parser_checks_total", backend="primary", outcome="match") + \
         value(text, "tensorverse_parser_checks_total", backend="primary", outcome="mismatch") == 4
     assert value(text, "tensorverse_parser_mismatch_total", backend="primary") == \
-        sum(bool(r["parser_check"]["mismatch"]) for r in checked)
+        sum(bool(r.parser_check["mismatch"]) for r in checked)
     assert value(text, "tensorverse_proxy_added_latency_seconds_count", endpoint="completions") == 4
     assert value(text, "tensorverse_shadow_runs_total", backend="cand", role="shadow", mode="forced", outcome="ok") == 4
     assert value(text, "tensorverse_store_size_bytes") > 0
@@ -285,9 +287,12 @@ def test_flip_classes_and_parser_checks():
         {**base, "diverged": True, "common_prefix": 0, "first_flip": 0, "verdict": "match",
          "region": "thinking", "flip_class": "made-up"},  # unknown values never make a new series
     ])
-    m.observe_parser_check({"backend": "prim", "mode": "recorded", "parser_check": {"mismatch": True}})
-    m.observe_parser_check({"backend": "prim", "mode": "recorded", "parser_check": {"mismatch": False}})
-    m.observe_parser_check({"backend": "prim", "mode": "recorded"})  # no check made: nothing counted
+    m.observe_parser_check(Run(id="t1~primary", turn_id="t1", backend="prim", mode="recorded",
+                               parser_check={"mismatch": True}))
+    m.observe_parser_check(Run(id="t2~primary", turn_id="t2", backend="prim", mode="recorded",
+                               parser_check={"mismatch": False}))
+    m.observe_parser_check(Run(id="t3~primary", turn_id="t3", backend="prim",
+                               mode="recorded"))  # no check made: nothing counted
     text = generate_latest(m.registry()).decode()
     lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
     assert value(text, "tensorverse_flips_total", **lab, region="content", **{"class": "tie"}) == 1

@@ -122,13 +122,13 @@ def test_flip_rate_rule_matches_the_store(make_pipeline, prometheus_for):
     comps = store_comparisons(pipe.store)
     want: dict[tuple[str, str], float] = {}
     for backend in ("cand", "fp8-kv", "secondary"):
-        forced = [c for c in comps if c["backend"] == backend and c["mode"] == "forced" and c["ref_role"] == "primary"]
-        free = [c for c in comps if c["backend"] == backend and c["mode"] == "free"]
+        forced = [c for c in comps if c.backend == backend and c.mode == "forced" and c.ref_role == "primary"]
+        free = [c for c in comps if c.backend == backend and c.mode == "free"]
         assert len(forced) == len(free) == 6
-        want[(backend, "forced")] = sum(len(c["flips"]) for c in forced) / sum(c["n"] for c in forced)
-        want[(backend, "free")] = sum(bool(c["diverged"]) for c in free) / \
-            sum(c["common_prefix"] + bool(c["diverged"]) for c in free)
-    total_tokens = sum(c["n"] for c in comps if c["mode"] == "forced" and c["ref_role"] == "primary")
+        want[(backend, "forced")] = sum(len(c.flips) for c in forced) / sum(c.n for c in forced)
+        want[(backend, "free")] = sum(bool(c.diverged) for c in free) / \
+            sum(c.common_prefix + bool(c.diverged) for c in free)
+    total_tokens = sum(c.n for c in comps if c.mode == "forced" and c.ref_role == "primary")
 
     # Prometheus has scraped the final counters ...
     prom.wait_for('sum(tensorverse_compared_tokens_total{mode="forced", ref_role="primary"})',
@@ -156,10 +156,10 @@ def test_flip_rate_rule_matches_the_store(make_pipeline, prometheus_for):
     # flips by class (issue 19): each class's rate on the live scrape equals the store's
     want_cls: dict[tuple[str, str], float] = {}
     for backend in ("cand", "fp8-kv", "secondary"):
-        forced = [c for c in comps if c["backend"] == backend and c["mode"] == "forced" and c["ref_role"] == "primary"]
-        n = sum(c["n"] for c in forced)
+        forced = [c for c in comps if c.backend == backend and c.mode == "forced" and c.ref_role == "primary"]
+        n = sum(c.n for c in forced)
         for cls in ("tie", "near_tie", "noise", "parser", "runtime"):
-            want_cls[(backend, cls)] = sum(c["flip_classes"].count(cls) for c in forced) / n
+            want_cls[(backend, cls)] = sum(c.flip_classes.count(cls) for c in forced) / n
 
     def classes_done(res):
         got = {(r["metric"]["backend"], r["metric"]["class"]): float(r["value"][1]) for r in res}

@@ -42,7 +42,7 @@ def test_concurrency_is_an_axis_of_the_run_not_of_the_server():
 def test_concurrency_errors_name_the_key(bad, where):
     with pytest.raises(SpecError) as e:
         parse_spec({**BASE, **bad})
-    assert where in str(e.value)
+    assert where in str(e.value) and e.value.reason == "invalid"  # the message naming the key is the contract
 
 
 def _corpus(path: Path) -> Path:

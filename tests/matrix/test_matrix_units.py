@@ -48,7 +48,22 @@ def test_grid_points_named_points_and_reference():
 def test_spec_errors_name_the_key(bad, where):
     with pytest.raises(SpecError) as e:
         parse_spec({**BASE, **bad})
-    assert where in str(e.value)
+    assert where in str(e.value) and e.value.reason == "invalid"  # the message naming the key is the contract
+
+
+def test_a_spec_file_unread_not_toml_or_asking_for_an_unknown_point_is_refused_with_its_reason(tmp_path):
+    from tensorverse.matrix.spec import load_spec
+
+    with pytest.raises(SpecError) as e:
+        load_spec(tmp_path / "missing.toml")
+    assert e.value.reason == "unreadable"
+    (tmp_path / "bad.toml").write_text("[model\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(tmp_path / "bad.toml")
+    assert e.value.reason == "syntax"
+    with pytest.raises(SpecError) as e:
+        spec(axes={"--dtype": ["bfloat16"]}).point("fp8kv")
+    assert e.value.reason == "unknown_point"
 
 
 def test_settings_key_depends_on_effective_settings_only():

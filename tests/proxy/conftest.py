@@ -14,6 +14,7 @@ from tensorverse.config import parse_config
 from tensorverse.testing.fake_upstream import FakeUpstream
 from tensorverse.proxy.loop import LoopThread, new_event_loop
 from tensorverse.proxy.server import Proxy
+from tensorverse.store.records import Turn
 
 
 @pytest.fixture
@@ -87,10 +88,10 @@ def _settle(loop: Any, proxy: Any, timeout: float = 10.0) -> None:
         proxy.store.submit(lambda txn: None).result(timeout)
 
 
-def _turns(proxy: Any) -> list[dict]:
+def _turns(proxy: Any) -> list[Turn]:
     out = []
     for s in proxy.store.iter_sessions():
-        out.extend(proxy.store.iter_turns(s["id"]))
+        out.extend(proxy.store.iter_turns(s.id))
     return out
 
 

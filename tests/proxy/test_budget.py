@@ -8,6 +8,7 @@ import pytest
 
 from tensorverse.proxy.budget import DAY_S, ShadowBudget, gpu_seconds_of
 from tensorverse.proxy.tee import TeeBackend
+from tensorverse.store.records import Run
 
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -21,12 +22,14 @@ class Clock:
 
 
 def _runs(*seconds):
-    return [{"mode": "forced", "timings": {"request_s": s}} for s in seconds]
+    return [Run(id=f"r{i}", turn_id="t", backend="s1", mode="forced", timings={"request_s": s})
+            for i, s in enumerate(seconds)]
 
 
 def test_gpu_seconds_are_request_time_times_gpus_and_skip_runs_without_timing():
     assert gpu_seconds_of(_runs(0.5, 0.25), 4) == 3.0
-    assert gpu_seconds_of([{"mode": "free"}, {"timings": {"request_s": None}}, {"timings": {"request_s": -1}}], 2) == 0.0
+    assert gpu_seconds_of([Run(id=f"r{i}", turn_id="t", backend="s1", mode="free", timings=t)
+                           for i, t in enumerate(({}, {"request_s": None}, {"request_s": -1}))], 2) == 0.0
 
 
 def test_a_shadow_over_its_daily_budget_starts_nothing_until_the_day_rolls_over():

@@ -203,8 +203,8 @@ def test_side_request_that_finishes_before_the_first_turn_is_stored(tmp_path):
         later = d.turn(*conv[1])
         assert later.session_id == first.session_id and later.session_record is None
         turns = list(store.iter_turns(first.session_id))
-        assert [(t["index"], t["kind"]) for t in turns] == [(0, G.MAIN), (1, G.SIDE), (2, G.MAIN)]
-        assert store.get_session(first.session_id)["turns"] == 3 and d.sessions.counters["created"] == 1
+        assert [(t.index, t.kind) for t in turns] == [(0, G.MAIN), (1, G.SIDE), (2, G.MAIN)]
+        assert store.get_session(first.session_id).turns == 3 and d.sessions.counters["created"] == 1
     finally:
         store.close()
 

@@ -126,8 +126,8 @@ def test_upstream_error_status_relayed(fake, make_proxy, loop, status, settle, t
     assert p.json() == d.json()
     settle(proxy)
     [t] = turns(proxy)
-    assert t["state"] == "upstream_error" and t["status"] == status
-    assert "fake error" in t["response_text"]
+    assert t.state == "upstream_error" and t.status == status
+    assert "fake error" in t.response_text
 
 
 def test_malformed_upstream_body_relayed(fake, make_proxy, loop, settle, turns):
@@ -138,7 +138,7 @@ def test_malformed_upstream_body_relayed(fake, make_proxy, loop, settle, turns):
     assert p.content == d.content == b'{"choices": [tru'
     settle(proxy)
     [t] = turns(proxy)
-    assert t["response_unparsed"] is True and t["response_text"] == '{"choices": [tru'
+    assert t.response_unparsed is True and t.response_text == '{"choices": [tru'
 
 
 def test_invalid_json_request_relayed_unchanged_and_recorded_unparsed(fake, make_proxy, loop, settle, turns):
@@ -150,8 +150,8 @@ def test_invalid_json_request_relayed_unchanged_and_recorded_unparsed(fake, make
     assert fake.requests[-1]["body"] == raw
     settle(proxy)
     [t] = turns(proxy)
-    assert t["request_unparsed"] is True and t["request_text"] == raw.decode()
-    assert t["request"] is None and "invalid JSON" in t["request_parse_error"]
+    assert t.request_unparsed is True and t.request_text == raw.decode()
+    assert t.request is None and "invalid JSON" in t.request_parse_error
 
 
 def test_upstream_down_gives_openai_shaped_502(make_proxy, loop, settle, turns):
@@ -171,7 +171,7 @@ def test_upstream_down_gives_openai_shaped_502(make_proxy, loop, settle, turns):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 502
     settle(proxy)
-    states = sorted(t["state"] for t in turns(proxy))
+    states = sorted(t.state for t in turns(proxy))
     assert states == ["error"] * 3
 
 
@@ -250,7 +250,7 @@ def test_client_disconnect_cancels_upstream_and_marks_aborted(fake, make_proxy, 
     assert fake.disconnects[0] - t_close < 1.0
     settle(proxy)
     [t] = turns(proxy)
-    assert t["state"] == "aborted"
+    assert t.state == "aborted"
     assert proxy.stats()["proxy"]["aborted"] == 1
 
 
@@ -269,7 +269,7 @@ def test_client_disconnect_while_waiting_for_headers(fake, make_proxy, loop, set
         time.sleep(0.01)
     settle(proxy)
     [t] = turns(proxy)
-    assert t["state"] == "aborted"
+    assert t.state == "aborted"
 
 
 def test_upstream_cut_mid_stream_is_not_a_clean_end(fake, make_proxy, loop, settle, turns):
@@ -282,7 +282,7 @@ def test_upstream_cut_mid_stream_is_not_a_clean_end(fake, make_proxy, loop, sett
                 r.read()
     settle(proxy)
     [t] = turns(proxy)
-    assert t["state"] == "error"
+    assert t.state == "error"
 
 
 def test_rejected_injection_falls_back_to_the_clients_body(make_proxy, loop, settle, turns):
@@ -311,7 +311,7 @@ def test_rejected_injection_falls_back_to_the_clients_body(make_proxy, loop, set
             assert r2.status_code == 200
         assert proxy.stats()["proxy"]["retried_without_injection"] == 1  # injection turned off after
         settle(proxy)
-        assert all(t["retried_without_injection"] in (True, False) for t in turns(proxy))
+        assert all(t.retried_without_injection in (True, False) for t in turns(proxy))
     finally:
         loop.run(strict.close())
 

@@ -21,28 +21,28 @@ def test_stream_turn_record(fake, make_proxy, settle, turns):
     assert chunks[-1].usage.completion_tokens == 8
     settle(proxy)
     [t] = turns(proxy)
-    assert t["state"] == "ok" and t["status"] == 200 and t["stream"] is True and t["endpoint"] == "chat.completions"
-    assert t["prompt_token_ids"] == [151644, 872, 198, 6023, 151645]
-    assert t["output_token_ids"] == [999, 1000, 1001, 1002, 1003]
-    assert t["reasoning"] == "thinking..."
-    assert t["tool_calls"] == [
+    assert t.state == "ok" and t.status == 200 and t.stream is True and t.endpoint == "chat.completions"
+    assert t.prompt_token_ids == [151644, 872, 198, 6023, 151645]
+    assert t.output_token_ids == [999, 1000, 1001, 1002, 1003]
+    assert t.reasoning == "thinking..."
+    assert t.tool_calls == [
         {"id": "chatcmpl-tool-0", "type": "function", "function": {"name": "get_interface_0", "arguments": '{"name":"Gi0/0/0"}'}},
         {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_interface_1", "arguments": '{"name":"Gi0/0/1"}'}},
     ]
-    assert t["finish_reason"] == "tool_calls"
-    assert t["usage"]["completion_tokens"] == 8
-    assert t["tools_offered"] is True
-    assert len(t["choices"][0]["logprobs"]) == 4 and t["choices"][0]["logprobs"][0]["token"] == 1000
-    assert t["injected"] == {"return_token_ids": True, "logprobs": True, "top_logprobs": 5,
+    assert t.finish_reason == "tool_calls"
+    assert t.usage["completion_tokens"] == 8
+    assert t.tools_offered is True
+    assert len(t.choices[0]["logprobs"]) == 4 and t.choices[0]["logprobs"][0]["token"] == 1000
+    assert t.injected == {"return_token_ids": True, "logprobs": True, "top_logprobs": 5,
                              "return_tokens_as_token_ids": True}
-    tm = t["timings"]
+    tm = t.timings
     assert 0 < tm["ttfb_ms"] <= tm["ttft_ms"] <= tm["total_ms"]
-    headers = {k.lower() for k in t["request_headers"]}
+    headers = {k.lower() for k in t.request_headers}
     assert "authorization" not in headers and "cookie" not in headers
     assert "sk-secret" not in repr(t) and "sid=abc" not in repr(t)
-    assert t["request"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert t.request["messages"] == [{"role": "user", "content": "hi"}]
     [s] = list(proxy.store.iter_sessions())
-    assert s["tags"] == {"agent": "netops", "env": "test"} and s["turns"] == 1
+    assert s.tags == {"agent": "netops", "env": "test"} and s.turns == 1
 
 
 def test_nonstream_turn_record(fake, make_proxy, settle, turns):
@@ -52,11 +52,11 @@ def test_nonstream_turn_record(fake, make_proxy, settle, turns):
                headers={"Authorization": "Bearer sk-x", "X-Api-Key": "k2"})
     settle(proxy)
     [t] = turns(proxy)
-    assert t["endpoint"] == "completions" and t["state"] == "ok"
-    assert t["prompt_token_ids"] == [151644, 872, 198, 6023, 151645]
-    assert t["output_token_ids"] == [1000 + i for i in range(8)]
-    assert t["text"] == "t0 t1 t2 t3 t4 t5 t6 t7 " and t["finish_reason"] == "length"
-    assert t["timings"]["ttft_ms"] == t["timings"]["total_ms"]
+    assert t.endpoint == "completions" and t.state == "ok"
+    assert t.prompt_token_ids == [151644, 872, 198, 6023, 151645]
+    assert t.output_token_ids == [1000 + i for i in range(8)]
+    assert t.text == "t0 t1 t2 t3 t4 t5 t6 t7 " and t.finish_reason == "length"
+    assert t.timings["ttft_ms"] == t.timings["total_ms"]
     assert "sk-x" not in repr(t) and "k2" not in repr(t)
 
 
@@ -83,7 +83,7 @@ def test_multi_turn_tool_session_grouped_by_prefix(fake, make_proxy, settle, tur
     settle(proxy)
     sessions = list(proxy.store.iter_sessions())
     assert len(sessions) == 2
-    by_session = {s["id"]: [t["index"] for t in proxy.store.iter_turns(s["id"])] for s in sessions}
+    by_session = {s.id: [t.index for t in proxy.store.iter_turns(s.id)] for s in sessions}
     assert sorted(by_session.values()) == [[0, 1, 2], [0, 1, 2, 3]]
     assert proxy.sessions.stats()["by_prefix"] == 5
 
@@ -115,8 +115,8 @@ def test_header_session_and_tags(fake, make_proxy, settle, turns):
                    headers={"X-Tensorverse-Session": "ticket-42", "X-Tensorverse-Tags": "env=prod, run=7"})
     settle(proxy)
     [s] = list(proxy.store.iter_sessions())
-    assert s["id"] == "ticket-42" and s["tags"] == {"agent": "a1", "env": "prod", "run": "7"}
-    assert [t["index"] for t in turns(proxy)] == [0, 1, 2]
+    assert s.id == "ticket-42" and s.tags == {"agent": "a1", "env": "prod", "run": "7"}
+    assert [t.index for t in turns(proxy)] == [0, 1, 2]
     # the header never reaches the upstream
     assert all("X-Tensorverse-Session" not in r["headers"] for r in fake.requests)
 
@@ -139,9 +139,9 @@ def test_anthropic_messages_recorded_and_grouped(fake, make_proxy, settle, turns
     assert final.content[1].input == {"name": "Gi0/0/0"}
     settle(proxy)
     ts = turns(proxy)
-    assert [t["index"] for t in ts] == [0, 1] and len(list(proxy.store.iter_sessions())) == 1
-    assert ts[1]["tool_calls"][0]["function"] == {"name": "get_interface_0", "arguments": '{"name":"Gi0/0/0"}'}
-    assert ts[1]["finish_reason"] == "tool_use" and ts[1]["text"] == "t0 t1 t2 t3 "
+    assert [t.index for t in ts] == [0, 1] and len(list(proxy.store.iter_sessions())) == 1
+    assert ts[1].tool_calls[0]["function"] == {"name": "get_interface_0", "arguments": '{"name":"Gi0/0/0"}'}
+    assert ts[1].finish_reason == "tool_use" and ts[1].text == "t0 t1 t2 t3 "
     assert "sk-ant" not in repr(ts)
 
 
@@ -195,8 +195,8 @@ def test_client_that_closes_at_the_last_event_gets_a_complete_turn(fake, make_pr
     settle(proxy)
     ts = turns(proxy)
     assert len(ts) == n
-    assert {t["state"] for t in ts} == {"ok"}
-    assert all(len(t["output_token_ids"]) == 6 for t in ts)
+    assert {t.state for t in ts} == {"ok"}
+    assert all(len(t.output_token_ids) == 6 for t in ts)
 
 
 def test_mid_stream_error_event_makes_an_upstream_error_turn(fake, make_proxy, settle, turns):
@@ -209,8 +209,8 @@ def test_mid_stream_error_event_makes_an_upstream_error_turn(fake, make_proxy, s
     assert r.status_code == 200 and "fake engine failure mid-stream" in r.text
     settle(proxy)
     (t,) = turns(proxy)
-    assert t["state"] == "upstream_error" and "fake engine failure mid-stream" in t["error"]
-    assert t["status"] == 200
+    assert t.state == "upstream_error" and "fake engine failure mid-stream" in t.error
+    assert t.status == 200
 
 
 @pytest.mark.parametrize("depth", [300, 1015])
@@ -227,10 +227,10 @@ def test_request_nested_deeper_than_orjson_writes_is_injected_relayed_and_record
     assert r.status_code == 200
     settle(proxy)
     (t,) = turns(proxy)
-    assert t["state"] == "ok" and t["session_id"]
-    extra, levels = t["request"]["messages"][0]["extra"], 0
+    assert t.state == "ok" and t.session_id
+    extra, levels = t.request["messages"][0]["extra"], 0
     while isinstance(extra, list):  # not ==: comparing 1,015 levels recurses past Python's limit
         extra, levels = extra[0], levels + 1
     assert (levels, extra) == (depth, "x")
-    assert t["injected"]  # the injector re-serialised it
+    assert t.injected  # the injector re-serialised it
     assert proxy.stats()["proxy"]["addon_errors"] == 0

@@ -26,7 +26,7 @@ def test_the_proxy_prunes_old_sessions_and_says_so(fake, make_proxy, settle):
         settle(proxy)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            ids = [s["id"] for s in proxy.store.iter_sessions()]
+            ids = [s.id for s in proxy.store.iter_sessions()]
             if "sess1" not in ids:
                 break
             time.sleep(0.1)

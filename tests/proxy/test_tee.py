@@ -57,7 +57,7 @@ def test_bad_shadow_does_not_affect_agent(fake, make_proxy, settle, turns, loop,
     outcome = "timed_out" if behaviour == "hang" else "failed"
     assert st["backend"]["s1"][outcome] == 3 and st["backend"]["s2"][outcome] == 3
     assert {c[1] for c in runner.calls} == {"s1", "s2"}
-    assert all(t["state"] == "ok" for t in turns(proxy))
+    assert all(t.state == "ok" for t in turns(proxy))
 
 
 def test_full_queue_drops_and_counts(fake, make_proxy, settle):
@@ -87,7 +87,7 @@ def test_runner_gets_recorded_turn_and_modes(fake, make_proxy, settle):
     calls = sorted(runner.calls, key=lambda c: c[1])
     assert [(c[1], c[2]) for c in calls] == [("B1", ("forced",)), ("B2", ("free",))]
     turn = proxy.store.get_turn(calls[0][0])  # committed before the runner was called
-    assert turn["output_token_ids"] == [1000 + i for i in range(8)]
+    assert turn.output_token_ids == [1000 + i for i in range(8)]
 
 
 def test_policy_only_with_tools_and_budget(fake, make_proxy, settle):

@@ -31,20 +31,20 @@ def test_compacting_turnstone_conversations_are_one_session_each(loop, make_prox
 
     settle(proxy)
     sessions = list(proxy.store.iter_sessions())
-    turns = {s["id"]: list(proxy.store.iter_turns(s["id"])) for s in sessions}
+    turns = {s.id: list(proxy.store.iter_turns(s.id)) for s in sessions}
     compactions = [r for r in server.requests if not r.get("tools") and "Compactor" in str(r["messages"][0]["content"])]
     assert compactions, "turnstone did not compact: the test proves nothing"
     assert len(sessions) == 2, _describe(turns)
     for s in sessions:
-        ts = turns[s["id"]]
-        side = [t for t in ts if t["kind"] == "side"]
-        main = [t for t in ts if t["kind"] == "main"]
-        assert all(not t["tools_offered"] for t in side) and all(t["tools_offered"] for t in main)
-        assert any("title generator" in t["request"]["messages"][0]["content"] for t in side), _describe(turns)
-        assert any("Compactor" in t["request"]["messages"][0]["content"] for t in side)
-        assert any(t["grouping"]["evidence"] == "compaction" for t in main)
-        assert s["side_turns"] == len(side) and s["tool_call_turns"] == sum(bool(t["tool_calls"]) for t in main)
-        assert [t["index"] for t in ts] == list(range(len(ts)))
+        ts = turns[s.id]
+        side = [t for t in ts if t.kind == "side"]
+        main = [t for t in ts if t.kind == "main"]
+        assert all(not t.tools_offered for t in side) and all(t.tools_offered for t in main)
+        assert any("title generator" in t.request["messages"][0]["content"] for t in side), _describe(turns)
+        assert any("Compactor" in t.request["messages"][0]["content"] for t in side)
+        assert any(t.grouping["evidence"] == "compaction" for t in main)
+        assert s.side_turns == len(side) and s.tool_call_turns == sum(bool(t.tool_calls) for t in main)
+        assert [t.index for t in ts] == list(range(len(ts)))
     assert sum(len(v) for v in turns.values()) == len(server.requests)
 
 
@@ -54,7 +54,7 @@ def _describe(turns: dict) -> str:
     for sid, ts in turns.items():
         lines.append(sid)
         for t in ts:
-            msgs = t["request"]["messages"]
-            lines.append(f"  {t['index']} {t['kind']} {t['grouping']} tools={t['tools_offered']} "
+            msgs = t.request["messages"]
+            lines.append(f"  {t.index} {t.kind} {t.grouping} tools={t.tools_offered} "
                          f"{[(m['role'], str(m.get('content'))[:30]) for m in msgs][:2]} n={len(msgs)}")
     return "\n".join(lines)

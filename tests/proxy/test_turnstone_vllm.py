@@ -27,6 +27,7 @@ import pytest
 from tensorverse.rig.models import build_model
 from tensorverse.ports import free_port
 from tensorverse.rig.servers import VLLMServer, start_many, stop_many
+from tensorverse.store.records import Turn
 from tensorverse.viz.server import create_app
 from tests.turnstone_kit import turnstone
 from tests.turnstone_kit.hop import Exchange, RecordingHop
@@ -81,35 +82,35 @@ def _drive(url: str, tmp_path, runs: int, **kw) -> list[turnstone.Run]:
     return out
 
 
-def _check_sessions(proxy, loop, conversations: int, system_of, *, chat: bool = True) -> dict[str, list[dict]]:
+def _check_sessions(proxy, loop, conversations: int, system_of, *, chat: bool = True) -> dict[str, list[Turn]]:
     """``chat``: Chat Completions turns carry token ids and are shadowed; ``/v1/messages`` turns
     have no token ids (vLLM's Anthropic API returns none) and are recorded but not shadowed."""
     sessions = list(proxy.store.iter_sessions())
-    turns = {s["id"]: list(proxy.store.iter_turns(s["id"])) for s in sessions}
+    turns = {s.id: list(proxy.store.iter_turns(s.id)) for s in sessions}
     assert len(sessions) == conversations, _describe(turns, system_of)
     compacted = 0
     for s in sessions:
-        ts = turns[s["id"]]
-        side = [t for t in ts if t["kind"] == "side"]
-        main = [t for t in ts if t["kind"] == "main"]
+        ts = turns[s.id]
+        side = [t for t in ts if t.kind == "side"]
+        main = [t for t in ts if t.kind == "main"]
         assert side and main, _describe(turns, system_of)
-        assert all(t["tools_offered"] for t in main) and not any(t["tools_offered"] for t in side)
+        assert all(t.tools_offered for t in main) and not any(t.tools_offered for t in side)
         assert any("title" in system_of(t).lower() for t in side), _describe(turns, system_of)
         compacted += any("Compactor" in system_of(t) for t in side)
-        assert [t["index"] for t in ts] == list(range(len(ts)))
-        assert s["side_turns"] == len(side) and s["tool_call_turns"] == sum(bool(t["tool_calls"]) for t in main)
+        assert [t.index for t in ts] == list(range(len(ts)))
+        assert s.side_turns == len(side) and s.tool_call_turns == sum(bool(t.tool_calls) for t in main)
         for t in ts:  # every model turn, with its exact token ids where the API returns them
-            assert t["state"] == "ok" and t["status"] == 200, t["id"]
-            assert bool(t["prompt_token_ids"] and t["output_token_ids"]) == chat, t["id"]
-        reads = [t for t in main if t["tool_calls"]]
+            assert t.state == "ok" and t.status == 200, t.id
+            assert bool(t.prompt_token_ids and t.output_token_ids) == chat, t.id
+        reads = [t for t in main if t.tool_calls]
         assert len(reads) == 8, _describe(turns, system_of)
         for t in reads:  # the shadow ran forced and free on every tool-call turn
-            runs = {(r["backend"], r["mode"]): r for r in proxy.store.iter_runs(t["id"])}
+            runs = {(r.backend, r.mode): r for r in proxy.store.iter_runs(t.id)}
             for mode in ("forced", "free"):
                 if chat:
-                    assert runs[("fp32", mode)]["status"] == "ok", (t["index"], runs.get(("fp32", mode)))
+                    assert runs[("fp32", mode)].status == "ok", (t.index, runs.get(("fp32", mode)))
                 else:
-                    assert ("fp32", mode) not in runs, (t["index"], runs)
+                    assert ("fp32", mode) not in runs, (t.index, runs)
     assert compacted == conversations, "turnstone did not compact in every conversation: the test proves less"
 
     async def view():  # the viewer lists each session with all its turns
@@ -133,11 +134,11 @@ def _check_sessions(proxy, loop, conversations: int, system_of, *, chat: bool = 
             await runner.cleanup()
 
     print(f"{conversations} conversation(s) -> {len(sessions)} session(s); turns (main/side) "
-          f"{[(sum(t['kind'] == 'main' for t in ts), sum(t['kind'] == 'side' for t in ts)) for ts in turns.values()]}; "
-          f"evidence {sorted({str(t['grouping'].get('evidence')) for ts in turns.values() for t in ts})}")
+          f"{[(sum(t.kind == 'main' for t in ts), sum(t.kind == 'side' for t in ts)) for ts in turns.values()]}; "
+          f"evidence {sorted({str(t.grouping.get('evidence')) for ts in turns.values() for t in ts})}")
     listed, got = loop.run(view())
     assert listed["total"] == conversations
-    assert got == {sid: [t["index"] for t in ts] for sid, ts in turns.items()}
+    assert got == {sid: [t.index for t in ts] for sid, ts in turns.items()}
     return turns
 
 
@@ -199,8 +200,8 @@ def _check_fidelity(client_side: list[Exchange], server_side: list[Exchange], pa
     return len(llm)
 
 
-def _system(turn: dict) -> str:
-    req = turn["request"]
+def _system(turn: Turn) -> str:
+    req = turn.request
     if isinstance(req.get("system"), str):
         return req["system"]
     if isinstance(req.get("system"), list):
@@ -214,8 +215,8 @@ def _describe(turns: dict, system_of) -> str:
     for sid, ts in turns.items():
         lines.append(sid)
         for t in ts:
-            lines.append(f"  {t['index']} {t['kind']} {t['grouping']} tools={t['tools_offered']} "
-                         f"system={system_of(t)[:40]!r} calls={bool(t['tool_calls'])}")
+            lines.append(f"  {t.index} {t.kind} {t.grouping} tools={t.tools_offered} "
+                         f"system={system_of(t)[:40]!r} calls={bool(t.tool_calls)}")
     return "\n".join(lines)
 
 
@@ -226,7 +227,7 @@ def test_turnstone_chat_completions_through_proxy_to_vllm(agent_rig, make_proxy,
         settle(proxy, timeout=900)
         _check_sessions(proxy, loop, 2, _system)
         n = _check_fidelity(hop_client.exchanges, hop_server.exchanges, "/chat/completions")
-        assert n == sum(1 for s in proxy.store.iter_sessions() for _ in proxy.store.iter_turns(s["id"]))
+        assert n == sum(1 for s in proxy.store.iter_sessions() for _ in proxy.store.iter_turns(s.id))
     finally:
         loop.run(hop_client.close())
         loop.run(hop_server.close())
@@ -240,7 +241,7 @@ def test_turnstone_anthropic_messages_through_proxy_to_vllm(agent_rig, make_prox
         _drive(hop_client.url, tmp_path, runs=1, extra_env={"TS_EXTRA_ARGS": "--provider anthropic"})
         settle(proxy, timeout=900)
         turns = _check_sessions(proxy, loop, 1, _system, chat=False)
-        assert {t["endpoint"] for ts in turns.values() for t in ts} == {"messages"}
+        assert {t.endpoint for ts in turns.values() for t in ts} == {"messages"}
         n = _check_fidelity(hop_client.exchanges, hop_server.exchanges, "/v1/messages")
         assert n == sum(len(ts) for ts in turns.values())
         for a, b in zip(sorted(e.request for e in hop_client.exchanges if e.path.endswith("/v1/messages")),

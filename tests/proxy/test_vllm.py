@@ -131,15 +131,15 @@ def test_recorded_turn_has_exact_tokens(rig, make_proxy, settle, turns):
     recorded = turns(proxy)
     assert len(recorded) == 2
     for t in recorded:
-        assert t["state"] == "ok" and t["status"] == 200
-        assert t["prompt_token_ids"] == ref["prompt_token_ids"]
-        assert t["output_token_ids"] == ref["choices"][0]["token_ids"]
-        assert t["text"] == ref["choices"][0]["message"]["content"]
-        assert t["finish_reason"] == ref["choices"][0]["finish_reason"]
-        assert len(t["choices"][0]["logprobs"]) == len(t["output_token_ids"])
-        assert [e["token"] for e in t["choices"][0]["logprobs"]] == t["output_token_ids"]
-        assert t["timings"]["ttft_ms"] > 0 and t["timings"]["total_ms"] >= t["timings"]["ttft_ms"]
-        assert "authorization" not in t["request_headers"] and "sk-agent" not in repr(t)
+        assert t.state == "ok" and t.status == 200
+        assert t.prompt_token_ids == ref["prompt_token_ids"]
+        assert t.output_token_ids == ref["choices"][0]["token_ids"]
+        assert t.text == ref["choices"][0]["message"]["content"]
+        assert t.finish_reason == ref["choices"][0]["finish_reason"]
+        assert len(t.choices[0]["logprobs"]) == len(t.output_token_ids)
+        assert [e["token"] for e in t.choices[0]["logprobs"]] == t.output_token_ids
+        assert t.timings["ttft_ms"] > 0 and t.timings["total_ms"] >= t.timings["ttft_ms"]
+        assert "authorization" not in t.request_headers and "sk-agent" not in repr(t)
 
 
 def test_multi_turn_tool_session_is_one_session(rig, make_proxy, settle, turns):
@@ -160,7 +160,7 @@ def test_multi_turn_tool_session_is_one_session(rig, make_proxy, settle, turns):
     settle(proxy)
     sessions = list(proxy.store.iter_sessions())
     assert len(sessions) == 2
-    indexes = sorted([t["index"] for t in proxy.store.iter_turns(s["id"])] for s in sessions)
+    indexes = sorted([t.index for t in proxy.store.iter_turns(s.id)] for s in sessions)
     assert indexes == [[0], [0, 1, 2]]
 
 
@@ -181,7 +181,7 @@ def test_anthropic_messages_equal_direct(rig, make_proxy, settle, turns):
     assert strip(eb) == strip(ea)
     settle(proxy)
     ts = turns(proxy)
-    assert [t["endpoint"] for t in ts] == ["messages", "messages"] and ts[0]["text"] == a.content[0].text
+    assert [t.endpoint for t in ts] == ["messages", "messages"] and ts[0].text == a.content[0].text
 
 
 def test_upstream_errors_relayed_from_vllm(rig, make_proxy):
@@ -207,10 +207,10 @@ def test_shadows_forced_and_free_runs_stored(rig, make_proxy, settle, turns):
                                 tool_choice="none", max_tokens=8, temperature=0)
     settle(proxy, timeout=600)
     [t] = turns(proxy)
-    runs = list(proxy.store.iter_runs(t["id"]))
-    got = {(r["backend"], r["mode"]) for r in runs}
+    runs = list(proxy.store.iter_runs(t.id))
+    got = {(r.backend, r.mode) for r in runs}
     assert {("fp32", "forced"), ("fp32", "free"), ("fp16", "forced"), ("fp16", "free")} <= got, runs
-    assert all(r["status"] == "ok" for r in runs if r["mode"] in ("forced", "free")), [(r["backend"], r["mode"], r["status"], r.get("error")) for r in runs]
-    comparisons = [c for r in runs for c in proxy.store.iter_comparisons(r["id"])]
+    assert all(r.status == "ok" for r in runs if r.mode in ("forced", "free")), [(r.backend, r.mode, r.status, r.error) for r in runs]
+    comparisons = [c for r in runs for c in proxy.store.iter_comparisons(r.id)]
     assert comparisons, "no analysis stored"
     assert proxy.tee.stats()["backend"]["fp32"]["ok"] == 1

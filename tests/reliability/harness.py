@@ -313,17 +313,30 @@ class ProxyProc:
 
 
 def read_store(path: Path) -> dict[str, Any]:
-    """Open a store read-only and read every record: sessions, turns, runs (raises on corruption)."""
+    """Open a store read-only and read every record: sessions, turns, runs as their typed records
+    (raises on corruption or a field of the wrong type), and ``stored``: each session, turn and
+    run as the dict stored (``Store.records``), by id, for the checks a typed record cannot make
+    (a field present or absent as written, a field no record type declares)."""
     from tensorverse.store import Store
 
     st = Store.open(path, readonly=True)
     try:
         sessions = list(st.iter_sessions())
-        turns = [t for s in sessions for t in st.iter_turns(s["id"])]
-        runs = {t["id"]: list(st.iter_runs(t["id"])) for t in turns}
-        return {"sessions": sessions, "turns": turns, "runs": runs, "stats": st.stats()}
+        turns = [t for s in sessions for t in st.iter_turns(s.id)]
+        runs = {t.id: list(st.iter_runs(t.id)) for t in turns}
+        stored = {kind: {r["id"]: r for r in st.records(kind)} for kind in ("session", "turn", "run")}
+        return {"sessions": sessions, "turns": turns, "runs": runs, "stored": stored, "stats": st.stats()}
     finally:
         st.close()
+
+
+def to_json(obj: Any, **kw: Any) -> str:
+    """``json.dumps`` of what may hold typed store records (as their fields), anything else not
+    JSON as its ``str``."""
+    import msgspec
+
+    return json.dumps(obj, default=lambda o: msgspec.to_builtins(o) if isinstance(o, msgspec.Struct) else str(o),
+                      **kw)
 
 
 def uptime_load() -> str:

@@ -189,13 +189,13 @@ def soak(workdir: Path, *, agents: int = 200, duration_s: float = 60.0, think_s:
     turns = data["turns"]
     probe_turns = len(load["probe"]["proxy"])
     # whole turns ("aborted" with its finish reason: a client that closed right after [DONE])
-    complete = [t for t in turns if t["state"] in ("ok", "aborted") and t.get("finish_reason")
-                and t.get("output_token_ids") and t.get("choices")]
-    with_runs = [t for t in turns if data["runs"][t["id"]]]
+    complete = [t for t in turns if t.state in ("ok", "aborted") and t.finish_reason
+                and t.output_token_ids and t.choices]
+    with_runs = [t for t in turns if data["runs"][t.id]]
     sh = st["shadow"]
     runs_per = {}
     for t in with_runs:
-        n = sum(1 for r in data["runs"][t["id"]] if r.get("backend") in ("s1", "s2", "s3"))
+        n = sum(1 for r in data["runs"][t.id] if r.backend in ("s1", "s2", "s3"))
         runs_per[n] = runs_per.get(n, 0) + 1
     totals = load["totals"]
     pr = load["probe"]
@@ -218,7 +218,7 @@ def soak(workdir: Path, *, agents: int = 200, duration_s: float = 60.0, think_s:
         "store_mb": round(sum(f.stat().st_size for f in store.glob("*.mdb")) / 2**20, 1),
         "tracked_sessions_end": sessions_end.get("tracked_sessions"),
         "turns_recorded": len(turns), "turns_complete": len(complete),
-        "turns_aborted_after_done": sum(t["state"] == "aborted" for t in complete),
+        "turns_aborted_after_done": sum(t.state == "aborted" for t in complete),
         "turns_expected": load["ok"] + probe_turns,
         "lost_flows": log.count("Cannot write to closing transport"),  # see harness.ProxyProc.lost_flows
         "shadow": {k: sh[k] for k in ("queued", "dropped_queue_full", "skipped", "turns_done", "backend")},

@@ -37,16 +37,16 @@ def test_shadow_fault_never_reaches_the_agent(fault, fakes, proxy_proc, chat, tm
     lost = p.lost_flows()  # see harness.ProxyProc.lost_flows
     data = H.read_store(tmp_path / "store")
     assert len(data["turns"]) == N + 1 and lost == 0  # a client closing at [DONE] loses nothing
-    assert all(t["state"] in ("ok", "aborted") and t["finish_reason"] for t in data["turns"])
-    shadowed = [t for t in data["turns"] if data["runs"][t["id"]]]
-    assert len(shadowed) == sum(t["state"] == "ok" for t in data["turns"])  # aborted ones are skipped
+    assert all(t.state in ("ok", "aborted") and t.finish_reason for t in data["turns"])
+    shadowed = [t for t in data["turns"] if data["runs"][t.id]]
+    assert len(shadowed) == sum(t.state == "ok" for t in data["turns"])  # aborted ones are skipped
     expect = {"hang": {"timeout"}, "reset": {"failed"}, "malformed": {"failed"}, "tokenizer": {"refused"}}[fault]
     incomplete = 0  # turns whose bad-shadow runs were cut by the tee's per-turn deadline
     for t in shadowed:
-        runs = {(r["backend"], r["mode"]): r for r in data["runs"][t["id"]]}
-        assert runs[("good", "forced")]["status"] == "ok" and runs[("good", "free")]["status"] == "ok"
+        runs = {(r.backend, r.mode): r for r in data["runs"][t.id]}
+        assert runs[("good", "forced")].status == "ok" and runs[("good", "free")].status == "ok"
         bad_runs = [runs[("bad", m)] for m in ("forced", "free") if ("bad", m) in runs]
-        assert {r["status"] for r in bad_runs} <= expect, runs
+        assert {r.status for r in bad_runs} <= expect, runs
         incomplete += len(bad_runs) < 2
     # none is missing: runs the tee's per-turn deadline cut are stored as timeouts
     assert incomplete == 0
@@ -97,17 +97,17 @@ def test_primary_fails_mid_stream(fault, fakes, proxy_proc, chat, tmp_path):
     turns = H.read_store(tmp_path / "store")["turns"]
     assert len(turns) == 4 and lost == 0
     hdr = next(iter(headers)).lower()
-    faulty = [t for t in turns if hdr in {k.lower() for k in (t.get("request_headers") or {})}]
-    assert len(faulty) == 1 and faulty[0]["state"] in state, [(t["state"], t.get("request_headers")) for t in turns]
+    faulty = [t for t in turns if hdr in {k.lower() for k in t.request_headers}]
+    assert len(faulty) == 1 and faulty[0].state in state, [(t.state, t.request_headers) for t in turns]
     normal = [t for t in turns if t is not faulty[0]]
     # whole turns; "aborted" only for a client that closed right after [DONE] (an open bug of
     # the relay, see the report), and then with the complete output
-    assert all(t["finish_reason"] and len(t["output_token_ids"]) == 2 for t in normal), normal
-    assert all(t["state"] in ("ok", "aborted") for t in normal)
-    aborted_after_done = sum(t["state"] == "aborted" for t in normal)
+    assert all(t.finish_reason and len(t.output_token_ids) == 2 for t in normal), normal
+    assert all(t.state in ("ok", "aborted") for t in normal)
+    aborted_after_done = sum(t.state == "aborted" for t in normal)
     H.record(f"fault-primary-{fault}", load="1 faulty + 3 normal streaming turns", faults=f"primary {fault} x1",
              bad_inputs=0, requests=4, requests_failed=sum(not r["ok"] for r in ok),
              records_lost=lost, agent_saw=via["error"] or via["finish_reason"],
              proxy_counters={k: v for k, v in st["proxy"].items() if v},
-             faulty_turn_state=faulty[0]["state"], faulty_turn_error=faulty[0].get("error"),
+             faulty_turn_state=faulty[0].state, faulty_turn_error=faulty[0].error,
              complete_turns_recorded_aborted=aborted_after_done)

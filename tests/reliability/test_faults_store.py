@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.reliability import harness as H
+from tensorverse.store.records import Turn
 import httpx
 import numpy as np
 import pytest
@@ -24,11 +25,12 @@ import pytest
 BIG = base64.b64encode(random.Random(7).randbytes(37_500)).decode()
 
 
-def _complete(t: dict) -> bool:
+def _complete(t: Turn, data: dict) -> bool:
     """A turn as the proxy writes it for a finished stream: nothing half-written. ("aborted" with
-    the whole output: a client that closed right after [DONE], an open bug of the relay.)"""
-    return (t["state"] in ("ok", "aborted") and t["prompt_token_ids"] == H.PROMPT_IDS and t["output_token_ids"]
-            and t["choices"] and t["finish_reason"] and t["session_id"] and "index" in t)
+    the whole output: a client that closed right after [DONE], an open bug of the relay.) ``data``:
+    what `H.read_store` read, whose stored dicts say whether the turn's ``index`` was written."""
+    return (t.state in ("ok", "aborted") and t.prompt_token_ids == H.PROMPT_IDS and t.output_token_ids
+            and t.choices and t.finish_reason and t.session_id and "index" in data["stored"]["turn"][t.id])
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
@@ -77,7 +79,7 @@ def test_store_full_proxying_goes_on(medium, fakes, proxy_proc, chat, tmp_path):
         assert p.terminate(60) == 0
         data = H.read_store(store)  # opens, every record reads back whole
         kept = data["turns"]
-        assert kept and all(_complete(t) for t in kept)
+        assert kept and all(_complete(t, data) for t in kept)
         refused = st["store_full"]
         assert len(kept) + refused + lost >= n  # every turn stored, or counted as refused
         H.record(f"fault-store-full-{medium}", load=f"{n + 1} streaming turns of ~50 KB, 4 concurrent",
@@ -113,17 +115,18 @@ def test_kill9_during_burst_keeps_committed_turns_whole(fakes, proxy_proc, chat,
     ex.shutdown()
     data = H.read_store(store)  # the store opens after the crash
     turns = data["turns"]
-    assert all(_complete(t) for t in turns), [t["id"] for t in turns if not _complete(t)]
+    assert all(_complete(t, data) for t in turns), [t.id for t in turns if not _complete(t, data)]
     for s in data["sessions"]:  # a session's counter agrees with its turns: nothing partial anywhere
-        assert sum(t["session_id"] == s["id"] for t in turns) == s.get("turns", 0), s
+        assert sum(t.session_id == s.id for t in turns) == s.turns, s
     assert len(turns) >= acked * 0.5  # most answered turns were committed before the kill
     # restart on the same store: it opens and records again
     p2 = proxy_proc(cfg, workdir=tmp_path / "proxy2")
     assert chat(p2.url)["ok"]
     time.sleep(0.5)
     assert p2.terminate() == 0
-    again = H.read_store(store)["turns"]
-    assert len(again) == len(turns) + 1 and all(_complete(t) for t in again)
+    data = H.read_store(store)
+    again = data["turns"]
+    assert len(again) == len(turns) + 1 and all(_complete(t, data) for t in again)
     H.record("fault-kill9-burst", load="150 streaming turns, 8 concurrent (2 KB prompts)",
              faults="SIGKILL of the proxy mid-burst, restart", bad_inputs=0,
              requests=len(done) + 1, requests_failed=0, records_lost=0, answered_before_kill=acked,
@@ -155,8 +158,8 @@ _READER = textwrap.dedent("""
         assert len(turns) >= seen, (len(turns), seen)
         seen = len(turns)
         for t in turns[-3:]:
-            assert len(t["text"]) == 40000
-            rows = st.read_rows(f"r{t['index']}")
+            assert len(t.text) == 40000
+            rows = st.read_rows(f"r{t.index}")
             assert len(rows) in (0, 4) and all(len(b) == 30000 for _, b in rows)
         reads += 1
         if seen >= int(sys.argv[3]): break
@@ -231,8 +234,9 @@ def test_sigterm_drains_streams_and_reports_shadow_work(fakes, proxy_proc, chat,
     assert report["shadow_queued"] + report["shadow_skipped"] == queued + n, report
     assert report["shadow_dropped_at_shutdown"] == report["shadow_queued"] - report["shadow_turns_done"] > 0
     assert "queued shadow turn(s) dropped" in log
-    turns = H.read_store(store)["turns"]
-    assert all(_complete(t) for t in turns)
+    data = H.read_store(store)
+    turns = data["turns"]
+    assert all(_complete(t, data) for t in turns)
     # every drained stream is recorded, or accounted for as a flow that never finished (see the
     # report: a client closing right after [DONE] can leave a flow without its final hook)
     assert len(turns) + report["streams_cut"] == 5 + n and report["streams_cut"] <= 1, report
@@ -343,12 +347,18 @@ def test_kill9_while_ingest_is_saturated_keeps_every_acknowledged_batch_whole(fa
     while len(acked) < 20 and time.monotonic() < deadline:
         time.sleep(0.01)
     n_acked = len(acked)
+    import psutil
+
+    children = psutil.Process(p.pid).children(recursive=True)  # the fork server, ingest and analysis workers
     assert p.kill9() == -9
     stop = True
     for fu in futs:
         fu.result(60)
     ex.shutdown()
     assert n_acked >= 20
+    # the proxy's worker processes follow it: none is left holding the store or its memory
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [(c.pid, c.name()) for c in alive]
     st = Store.open(store, readonly=True)  # opens after the crash
     try:
         whole = half = 0
@@ -371,6 +381,7 @@ def test_kill9_while_ingest_is_saturated_keeps_every_acknowledged_batch_whole(fa
              "back to back + 1 streaming agent", faults="SIGKILL of the proxy while ingest is saturated, restart",
              bad_inputs=0, requests=len(sent) + len(agents) + 2, requests_failed=0, records_lost=0,
              batches_acknowledged=len(acked), batches_stored_whole=whole, batches_half_stored=half,
-             agent_turns_ok_before_kill=ok_before,
+             agent_turns_ok_before_kill=ok_before, worker_processes_left=len(alive),
              note="every acknowledged batch whole after the crash; batches in flight at the kill all or nothing; "
-                  "the agent's stream in flight at the kill is the kill's")
+                  "the agent's stream in flight at the kill is the kill's; the proxy's worker processes "
+                  f"({len(children)}: the fork server, its resource tracker, the workers) exit with it")

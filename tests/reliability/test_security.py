@@ -92,7 +92,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Any:
         assert r.returncode == 0, r.stderr
         arts[f"export_{fmt}_log"] = r.stdout + r.stderr
     data = H.read_store(store)
-    sid = data["sessions"][0]["id"]
+    sid = data["sessions"][0].id
     arts["data"], arts["sid"] = data, sid
     r = run("export", "html", "--session", sid, "--out", str(tmp / "session.html"), "--store", str(store))
     assert r.returncode == 0, r.stderr
@@ -109,7 +109,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Any:
         except httpx.HTTPError:
             time.sleep(0.1)
     pages = {"/": None, "/api/backends": None, "/api/sessions": None, f"/api/sessions/{sid}": None}
-    pages.update({f"/api/turns/{t['id']}": None for t in data["turns"]})
+    pages.update({f"/api/turns/{t.id}": None for t in data["turns"]})
     for path in pages:
         r = httpx.get(base + path, timeout=10)
         assert r.status_code == 200, (path, r.status_code)
@@ -132,8 +132,8 @@ def _artifacts_text(a: dict[str, Any]) -> dict[str, bytes]:
     for path in sorted((a["tmp"] / "export-parquet").glob("*.parquet")):
         out[str(path)] = json.dumps(pq.read_table(path).to_pylist(), default=str).encode()
     # the store's records as read back: turns are stored compressed, so their raw bytes would hide
-    # a leak from a grep
-    out["store records"] = json.dumps(a["data"], default=str).encode()
+    # a leak from a grep (the typed records and the dicts stored: a field no type declares too)
+    out["store records"] = H.to_json(a["data"]).encode()
     for k, v in a["viewer_pages"].items():
         out["viewer " + k] = v.encode()
     out["admin /stats"] = a["admin_stats"].encode()
@@ -153,7 +153,7 @@ def test_planted_credentials_never_reach_any_artifact(recorded):
     leaks = [(k, s) for k, v in arts.items() for s in (*H.SECRETS, REDACTED_VALUE) if s.encode() in v]
     assert not leaks, leaks
     # the recorded request headers say what was removed, never its value
-    hdrs = {k.lower() for t in recorded["data"]["turns"] for k in (t.get("request_headers") or {})}
+    hdrs = {k.lower() for t in recorded["data"]["turns"] for k in t.request_headers}
     assert not hdrs & {"authorization", "cookie", "x-api-key", REDACTED_HEADER.lower()}, hdrs
     H.record("security-planted-secrets", load="3 streaming turns, 1 shadow", faults="none",
              bad_inputs=len(H.SECRETS) + 1, requests=3, requests_failed=0, records_lost=0,
@@ -244,7 +244,7 @@ def test_viewer_xss_corpus_stays_inert(recorded):
 
     chromium = os.environ.get("TENSORVERSE_CHROMIUM") or "/usr/bin/chromium"
     data, base, sid = recorded["data"], recorded["viewer_base"], recorded["sid"]
-    urls = [base + "/", base + f"/#/s/{sid}"] + [base + f"/#/t/{t['id']}" for t in data["turns"][:2]]
+    urls = [base + "/", base + f"/#/s/{sid}"] + [base + f"/#/t/{t.id}" for t in data["turns"][:2]]
     urls.append(recorded["tmp"].joinpath("session.html").as_uri())
     dialogs: list[str] = []
     visited: list[str] = []
@@ -288,7 +288,7 @@ def test_scrubbed_corpus_passes_independent_secret_scanner(recorded, tmp_path):
 
     unscrubbed = tmp_path / "unscrubbed"
     unscrubbed.mkdir()
-    (unscrubbed / "turns.json").write_text(json.dumps(recorded["data"]["turns"], indent=1, default=str))
+    (unscrubbed / "turns.json").write_text(H.to_json(recorded["data"]["turns"], indent=1))
     raw = scan(unscrubbed)  # positive control: the recorded, unscrubbed text is caught
     raw_types = {x["type"] for v in raw.values() for x in v}
     assert {"AWS Access Key", "GitHub Token"} <= raw_types, raw_types

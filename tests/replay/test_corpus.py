@@ -123,14 +123,86 @@ def test_loader_rejects_edits_and_newer_formats(tmp_path, tok):
     f = next((out / "cases").glob("*.json"))
     case = json.loads(f.read_text())
     f.write_text(json.dumps({**case, "title": "edited"}))
-    with pytest.raises(CorpusError, match="sha256"):
+    with pytest.raises(CorpusError) as e:
         load_corpus(out)
+    assert e.value.reason == "checksum"
     assert load_corpus(out, verify=False).cases[0]["title"] == "edited"
-    with pytest.raises(CorpusError, match="newer"):
+    with pytest.raises(CorpusError) as e:
         write_corpus(tmp_path / "c2", [{**case, "format_version": 2}])
+    assert e.value.reason == "version"
     bad = {**case, "turns": [{**case["turns"][0], "prompt_token_ids": [-1]}]}
-    with pytest.raises(CorpusError, match="prompt_token_ids"):
+    with pytest.raises(CorpusError) as e:
         write_corpus(tmp_path / "c3", [bad])
+    assert e.value.reason == "schema" and "prompt_token_ids" in str(e.value)  # the message names the field
+
+
+def _case(i: int = 0, **over) -> dict:
+    case = {"format": "tensorverse.case", "format_version": 1, "id": f"case-{i}",
+            "tokenizer": {"fingerprint": None, "source": "fake"},
+            "provenance": {"source": "hand-written", "reference_backend": "primary", "scrubbed": True},
+            "turns": [{"index": 0, "endpoint": "completions", "sampling": {"temperature": 0, "max_tokens": 4},
+                       "prompt_token_ids": [3 + i, 9, 27],
+                       "reference": {"backend": "primary", "output_token_ids": [5, 6, 7, 8], "text": "",
+                                     "tool_calls": None, "finish_reason": "length"}}]}
+    return {**case, **over}
+
+
+def _link_outside(corpus: Path) -> None:
+    """A case file that is a link to a file outside the corpus (its name passes the schema)."""
+    f = next((corpus / "cases").glob("*.json"))
+    outside = corpus.parent / "outside.json"
+    outside.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(outside)
+
+
+def _edit_manifest(corpus: Path, edit) -> None:
+    m = json.loads((corpus / "corpus.json").read_text())
+    edit(m)
+    (corpus / "corpus.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("breakage, reason", [
+    (lambda c: (c / "corpus.json").unlink(), "missing"),
+    (lambda c: next((c / "cases").glob("*.json")).unlink(), "missing"),
+    (lambda c: (c / "corpus.json").write_text("{not json"), "syntax"),
+    (lambda c: _edit_manifest(c, lambda m: m.update(format="something.else")), "format"),
+    (lambda c: _edit_manifest(c, lambda m: m.update(format_version=99)), "version"),
+    (lambda c: _link_outside(c), "outside"),
+    (lambda c: _edit_manifest(c, lambda m: m["cases"][0].update(id="case-9")), "case_id"),
+], ids=["no-manifest", "no-case-file", "manifest-not-json", "not-a-manifest", "newer-manifest", "outside",
+        "case-id"])
+def test_each_broken_corpus_is_refused_with_its_reason(tmp_path, breakage, reason):
+    corpus = write_corpus(tmp_path / "c", [_case(0), _case(1)], name="two")
+    assert len(load_corpus(corpus).cases) == 2
+    breakage(corpus)
+    with pytest.raises(CorpusError) as e:
+        load_corpus(corpus)
+    assert e.value.reason == reason, e.value
+
+
+@pytest.mark.parametrize("case, reason", [
+    ([1, 2], "format"),
+    (_case(format="tensorverse.other"), "format"),
+    (_case(turns=[{**_case()["turns"][0], "prompt_token_ids": []}]), "schema"),
+    (_case(provenance=7), "schema"),
+], ids=["not-an-object", "not-a-case", "empty-prompt-by-schema", "bad-provenance"])
+def test_each_broken_case_is_refused_with_its_reason(tmp_path, case, reason):
+    with pytest.raises(CorpusError) as e:
+        write_corpus(tmp_path / "c", [case])
+    assert e.value.reason == reason, e.value
+
+
+def test_a_case_file_that_is_not_json_is_refused_as_syntax(tmp_path):
+    corpus = write_corpus(tmp_path / "c", [_case(0)])
+    f = next((corpus / "cases").glob("*.json"))
+    f.write_text("{oops")
+    with pytest.raises(CorpusError) as e:
+        load_corpus(corpus, verify=False)
+    assert e.value.reason == "syntax"
+    with pytest.raises(CorpusError) as e:
+        load_corpus(f)  # a single case file
+    assert e.value.reason == "syntax"
 
 
 def test_scrub_needs_a_tokenizer(tmp_path, capsys):
@@ -146,3 +218,14 @@ def test_schemas_are_valid_json_schema():
 
     for name in ("case", "corpus"):
         jsonschema.Draft202012Validator.check_schema(schema(name))
+
+
+def test_a_rig_suite_corpus_that_names_no_model_is_refused_as_no_model(tmp_path):
+    from tensorverse.bundle.known import known_corpus
+
+    corpus = write_corpus(tmp_path / "c", [_case(0)], name="unnamed")
+    with pytest.raises(CorpusError) as e:
+        known_corpus(corpus)
+    assert e.value.reason == "no_model"
+    named = write_corpus(tmp_path / "m", [_case(0)], name="named", model={"name": "m", "content_hash": "ab" * 32})
+    assert known_corpus(named).model["name"] == "m"

@@ -301,19 +301,23 @@ def test_ctrl_c_stops_the_run_and_starts_no_other_case(corpus_dir, tmp_path, mon
 
 def test_with_retries_backs_off_and_counts():
     from tensorverse.replay.runner import with_retries
+    from tensorverse.store.records import Run
+
+    def rec(status, **kw):
+        return Run(id="r", turn_id="t", backend="b", mode="free", status=status, **kw)
 
     outcomes = iter(["failed", "timeout", "ok", "failed"])
     calls = []
 
     async def run():
         calls.append(1)
-        return {"status": next(outcomes)}
+        return rec(next(outcomes))
 
     out = asyncio.run(with_retries(run, 5, 0.001))
-    assert out == {"status": "ok", "retries": 2} and len(calls) == 3
+    assert out == rec("ok", retries=2) and len(calls) == 3
     failing = iter(["failed"] * 4)
-    out = asyncio.run(with_retries(lambda: asyncio.sleep(0, {"status": next(failing)}), 2, 0.001))
-    assert out == {"status": "failed", "retries": 2}
+    out = asyncio.run(with_retries(lambda: asyncio.sleep(0, rec(next(failing))), 2, 0.001))
+    assert out == rec("failed", retries=2)
 
 
 def test_a_tool_simulator_module_in_the_working_directory_loads_without_touching_sys_path(tmp_path, monkeypatch):

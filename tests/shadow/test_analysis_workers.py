@@ -13,7 +13,7 @@ import pytest
 
 from tensorverse.shadow.compare import compare_turn
 from tensorverse.shadow.analysis_workers import AnalysisWorkers
-from tensorverse.store import Store
+from tensorverse.store import Store, records
 from tensorverse.testing.shadow_workload import prepare_turn, store_turn
 
 
@@ -90,9 +90,9 @@ def test_the_proxy_runner_stores_what_its_workers_computed(store):
 
     got = asyncio.run(go())
     assert _canon(got) == _canon(want)
-    stored = {(c["run_id"], c["ref_run_id"]): c for r in store.iter_runs("t1") for c in store.iter_comparisons(r["id"])}
+    stored = {(c.run_id, c.ref_run_id): c for r in store.iter_runs("t1") for c in store.iter_comparisons(r.id)}
     assert set(stored) == {(r["run_id"], r["ref_run_id"]) for r in want}
-    assert _canon(list(stored.values())) == _canon(want)
+    assert stored == {(r["run_id"], r["ref_run_id"]): records.comparison(r) for r in want}
 
 
 def test_workers_need_at_least_one_process(tmp_path):
@@ -119,7 +119,7 @@ def test_a_compaction_planned_in_a_worker_commits_what_the_proxy_would(tmp_path)
                     workers.close()
             assert [r.status for r in res] == ["compacted"]
             plans[name + "-record"] = st.compaction("t1")
-            plans[name + "-rows"] = {r["id"]: st.read_rows(r["id"]) for r in st.iter_runs("t1")}
+            plans[name + "-rows"] = {r.id: st.read_rows(r.id) for r in st.iter_runs("t1")}
     assert workers.counters["planned"] == 1 and workers.counters["in_thread"] == 0
     assert plans["here"].changes == plans["worker"].changes and plans["here"].record == plans["worker"].record
     assert plans["here-record"] == plans["worker-record"] and plans["here-rows"] == plans["worker-rows"]

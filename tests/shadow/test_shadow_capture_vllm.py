@@ -160,7 +160,7 @@ def shadowed(pair):
 
 
 def _by(runs, backend, mode):
-    return next(r for r in runs if r["backend"] == backend and r["mode"] == mode)
+    return next(r for r in runs if r.backend == backend and r.mode == mode)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -174,24 +174,24 @@ def test_forced_emits_exactly_the_primary_ids_and_stores_full_rows(pair, shadowe
     for turn, rs in zip(turns, runs):
         for backend in ("secondary", "fp32"):
             f = _by(rs, backend, "forced")
-            assert f["status"] == "ok", f
-            assert f["method"] == "forced_decode" and f["token_ids"] == turn["output_token_ids"]
-            assert f["capture"] == "full" and f["approximate"] is False
-            assert f["rows"]["complete"] and f["rows"]["present"] == N_TOKENS
-            assert f["template"]["status"] == "ok" and f["tokenizer"]["same_dictionary"] is True
+            assert f.status == "ok", f
+            assert f.method == "forced_decode" and f.token_ids == turn["output_token_ids"]
+            assert f.capture == "full" and f.approximate is False
+            assert f.rows["complete"] and f.rows["present"] == N_TOKENS
+            assert f.template["status"] == "ok" and f.tokenizer["same_dictionary"] is True
             free = _by(rs, backend, "free")
-            assert free["status"] == "ok" and free["capture"] == "full"
+            assert free.status == "ok" and free.capture == "full"
         # the captured rows reproduce the API's (raw) logprobs of the same run
         f = _by(rs, "fp32", "forced")
-        rows = store.read_rows(f["id"])
+        rows = store.read_rows(f.id)
         assert [p for p, _ in rows] == list(range(N_TOKENS))
         for p, blob in rows[:8]:
             lp = _log_softmax(decode_row(blob))
             assert lp.shape == (151936,)
-            for tid, api_lp in f["top_logprobs"][p]:
+            for tid, api_lp in f.top_logprobs[p]:
                 assert abs(lp[int(tid)] - api_lp) < 1e-4
-            assert int(np.argmax(lp)) == int(f["top_logprobs"][p][0][0]) or \
-                lp.max() - lp[int(f["top_logprobs"][p][0][0])] < 1e-6
+            assert int(np.argmax(lp)) == int(f.top_logprobs[p][0][0]) or \
+                lp.max() - lp[int(f.top_logprobs[p][0][0])] < 1e-6
 
 
 def test_fp32_vs_bf16_flips_are_found_and_confirmed_by_the_free_runs(shadowed, record_property):
@@ -200,7 +200,7 @@ def test_fp32_vs_bf16_flips_are_found_and_confirmed_by_the_free_runs(shadowed, r
     summary = []
     for turn, rs, comps in zip(turns, runs, comparisons):
         ff, sf = _by(rs, "fp32", "forced"), _by(rs, "secondary", "forced")
-        full = next(c for c in comps if c["run_id"] == ff["id"] and c["ref_run_id"] == sf["id"])
+        full = next(c for c in comps if c["run_id"] == ff.id and c["ref_run_id"] == sf.id)
         assert full["kind"] == "full" and full["status"] == "ok" and full["n"] == N_TOKENS
         free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "fp32")
         sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")
@@ -220,7 +220,7 @@ def test_fp32_vs_bf16_flips_are_found_and_confirmed_by_the_free_runs(shadowed, r
                 assert full["first_flip"] <= free["divergence"]["position"]
     record_property("shadow_flip_summary", summary)
     print("fp32 vs bf16:", summary)
-    timings = {(r["backend"], r["mode"]): r["timings"] for rs in runs for r in rs if r["mode"] != "recorded"}
+    timings = {(r.backend, r.mode): r.timings for rs in runs for r in rs if r.mode != "recorded"}
     print("run timings (last turn):", timings)
     assert n_flipped >= 1, summary
 
@@ -229,7 +229,7 @@ def test_noise_floor_secondary_vs_primary(shadowed):
     turns, runs, comparisons = shadowed
     for rs, comps in zip(runs, comparisons):
         sf = _by(rs, "secondary", "forced")
-        floor = next(c for c in comps if c["run_id"] == sf["id"] and c["mode"] == "forced")
+        floor = next(c for c in comps if c["run_id"] == sf.id and c["mode"] == "forced")
         assert floor["noise_floor"] is True and floor["kind"] == "topk" and floor["approximate"]
         cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced"
                     and c["ref_role"] == "primary")
@@ -242,10 +242,10 @@ def test_forced_rows_equal_free_rows_while_the_free_run_follows(pair, shadowed):
     checked = 0
     for rs, comps in zip(runs, comparisons):
         f, r = _by(rs, "fp32", "forced"), _by(rs, "fp32", "free")
-        free = next(c for c in comps if c["run_id"] == r["id"])
-        for p in range(min(free["common_prefix"] + 1, N_TOKENS, len(r["token_ids"]))):
-            a = decode_row(store.read_row(f["id"], p))
-            b = decode_row(store.read_row(r["id"], p))
+        free = next(c for c in comps if c["run_id"] == r.id)
+        for p in range(min(free["common_prefix"] + 1, N_TOKENS, len(r.token_ids))):
+            a = decode_row(store.read_row(f.id, p))
+            b = decode_row(store.read_row(r.id, p))
             assert int(np.argmax(a)) == int(np.argmax(b))
             assert np.max(np.abs(a - b)) < 1e-3
             checked += 1
@@ -264,12 +264,12 @@ def test_scoring_fallback_on_real_vllm(pair, shadowed):
             return await r.run_turn(turns[0], modes=("forced",))
 
     run = asyncio.run(main())[1]
-    assert run["status"] == "ok" and run["method"] == "prompt_logprobs" and run["approximate"]
-    assert len(run["top_logprobs"]) == N_TOKENS and all(run["top_logprobs"])
-    assert all(v is not None for v in run["token_logprobs"])
+    assert run.status == "ok" and run.method == "prompt_logprobs" and run.approximate
+    assert len(run.top_logprobs) == N_TOKENS and all(run.top_logprobs)
+    assert all(v is not None for v in run.token_logprobs)
     # prefill scores agree with the forced decode's top-1 at (nearly) every position
-    decoded = _by(runs[0], "fp32", "forced")["top_logprobs"]
-    same = sum(a[0][0] == b[0][0] for a, b in zip(run["top_logprobs"], decoded))
+    decoded = _by(runs[0], "fp32", "forced").top_logprobs
+    same = sum(a[0][0] == b[0][0] for a, b in zip(run.top_logprobs, decoded))
     assert same >= N_TOKENS - 3
 
 
@@ -294,7 +294,7 @@ def test_flip_classes_on_real_vllm(shadowed, record_property):
     example = []
     for turn, rs, comps in zip(turns, runs, comparisons):
         ff, sf = _by(rs, "fp32", "forced"), _by(rs, "secondary", "forced")
-        full = next(c for c in comps if c["run_id"] == ff["id"] and c["ref_run_id"] == sf["id"])
+        full = next(c for c in comps if c["run_id"] == ff.id and c["ref_run_id"] == sf.id)
         assert len(full["flip_classes"]) == len(full["flips"])
         assert set(full["flip_classes"]) <= {"tie", "near_tie", "noise", "runtime"}
         for d in full["attribution"]["details"]:
@@ -303,7 +303,7 @@ def test_flip_classes_on_real_vllm(shadowed, record_property):
             example.append({"turn": turn["id"], **d})
         assert full["flips_by_class"] == {k: full["flip_classes"].count(k) for k in
                                              ("tie", "near_tie", "noise", "parser", "runtime")}
-        floor = next(c for c in comps if c["run_id"] == sf["id"] and c["mode"] == "forced")
+        floor = next(c for c in comps if c["run_id"] == sf.id and c["mode"] == "forced")
         assert set(floor["flip_classes"]) <= {"noise", "tie", "near_tie"}
         sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")
         assert sec_free["flip_class"] in (None, "noise", "tie", "near_tie")
@@ -391,13 +391,13 @@ def test_evidence_at_the_source_gives_the_flips_classes_and_verdicts_of_full_cap
         for backend in ("secondary", "fp32"):
             for mode in ("forced", "free"):
                 r, e = _by(rs, backend, mode), _by(ers, backend, mode)
-                assert e["token_ids"] == r["token_ids"] and e["status"] == r["status"] == "ok"
-                assert e["evidence"]["k"] == 20 and e["rows"]["complete"], e["rows"]
-                compact_rows += len(store.read_compact_rows(e["id"]))
+                assert e.token_ids == r.token_ids and e.status == r.status == "ok"
+                assert e.evidence["k"] == 20 and e.rows["complete"], e.rows
+                compact_rows += len(store.read_compact_rows(e.id))
 
         def key(c, runs_):
-            ref = next((x for x in runs_ if x["id"] == c["ref_run_id"]), None)
-            return c["backend"], c["mode"], c.get("ref_role") or (ref or {}).get("role")
+            ref = next((x for x in runs_ if x.id == c["ref_run_id"]), None)
+            return c["backend"], c["mode"], c.get("ref_role") or (ref.role if ref is not None else None)
 
         full = {key(c, rs): c for c in comps}
         ev = {key(c, ers): c for c in ecomps}
@@ -412,17 +412,17 @@ def test_evidence_at_the_source_gives_the_flips_classes_and_verdicts_of_full_cap
     assert {b: v.decision for b, v in ev_v.items()} == {b: v.decision for b, v in full_v.items()}
     assert ev_v["fp32"].flip_excess.estimate == pytest.approx(full_v["fp32"].flip_excess.estimate)
     tokens = sum(len(t["output_token_ids"]) for t in turns)
-    shadow_runs = lambda rss: [r["id"] for rs in rss for r in rs if r["mode"] in ("forced", "free")]  # noqa: E731
+    shadow_runs = lambda rss: [r.id for rs in rss for r in rs if r.mode in ("forced", "free")]  # noqa: E731
     full_b, ev_b = _row_bytes(store, shadow_runs(runs)), _row_bytes(store, shadow_runs(ev_runs))
     record_property("bytes_per_shadowed_token", {"full": full_b / tokens, "evidence": ev_b / tokens})
     forms = {}
     for rs in ev_runs:
         for r in rs:
-            if r["mode"] in ("forced", "free"):
-                f = forms.setdefault(f"{r['backend']}/{r['mode']}", [0, 0])
-                f[0] += len(store.read_rows(r["id"]))
-                f[1] += len(store.read_compact_rows(r["id"]))
-    requested = sum(r["evidence"]["requested"] for rs in ev_runs for r in rs if r["mode"] == "forced")
+            if r.mode in ("forced", "free"):
+                f = forms.setdefault(f"{r.backend}/{r.mode}", [0, 0])
+                f[0] += len(store.read_rows(r.id))
+                f[1] += len(store.read_compact_rows(r.id))
+    requested = sum(r.evidence["requested"] for rs in ev_runs for r in rs if r.mode == "forced")
     print(f"store bytes per shadowed token: full {full_b / tokens:.0f}, evidence at the source {ev_b / tokens:.0f}; "
           f"rows [full, compact] per run kind {forms}; {requested} of {tokens} positions requested in full")
     assert ev_b < full_b / 8  # 17 times fewer bytes on the 2-core AMD machine

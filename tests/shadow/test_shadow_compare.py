@@ -112,7 +112,7 @@ def test_compare_turn_full_topk_free_and_noise(store, turn_runs):
 
     # stored, keyed by (run, reference run)
     got = store.get_comparison("cand-f", "sec-f")
-    assert got["flips"] == [3] and got["run_id"] == "cand-f" and got["ref_run_id"] == "sec-f"
+    assert got.flips == [3] and got.run_id == "cand-f" and got.ref_run_id == "sec-f"
 
 
 def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
@@ -129,7 +129,7 @@ def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
 
 def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
     runs = list(store.iter_runs("T"))
-    forced = [r for r in runs if r["mode"] == "forced"]
+    forced = [r for r in runs if r.mode == "forced"]
     assert select_reference(forced).backend == "sec"
     assert select_reference(forced, roles={"sec": "shadow", "cand": "reference"}).backend == "cand"
     assert select_reference(forced, roles={"sec": "shadow"}) is None
@@ -785,12 +785,12 @@ def test_the_noise_floor_follows_the_roles_given(store, turn_runs):
     """roles make `sec` the secondary although its record says shadow, and the primary is the
     primary whatever its record says: its comparison is the noise floor."""
     prim = primary_run_id("T")
-    runs = [dict(r) for r in store.iter_runs("T")]
+    runs = list(store.iter_runs("T"))
     for r in runs:
-        if r["id"] == "sec-f":
-            r["role"] = "shadow"
-        if r["id"] == prim:
-            r["role"] = None
+        if r.id == "sec-f":
+            r.role = "shadow"
+        if r.id == prim:
+            r.role = None
     out = _keyed(compare_runs(store, runs, roles={"sec": "secondary"}, store_results=False))
     floor = out[("sec-f", prim)]
     assert (floor["role"], floor["ref_role"], floor["noise_floor"]) == ("secondary", "primary", True)
@@ -800,10 +800,10 @@ def test_the_noise_floor_follows_the_roles_given(store, turn_runs):
 
 def test_no_noise_run_without_a_secondary_of_the_turns_length(store, turn_runs):
     prim = primary_run_id("T")
-    runs = [dict(r) for r in store.iter_runs("T")]
+    runs = list(store.iter_runs("T"))
     for r in runs:
-        if r["id"] == "sec-f":
-            r["token_ids"] = r["token_ids"][:3]
+        if r.id == "sec-f":
+            r.token_ids = r.token_ids[:3]
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert ("sec-f", prim) not in out and "noise" not in out[("cand-f", prim)]
     assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None
@@ -814,15 +814,15 @@ def test_no_comparison_with_a_primary_without_top_k_or_tokens(store, turn_runs):
     from tensorverse.store import RecordNotFound
 
     prim = primary_run_id("T")
-    runs = [dict(r) for r in store.iter_runs("T")]
+    runs = list(store.iter_runs("T"))
     for r in runs:
-        if r["id"] == prim:
-            r["top_logprobs"] = None
+        if r.id == prim:
+            r.top_logprobs = None
     assert set(_keyed(compare_runs(store, runs, store_results=False))) == {
         ("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
     for r in runs:
-        if r["id"] == prim:
-            r["top_logprobs"], r["token_ids"] = [], []
+        if r.id == prim:
+            r.top_logprobs, r.token_ids = [], []
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
     assert out[("cand-f", "sec-f")]["error"] == ("AnalysisInputError: no position has a captured "
@@ -834,7 +834,7 @@ def test_no_comparison_with_a_primary_without_top_k_or_tokens(store, turn_runs):
     with pytest.raises(RecordNotFound):
         store.get_comparison("cand-r", prim)
     compare_runs(store, list(store.iter_runs("T")))
-    assert store.get_comparison("cand-r", prim)["verdict"] == "value_mismatch"
+    assert store.get_comparison("cand-r", prim).verdict == "value_mismatch"
 
 
 def test_no_recorded_primary_message(store):
@@ -851,16 +851,16 @@ def test_a_primary_with_full_rows_is_compared_on_its_rows(store, turn_runs):
     R, C, T = turn_runs
     prim = primary_run_id("T")
     put_rows(store, prim, R)
-    runs = [dict(r) for r in store.iter_runs("T")]
+    runs = list(store.iter_runs("T"))
     for r in runs:
-        if r["id"] == prim:
-            r["capture"], r["rows"] = "full", COMPLETE
+        if r.id == prim:
+            r.capture, r.rows = "full", COMPLETE
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert out[("sec-f", prim)]["kind"] == "full" and out[("cand-f", prim)]["kind"] == "full"
     assert out[("cand-f", prim)]["flips"] == [3] and out[("sec-f", prim)]["flips"] == []
     for r in runs:
-        if r["id"] == prim:
-            r["top_logprobs"] = None
+        if r.id == prim:
+            r.top_logprobs = None
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
     assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None

@@ -97,7 +97,7 @@ def test_model_b_uses_the_primarys_dictionary(rig, tmp_path):
 
     tmpl, turn, runs = asyncio.run(main())
     assert tmpl["status"] == "ok"
-    forced = next(r for r in runs if r["backend"] == "model_b" and r["mode"] == "forced")
-    assert forced["status"] == "ok" and forced["tokenizer"]["same_dictionary"] is True
-    assert forced["token_ids"] == turn["output_token_ids"] and forced["method"] == "forced_decode"
-    assert forced["template"]["status"] == "ok"
+    forced = next(r for r in runs if r.backend == "model_b" and r.mode == "forced")
+    assert forced.status == "ok" and forced.tokenizer["same_dictionary"] is True
+    assert forced.token_ids == turn["output_token_ids"] and forced.method == "forced_decode"
+    assert forced.template["status"] == "ok"

@@ -21,6 +21,7 @@ from tensorverse.shadow.completions import (
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.codec import decode_row
+from tensorverse.store.records import Run
 
 PROMPT = [5, 6, 7, 8]
 
@@ -204,33 +205,34 @@ def test_forced_and_free_with_plugin_store_full_rows(store):
             await shadow.close()
 
     prim, shadow, turn, runs = run(main())
+    assert all(type(r) is Run for r in runs)  # the typed records, as the store reads them back
     rec, forced, free = runs
-    assert rec["id"] == primary_run_id("t1") and rec["mode"] == "recorded" and rec["backend"] == "prim"
-    assert rec["pieces"] == [prim.decode_one(t) for t in turn["output_token_ids"]]
-    assert forced["status"] == "ok" and forced["method"] == "forced_decode"
-    assert forced["token_ids"] == turn["output_token_ids"]
-    assert forced["capture"] == "full" and forced["approximate"] is False
-    assert forced["rows"]["complete"] and forced["rows"]["present"] == 6
-    assert forced["tokenizer"]["same_dictionary"] is True
+    assert rec.id == primary_run_id("t1") and rec.mode == "recorded" and rec.backend == "prim"
+    assert rec.pieces == [prim.decode_one(t) for t in turn["output_token_ids"]]
+    assert forced.status == "ok" and forced.method == "forced_decode"
+    assert forced.token_ids == turn["output_token_ids"]
+    assert forced.capture == "full" and forced.approximate is False
+    assert forced.rows["complete"] and forced.rows["present"] == 6
+    assert forced.tokenizer["same_dictionary"] is True
     # the exact JSON the shadow received for the forced run
     sent = [b for p, b in shadow.requests if p == "/v1/completions" and "tv_force" in
             (b.get("vllm_xargs") or {}) and len(b["vllm_xargs"]["tv_force"]) == 6]
-    assert sent[0]["vllm_xargs"] == {"tv_force": turn["output_token_ids"], "tv_capture": forced["id"]}
+    assert sent[0]["vllm_xargs"] == {"tv_force": turn["output_token_ids"], "tv_capture": forced.id}
     assert sent[0]["ignore_eos"] is True and sent[0]["max_tokens"] == 6
     # rows in the store are the shadow's own rows (unmasked)
-    rows = store.read_rows(forced["id"])
+    rows = store.read_rows(forced.id)
     assert [p for p, _ in rows] == list(range(6))
     assert int(np.argmax(decode_row(rows[2][1]))) == 40
     # the free run branches at the flip
-    assert free["status"] == "ok" and free["token_ids"][2] == 40
-    assert free["token_ids"][:2] == turn["output_token_ids"][:2]
-    assert free["capture"] == "full"
+    assert free.status == "ok" and free.token_ids[2] == 40
+    assert free.token_ids[:2] == turn["output_token_ids"][:2]
+    assert free.capture == "full"
     # stored
-    assert {r["id"] for r in store.iter_runs("t1")} == {rec["id"], forced["id"], free["id"]}
-    comps = {c["mode"]: c for c in store.iter_comparisons(free["id"])}
-    assert comps["free"]["divergence"]["position"] == 2
-    fc = list(store.iter_comparisons(forced["id"]))
-    assert fc and fc[0]["kind"] == "topk" and 2 in fc[0]["flips"]  # vs the primary's top-k
+    assert {r.id for r in store.iter_runs("t1")} == {rec.id, forced.id, free.id}
+    comps = {c.mode: c for c in store.iter_comparisons(free.id)}
+    assert comps["free"].divergence["position"] == 2
+    fc = list(store.iter_comparisons(forced.id))
+    assert fc and fc[0].kind == "topk" and 2 in fc[0].flips  # vs the primary's top-k
 
 
 def test_plugin_missing_falls_back_to_prompt_logprobs(store):
@@ -249,12 +251,12 @@ def test_plugin_missing_falls_back_to_prompt_logprobs(store):
 
     shadow, turn, runs, caps = run(main())
     forced = runs[1]
-    assert forced["status"] == "ok" and forced["method"] == "prompt_logprobs"
-    assert forced["approximate"] is True and forced["capture"] == "topk"
-    assert forced["token_ids"] == turn["output_token_ids"]
-    assert "did not emit the forced tokens" in forced["attempts"][0]["error"]
-    assert "position 1" in forced["attempts"][0]["error"]
-    assert len(forced["top_logprobs"]) == len(turn["output_token_ids"])
+    assert forced.status == "ok" and forced.method == "prompt_logprobs"
+    assert forced.approximate is True and forced.capture == "topk"
+    assert forced.token_ids == turn["output_token_ids"]
+    assert "did not emit the forced tokens" in forced.attempts[0]["error"]
+    assert "position 1" in forced.attempts[0]["error"]
+    assert len(forced.top_logprobs) == len(turn["output_token_ids"])
     assert caps.forcing is False  # remembered: the next turn scores directly
     scoring = [b for p, b in shadow.requests if p == "/v1/completions" and b.get("prompt_logprobs")]
     assert scoring[0]["prompt"] == PROMPT + turn["output_token_ids"]
@@ -274,9 +276,9 @@ def test_auto_probe_without_sink_forces_without_capture(store):
 
     shadow, runs = run(main())
     forced, free = runs[1], runs[2]
-    assert forced["status"] == "ok" and forced["method"] == "forced_decode"
-    assert forced["capture"] == "topk" and forced["approximate"] is True
-    assert free["status"] == "ok" and "vllm_xargs" not in free["sampling"]
+    assert forced.status == "ok" and forced.method == "forced_decode"
+    assert forced.capture == "topk" and forced.approximate is True
+    assert free.status == "ok" and "vllm_xargs" not in free.sampling
     # the runs never asked for capture (the probe found no sink)
     runs_sent = [b for p, b in shadow.requests if p == "/v1/completions" and b.get("max_tokens", 0) > 1]
     assert all("tv_capture" not in (b.get("vllm_xargs") or {}) for b in runs_sent)
@@ -296,12 +298,12 @@ def test_sink_refusal_is_retried_without_capture(store):
 
     runs = run(main())
     for r in runs[1:]:
-        assert r["status"] == "ok" and r["capture"] == "topk"
-        assert any("needs a sink" in a["error"] for a in r["attempts"])
+        assert r.status == "ok" and r.capture == "topk"
+        assert any("needs a sink" in a["error"] for a in r.attempts)
         # asked again without capture, for the top-k the API alone now gives
-        assert r["sampling"]["logprobs"] == 20 and r["k"] == 20
-        assert "tv_capture" not in (r["sampling"].get("vllm_xargs") or {})
-        assert all(len(e) == 20 for e in r["top_logprobs"])
+        assert r.sampling["logprobs"] == 20 and r.k == 20
+        assert "tv_capture" not in (r.sampling.get("vllm_xargs") or {})
+        assert all(len(e) == 20 for e in r.top_logprobs)
 
 
 def test_backend_errors_become_run_records(store):
@@ -319,15 +321,15 @@ def test_backend_errors_become_run_records(store):
             await slow.close()
 
     runs = run(main())
-    by = {(r["backend"], r["mode"]): r for r in runs[1:]}
-    assert by[("failing", "forced")]["status"] == "failed"
-    assert "HTTP 500" in by[("failing", "forced")]["error"]
-    assert by[("failing", "free")]["status"] == "failed"
-    assert by[("slow", "forced")]["status"] == "timeout"
-    assert by[("slow", "free")]["status"] == "timeout"
-    assert by[("down", "forced")]["status"] == "failed" and "connect" in by[("down", "forced")]["error"]
-    stored = {r["id"]: r for r in store.iter_runs("t5")}
-    assert all(r["id"] in stored for r in runs)
+    by = {(r.backend, r.mode): r for r in runs[1:]}
+    assert by[("failing", "forced")].status == "failed"
+    assert "HTTP 500" in by[("failing", "forced")].error
+    assert by[("failing", "free")].status == "failed"
+    assert by[("slow", "forced")].status == "timeout"
+    assert by[("slow", "free")].status == "timeout"
+    assert by[("down", "forced")].status == "failed" and "connect" in by[("down", "forced")].error
+    stored = {r.id: r for r in store.iter_runs("t5")}
+    assert all(r.id in stored for r in runs)
 
 
 def test_different_tokenizer_is_refused(store):
@@ -345,9 +347,9 @@ def test_different_tokenizer_is_refused(store):
 
     other, runs = run(main())
     for r in runs[1:]:
-        assert r["status"] == "refused"
-        assert "does not use prim's dictionary" in r["error"]
-        assert "<|im_end|>" in r["error"]
+        assert r.status == "refused"
+        assert "does not use prim's dictionary" in r.error
+        assert "<|im_end|>" in r.error
     # never run: no completion longer than the one-token probes reached it
     assert not [b for p, b in other.requests if p == "/v1/completions" and b.get("max_tokens", 0) > 1]
 
@@ -368,12 +370,12 @@ def test_template_mismatch_is_recorded_not_a_failure(store):
 
     runs = run(main())
     for r in runs[1:]:
-        assert r["status"] == "ok"
-        assert r["template"]["status"] == "template_mismatch"
-        assert "template_mismatch" in r["template"]["message"]
-    free = [c for c in (runs[1], runs[2]) if c["mode"] == "free"][0]
-    comps = list(store.iter_comparisons(free["id"]))
-    assert comps and comps[0]["template_mismatch"] is True
+        assert r.status == "ok"
+        assert r.template["status"] == "template_mismatch"
+        assert "template_mismatch" in r.template["message"]
+    free = [c for c in (runs[1], runs[2]) if c.mode == "free"][0]
+    comps = list(store.iter_comparisons(free.id))
+    assert comps and comps[0].template_mismatch is True
 
 
 def test_unusable_turn_returns_nothing(store):
@@ -420,16 +422,16 @@ def test_turn_shadowed_backend_by_backend_like_the_proxy_tee(store):
                 await f.close()
 
     run(main())
-    runs = {(r["backend"], r["mode"]): r for r in store.iter_runs("tee")}
+    runs = {(r.backend, r.mode): r for r in store.iter_runs("tee")}
     cf, sf = runs[("cand", "forced")], runs[("sec", "forced")]
-    assert cf["tokenizer"]["same_dictionary"] is True  # the primary found through the store
-    assert "uses prim's dictionary" in cf["tokenizer"]["message"]
-    full = store.get_comparison(cf["id"], sf["id"])
-    assert full["kind"] == "full" and full["flips"] == [3]
-    vs_prim = store.get_comparison(cf["id"], primary_run_id("tee"))
-    assert vs_prim["noise"]["floor_backend"] == "sec"
-    free = store.get_comparison(runs[("cand", "free")]["id"], primary_run_id("tee"))
-    assert free["divergence"]["position"] == 3 and free["confirms_forced"] is True
+    assert cf.tokenizer["same_dictionary"] is True  # the primary found through the store
+    assert "uses prim's dictionary" in cf.tokenizer["message"]
+    full = store.get_comparison(cf.id, sf.id)
+    assert full.kind == "full" and full.flips == [3]
+    vs_prim = store.get_comparison(cf.id, primary_run_id("tee"))
+    assert vs_prim.noise["floor_backend"] == "sec"
+    free = store.get_comparison(runs[("cand", "free")].id, primary_run_id("tee"))
+    assert free.divergence["position"] == 3 and free.confirms_forced is True
 
 
 def test_backend_records_never_hold_the_key(store):
@@ -445,8 +447,8 @@ def test_backend_records_never_hold_the_key(store):
 
     shadow = run(main())
     rec = store.get_backend("cand")
-    assert rec["has_api_key"] is True and "sk-shadow-own" not in str(rec)
-    assert rec["capabilities"]["forcing"] is True and rec["tokenizer"]["fingerprint"]
+    assert rec.has_api_key is True and "sk-shadow-own" not in str(rec)
+    assert rec.capabilities["forcing"] is True and rec.tokenizer["fingerprint"]
     for r in store.iter_runs("k1"):
         assert "sk-shadow-own" not in str(r)
     # the shadow's own key is what the shadow received
@@ -478,14 +480,14 @@ def test_parser_check_of_the_primary_runs_in_the_shadow_worker(store):
             await shadow.close()
 
     (ok, bad), plain = run(main())
-    assert ok[0]["parser_check"]["mismatch"] is False and ok[0]["parser_check"]["parsed_calls"] == 1
-    pc = bad[0]["parser_check"]
+    assert ok[0].parser_check["mismatch"] is False and ok[0].parser_check["parsed_calls"] == 1
+    pc = bad[0].parser_check
     assert pc["mismatch"] is True and pc["verdict"] == "value_mismatch"
     assert pc["differences"][0]["path"] == "$.arguments.vlan"
-    assert store.get_run(primary_run_id("bad"))["parser_check"] == pc  # stored per turn
+    assert store.get_run(primary_run_id("bad")).parser_check == pc  # stored per turn
     # pieces from /detokenize: no tool calls on either side is a match
-    assert plain[0]["parser_check"] == {"mismatch": False, "verdict": "match", "parsed_calls": 0,
-                                        "emitted_calls": 0, "differences": []}
+    assert plain[0].parser_check == {"mismatch": False, "verdict": "match", "parsed_calls": 0,
+                                     "emitted_calls": 0, "differences": []}
 
 
 # --------------------------------------------------------------------------- token pieces

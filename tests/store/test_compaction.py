@@ -11,8 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import numpy as np
-import orjson
 import pytest
 
 from tensorverse.cli import main
@@ -114,7 +114,7 @@ def test_plan_keeps_flips_divergences_close_calls_kl_and_a_seeded_sample():
 
 def test_compaction_keeps_evidence_exact_and_compacts_the_rest(store):
     turns, originals = workload(store)
-    before = {rid: orjson.dumps(list(store.iter_comparisons(rid))) for t in turns for rid in t.run_ids.values()}
+    before = {rid: msgspec.json.encode(list(store.iter_comparisons(rid))) for t in turns for rid in t.run_ids.values()}
     row_bytes = sum(len(b) for rid in originals for _, b in store.read_rows(rid))
     results = compact_store(store, POLICY)
     assert [r.status for r in results] == ["compacted", "compacted"]
@@ -149,7 +149,7 @@ def test_compaction_keeps_evidence_exact_and_compacts_the_rest(store):
                     assert c.fingerprint == blob_info(encode_row(x))["crc32"]
                     assert src.form(rid, p) == "compact"
         for rid in t.run_ids.values():  # comparisons untouched
-            assert orjson.dumps(list(store.iter_comparisons(rid))) == before[rid]
+            assert msgspec.json.encode(list(store.iter_comparisons(rid))) == before[rid]
         with pytest.raises(TurnCompacted, match="compacted"):
             compare_turn(store, t.turn_id)
     assert all(r.status == "skipped" for r in compact_store(store, POLICY))  # once
@@ -250,17 +250,17 @@ def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
     with Store.open(tmp_path / "s") as st:
         assert st.format_version == S.FORMAT_VERSION == 5
         assert {k: st.stats()["entries"][k] for k in ("rows_compact", "compacted")} == {"rows_compact": 0, "compacted": 0}
-        assert st.get_session("s4")["tags"] == {"agent": "turnstone", "case": "c4"}
+        assert st.get_session("s4").tags == {"agent": "turnstone", "case": "c4"}
         turn = st.get_turn(tid)
-        assert (turn["backend"], turn["kind"], turn["output_token_ids"], turn["text"]) == (
+        assert (turn.backend, turn.kind, turn.output_token_ids, turn.text) == (
             "vllm-main", "main", [3, 7, 11, 5], "The link is up")
-        assert "upstream_logprobs" not in turn["choices"][0]
-        assert turn["choices"][0]["logprobs"] == [
+        assert "upstream_logprobs" not in turn.choices[0]
+        assert turn.choices[0]["logprobs"] == [
             {"token": 3, "logprob": -0.125, "top": [[3, -0.125], [4, -2.25]]},
             {"token": 7, "logprob": -0.25, "top": [[7, -0.25], [8, -1.5]]},
             {"token": 11, "logprob": -0.5, "top": [[11, -0.5], [12, -1.0]]},
             {"token": 5, "logprob": -0.0625, "top": [[5, -0.0625], [6, -3.0]]}]
-        runs = {r["id"]: run(r) for r in st.iter_runs(tid)}
+        runs = {r.id: r for r in st.iter_runs(tid)}
         assert sorted(runs) == sorted([primary, *written])
         assert [(r.backend, r.mode, r.token_ids) for r in map(runs.get, [primary, *written])] == [
             ("vllm-main", "recorded", [3, 7, 11, 5]), ("ref", "forced", [3, 7, 11, 5]),
@@ -272,12 +272,12 @@ def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
                 assert decode_row(blobs[rid][p]).tobytes() == x.tobytes(), (rid, p)
         assert blob_info(blobs["r4-ref-forced"][3])["mode"] == "plain"
         assert blob_info(blobs["r4-ref-forced"][0])["mode"] == "bf16"
-        full = comparison(st.get_comparison("r4-cand-forced", "r4-ref-forced"))
+        full = st.get_comparison("r4-cand-forced", "r4-ref-forced")
         assert (full.kind, full.status, full.flips) == ("full", "ok", [2])
-        assert comparison(st.get_comparison("r4-cand-forced", primary)).flips == [2]
-        assert comparison(st.get_comparison("r4-ref-forced", primary)).flips == []
+        assert st.get_comparison("r4-cand-forced", primary).flips == [2]
+        assert st.get_comparison("r4-ref-forced", primary).flips == []
         free = st.get_comparison("r4-cand-free", primary)
-        assert (free["first_flip"], free["divergence"]["position"], free["confirms_forced"]) == (2, 2, True)
+        assert (free.first_flip, free.divergence["position"], free.confirms_forced) == (2, 2, True)
         for kind in records.KINDS:
             for rec in st.records(kind):
                 cls = records.record_type(kind, rec)
@@ -617,7 +617,7 @@ def test_the_record_and_result_exactly(store):
     free = t.run_ids[("candidate", "free")]
     assert rec["free_reasons"][free][str(t.flips[0])] == ["divergence"] or "divergence" in \
         rec["free_reasons"][free][str(t.flips[0])]
-    run_tokens = store.get_run(free)["token_ids"]
+    run_tokens = store.get_run(free).token_ids
     src = StoredRows(store)
     for p, _ in store.read_compact_rows(free):  # the run's own token and the primary's, kept
         c = src.compact(free, p)
@@ -998,7 +998,7 @@ def test_compact_turn_a_retry_as_old_as_the_compared_run_is_the_latest(store):
     from tensorverse.store.compaction import CompactionResult
 
     _hand_turn(store)
-    same = store.get_run("th.cand")["created_ns"]
+    same = store.get_run("th.cand").created_ns
     store.put_run(trun("th.cand0", "th", "cand", "forced", token_ids=[3], created_ns=same)).result()
     store.write_rows("th.cand0", [(0, encode_row(np.arange(8, dtype=np.float16)))]).result()
     assert compact_turn(store, "th", POLICY) == CompactionResult("th", "skipped", "not compared yet")

@@ -36,7 +36,7 @@ def store(tmp_path):
 
 
 def _alive(st: Store) -> list[str]:
-    return [s["id"] for s in st.iter_sessions()]
+    return [s.id for s in st.iter_sessions()]
 
 
 def test_sizes_and_durations_parse():
@@ -86,7 +86,7 @@ def test_prune_by_bytes_drops_the_oldest_rows_then_the_oldest_sessions(store):
     assert sum(store.table_bytes().values()) == r.live_bytes
     assert _alive(store) == [f"s{k}" for k in range(6)]  # every session's records stay
     rid = "s0-t0-fp8-forced"
-    assert store.read_rows(rid) == [] and store.get_run(rid)["backend"] == "fp8"
+    assert store.read_rows(rid) == [] and store.get_run(rid).backend == "fp8"
     assert store.compaction("s0-t0")["rows_pruned"] > 0
     with pytest.raises(RowPruned, match="pruned by"):
         StoredRows(store).row(rid, 0)
@@ -112,7 +112,7 @@ def test_over_budget_when_the_rest_is_pinned(store):
 def test_a_pin_survives_the_proxy_rewriting_the_session(store):
     store.pin_session("s3").result()
     store.put_session(tsession("s3", created_ns=1, tags={"a": "b"})).result()  # as the recorder does
-    assert store.get_session("s3")["pinned"] is True
+    assert store.get_session("s3").pinned is True
     prune(store, RetentionPolicy(max_age_s=1.0))
     assert _alive(store) == ["s3"]
 
@@ -189,10 +189,10 @@ def test_kill_9_while_pruning_leaves_whole_sessions(tmp_path):
             turns = list(st.iter_turns(sid))
             assert len(turns) == 3
             for t in turns:
-                runs = list(st.iter_runs(t["id"]))
+                runs = list(st.iter_runs(t.id))
                 assert len(runs) == 2
                 for r in runs:
-                    assert [p for p, _ in st.read_rows(r["id"])] == list(range(6))
+                    assert [p for p, _ in st.read_rows(r.id)] == list(range(6))
     from tests.reliability.harness import record
 
     record("fault-kill9-prune", load="40 sessions (3 turns x 2 runs x 6 rows each), pruned by age",

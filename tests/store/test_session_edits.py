@@ -31,8 +31,8 @@ def store(tmp_path):
 
 def test_counters(store):
     a, b = store.get_session("a"), store.get_session("b")
-    assert (a["turns"], a.get("side_turns", 0), a["tool_call_turns"]) == (3, 0, 1)
-    assert (b["turns"], b["side_turns"], b["tool_call_turns"]) == (2, 1, 1)
+    assert (a.turns, a.side_turns, a.tool_call_turns) == (3, 0, 1)
+    assert (b.turns, b.side_turns, b.tool_call_turns) == (2, 1, 1)
 
 
 def test_merge_is_recorded_and_moves_turns_with_their_runs(store):
@@ -40,35 +40,49 @@ def test_merge_is_recorded_and_moves_turns_with_their_runs(store):
     with pytest.raises(RecordNotFound):
         store.get_session("b")
     a = store.get_session("a")
-    assert (a["turns"], a["side_turns"], a["tool_call_turns"]) == (5, 1, 2)
-    [edit] = a["edits"]
+    assert (a.turns, a.side_turns, a.tool_call_turns) == (5, 1, 2)
+    [edit] = a.edits
     assert edit["op"] == "merge" and edit["from_session"] == "b" and edit["reason"] == "one conversation"
     assert [t["from_index"] for t in edit["turns"]] == [0, 1] and edit["deleted_sessions"][0]["id"] == "b"
     turns = list(store.iter_turns("a"))
-    assert [t["id"] for t in turns] == ["a-t0", "a-t1", "a-t2", "b-t0", "b-t1"]
-    assert turns[3]["index"] == 3 and turns[3]["moved_from"][0]["session_id"] == "b"
-    assert [r["id"] for r in store.iter_runs("b-t0")] == ["run-b0"]
+    assert [t.id for t in turns] == ["a-t0", "a-t1", "a-t2", "b-t0", "b-t1"]
+    assert turns[3].index == 3 and turns[3].moved_from[0]["session_id"] == "b"
+    assert [r.id for r in store.iter_runs("b-t0")] == ["run-b0"]
     assert list(store.iter_turns("b")) == []
 
 
 def test_split_is_recorded_and_renumbers(store):
     nid = store.split_session("a", 1, reason="two tasks").result()
     a, n = store.get_session("a"), store.get_session(nid)
-    assert a["turns"] == 1 and n["turns"] == 2 and n["grouping"] == "split" and n["split_from"] == "a"
-    assert a["edits"][0]["op"] == "split" and a["edits"][0]["to_session"] == nid
-    assert [t["index"] for t in store.iter_turns(nid)] == [0, 1]
-    assert [t["id"] for t in store.iter_turns(nid)] == ["a-t1", "a-t2"]
+    assert a.turns == 1 and n.turns == 2 and n.grouping == "split" and n.split_from == "a"
+    assert a.edits[0]["op"] == "split" and a.edits[0]["to_session"] == nid
+    assert [t.index for t in store.iter_turns(nid)] == [0, 1]
+    assert [t.id for t in store.iter_turns(nid)] == ["a-t1", "a-t2"]
     # a proxy that still writes turn 1 of "a" (it does not know of the split) gets a free index
     store.put_turn(_turn("a", 1)).result()
-    assert [t["index"] for t in store.iter_turns("a")] == [0, 1]
+    assert [t.index for t in store.iter_turns("a")] == [0, 1]
     with pytest.raises(ValueError):
         store.split_session("a", 9).result()
 
 
+def test_edited_sessions_and_turns_hold_only_declared_fields(store):
+    """A split wrote ``split_from``, which no record type declared: typed reads dropped it. Every
+    field an edit writes is declared, so it reads back."""
+    from tensorverse.store import records
+
+    nid = store.split_session("a", 1, reason="two tasks").result()
+    store.merge_sessions(nid, "b", reason="one conversation").result()
+    store.pin_session(nid).result()
+    for kind in ("session", "turn", "run"):
+        for rec in store.records(kind):
+            assert records.unknown_fields(rec, records.record_type(kind, rec)) == [], (kind, rec)
+    assert store.get_session(nid).split_from == "a" and store.get_session(nid).pinned
+
+
 def test_put_turn_never_overwrites_an_index_held_by_another_turn(store):
     store.put_turn(_turn("a", 0, tid="late")).result()
-    assert [x["id"] for x in store.iter_turns("a")] == ["a-t0", "a-t1", "a-t2", "late"]
-    assert store.get_turn("late")["index_requested"] == 0
+    assert [x.id for x in store.iter_turns("a")] == ["a-t0", "a-t1", "a-t2", "late"]
+    assert store.get_turn("late").index_requested == 0
 
 
 def test_cli_list_merge_split(store, tmp_path, capsys):

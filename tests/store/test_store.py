@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import lmdb
+import msgspec
 import pytest
 
 from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreNotReadyError, StoreVersionError
@@ -32,26 +33,31 @@ def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(
 
     with Store.open(tmp_path / "s") as store:
         store.put_session(Session(id="s", created_ns=5, tags={"agent": "x"})).result()
-        bad = [lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0, "colour": "red"}),
-               lambda: store.put_turn({"id": "t", "session_id": "s", "index": "zero"}),
-               lambda: store.put_run({"id": "r", "turn_id": "t", "backend": "b"}),  # no mode
-               lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}),
-               lambda: store.put_backend("b", {"url": 3}),
-               lambda: store.put_session(Turn(id="s"))]  # a turn is not a session
-        for put in bad:
-            with pytest.raises(RecordError):
+        bad = [(lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0, "colour": "red"}), "untyped"),
+               (lambda: store.put_turn({"id": "t", "session_id": "s", "index": "zero"}), "type"),
+               (lambda: store.put_run({"id": "r", "turn_id": "t", "backend": "b"}), "type"),  # no mode
+               (lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}), "untyped"),
+               (lambda: store.put_backend("b", {"url": 3}), "type"),
+               (lambda: store.put_session(Turn(id="s")), "kind"),  # a turn is not a session
+               # a Struct checks no types when built: its write does
+               (lambda: store.put_run(Run(id="r", turn_id="t", backend="b", mode="forced", token_ids=["x"])), "type")]
+        for put, reason in bad:
+            with pytest.raises(RecordError) as e:
                 put()  # raised on the caller's thread, before anything is queued
-        assert list(store.iter_turns("s")) == [] and store.get_session("s")["turns"] == 0
+            assert e.value.reason == reason, e.value
+        assert list(store.iter_turns("s")) == [] and store.get_session("s").turns == 0
         assert list(store.iter_backends()) == []
         # a typed record is stored with every field, defaults written out as a reader fills them in
         store.put_turn(Turn(id="t", session_id="s", index=0, created_ns=6)).result()
         store.put_run(Run(id="r", turn_id="t", backend="b", mode="forced", created_ns=7)).result()
         t, r = store.get_turn("t"), store.get_run("r")
-        assert t["tool_calls"] == [] and t["kind"] == "main" and t["state"] is None and t["created_ns"] == 6
-        assert r["status"] == "ok" and r["token_ids"] == [] and r["created_ns"] == 7
-        assert store.get_session("s") | {"updated_ns": None} == {
-            "id": "s", "created_ns": 5, "tags": {"agent": "x"}, "grouping": None, "endpoint": None, "turns": 1,
-            "side_turns": 0, "tool_call_turns": 0, "updated_ns": None, "edits": [], "pinned": False}
+        assert t.tool_calls == [] and t.kind == "main" and t.state is None and t.created_ns == 6
+        assert r.status == "ok" and r.token_ids == [] and r.created_ns == 7
+        want = {"id": "s", "created_ns": 5, "tags": {"agent": "x"}, "grouping": None, "endpoint": None, "turns": 1,
+                "side_turns": 0, "tool_call_turns": 0, "updated_ns": None, "edits": [], "pinned": False, "split_from": None}
+        assert msgspec.structs.replace(store.get_session("s"), updated_ns=None) == Session(**want)
+        (stored,) = store.records("session")  # every field written out, as stored
+        assert stored | {"updated_ns": None} == want
 
 
 def test_a_typed_record_without_a_creation_time_gets_the_time_of_its_write(tmp_path: Path) -> None:
@@ -67,9 +73,9 @@ def test_a_typed_record_without_a_creation_time_gets_the_time_of_its_write(tmp_p
         store.put_run(Run(id="r", turn_id="t", backend="b", mode="free")).result()
         store.put_run(Run(id="q", turn_id="t", backend="b", mode="forced", created_ns=5)).result()  # set: kept
         after = time.time_ns()
-        got = [store.get_session("s")["created_ns"], store.get_turn("t")["created_ns"], store.get_run("r")["created_ns"]]
+        got = [store.get_session("s").created_ns, store.get_turn("t").created_ns, store.get_run("r").created_ns]
         assert all(before <= c <= after for c in got), got
-        assert store.get_run("q")["created_ns"] == 5 and store.get_session("s")["tags"] == {"case": "1"}
+        assert store.get_run("q").created_ns == 5 and store.get_session("s").tags == {"case": "1"}
 
 
 def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_path: Path) -> None:
@@ -77,17 +83,19 @@ def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_p
     from tensorverse.testing.records import tcomparison, tfree_comparison
 
     with Store.open(tmp_path / "s") as store:
-        for put in (lambda: store.put_comparison("r", "q", {"mode": "free", "verdict": "match", "flips": [1]}),
-                    lambda: store.put_comparison("r", "q", {"mode": "forced", "verdict": "match"}),
-                    lambda: store.put_comparison("r", "q", {"mode": "sideways"}),
-                    lambda: store.put_comparison("r", "q", tfree_comparison("r", "q", mode="forced"))):
-            with pytest.raises(records.RecordError):
+        for put, reason in (
+                (lambda: store.put_comparison("r", "q", {"mode": "free", "verdict": "match", "flips": [1]}), "untyped"),
+                (lambda: store.put_comparison("r", "q", {"mode": "forced", "verdict": "match"}), "untyped"),
+                (lambda: store.put_comparison("r", "q", {"mode": "sideways"}), "mode"),
+                (lambda: store.put_comparison("r", "q", tfree_comparison("r", "q", mode="forced")), "type")):
+            with pytest.raises(records.RecordError) as e:
                 put()  # a field of the other mode, or no such mode: refused before it is queued
+            assert e.value.reason == reason, e.value
         assert store.comparison_keys("t") == [] and list(store.records("comparison")) == []
         store.put_comparison("f", "p", tcomparison("f", "p", flips=[2], n=5)).result()
         store.put_comparison("g", "p", tfree_comparison("g", "p", verdict="wrong_tool", first_flip=3)).result()
         store.put_comparison("h", "p", {"n": 4}).result()  # no mode: forced, as records before free ones
-        forced, free, old = (records.comparison(store.get_comparison(r, "p")) for r in "fgh")
+        forced, free, old = (store.get_comparison(r, "p") for r in "fgh")
     assert type(forced) is records.ForcedComparison and (forced.mode, forced.flips, forced.n) == ("forced", [2], 5)
     assert type(free) is records.FreeComparison and (free.mode, free.verdict, free.first_flip) == ("free", "wrong_tool", 3)
     assert type(old) is records.ForcedComparison and old.n == 4
@@ -100,18 +108,18 @@ def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
         tids = _session_with_turn(store, "sess-a", 2_000, turns=3)
         _session_with_turn(store, "sess-b", 1_000)
 
-        assert store.get_backend("fp32")["role"] == "shadow"
-        assert [b["name"] for b in store.iter_backends()] == ["fp32"]
-        assert [s["id"] for s in store.iter_sessions()] == ["sess-b", "sess-a"]  # time order
-        assert [s["id"] for s in store.iter_sessions(since_ns=1_500)] == ["sess-a"]
-        assert [s["id"] for s in store.iter_sessions(until_ns=1_500)] == ["sess-b"]
-        assert store.get_session("sess-a")["turns"] == 3
-        assert [t["id"] for t in store.iter_turns("sess-a")] == tids
-        assert sorted(r["backend"] for r in store.iter_runs(tids[0])) == ["fp32", "primary"]
+        assert store.get_backend("fp32").role == "shadow"
+        assert [b.name for b in store.iter_backends()] == ["fp32"]
+        assert [s.id for s in store.iter_sessions()] == ["sess-b", "sess-a"]  # time order
+        assert [s.id for s in store.iter_sessions(since_ns=1_500)] == ["sess-a"]
+        assert [s.id for s in store.iter_sessions(until_ns=1_500)] == ["sess-b"]
+        assert store.get_session("sess-a").turns == 3
+        assert [t.id for t in store.iter_turns("sess-a")] == tids
+        assert sorted(r.backend for r in store.iter_runs(tids[0])) == ["fp32", "primary"]
         rows = store.read_rows(f"{tids[0]}-fp32")
         assert [p for p, _ in rows] == [0, 1, 2] and all(len(b) == 64 for _, b in rows)
         assert store.read_row(f"{tids[0]}-fp32", 1) == rows[1][1]
-        assert store.get_comparison(f"{tids[0]}-fp32", f"{tids[0]}-primary")["summary"]["kl_mean"] == 0.1
+        assert store.get_comparison(f"{tids[0]}-fp32", f"{tids[0]}-primary").summary["kl_mean"] == 0.1
         with pytest.raises(RecordNotFound):
             store.get_turn("nope")
         with pytest.raises(RecordNotFound):
@@ -148,7 +156,7 @@ def test_asyncio_callers_await_commits(tmp_path: Path) -> None:
 
     with Store.open(tmp_path / "s") as store:
         assert asyncio.run(main(store)) == [f"t{i}" for i in range(50)]
-        assert store.get_session("s")["turns"] == 50
+        assert store.get_session("s").turns == 50
 
 
 def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
@@ -156,7 +164,7 @@ def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
         for i in range(700):
             store.put_session({"id": f"s{i:04d}", "created_ns": 10 + i})
         store.write_rows("r", [(p, b"%d" % p) for p in range(600)]).result()
-        assert [s["id"] for s in store.iter_sessions()] == [f"s{i:04d}" for i in range(700)]
+        assert [s.id for s in store.iter_sessions()] == [f"s{i:04d}" for i in range(700)]
         assert [p for p, _ in store.read_rows("r")] == list(range(600))
 
 
@@ -184,7 +192,7 @@ def test_retention_deletes_old_sessions_with_everything_below(tmp_path: Path) ->
         old = _session_with_turn(store, "old", 1_000, turns=2)
         new = _session_with_turn(store, "new", 5_000)
         assert store.delete_older_than(2_000) == 1
-        assert [s["id"] for s in store.iter_sessions()] == ["new"]
+        assert [s.id for s in store.iter_sessions()] == ["new"]
         with pytest.raises(RecordNotFound):
             store.get_turn(old[0])
         with pytest.raises(RecordNotFound):
@@ -250,7 +258,7 @@ def test_size_cap_stops_writes_and_keeps_reads(tmp_path: Path, caplog: pytest.Lo
         assert store.stats()["writes_refused"] == 2
         # Reads keep working and nothing committed was lost.
         assert len(store.read_rows("r")) == written
-        assert store.get_session("s")["id"] == "s"
+        assert store.get_session("s").id == "s"
 
 
 def test_file_modes_are_private(tmp_path: Path) -> None:
@@ -268,7 +276,7 @@ def test_readonly_open_and_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         store.put_session({"id": "s", "created_ns": 3}).result()
         assert store.format_version == S.FORMAT_VERSION
     with Store.open(tmp_path / "s", readonly=True) as ro:
-        assert ro.get_session("s")["id"] == "s"
+        assert ro.get_session("s").id == "s"
         with pytest.raises(PermissionError):
             ro.put_session({"id": "x"})
 
@@ -306,7 +314,7 @@ def test_readonly_open_of_a_store_being_created_waits_for_its_writer(tmp_path: P
         for ro in opened:
             ro.close()
     with Store.open(path, readonly=True) as ro:
-        assert ro.get_session("s")["id"] == "s"
+        assert ro.get_session("s").id == "s"
 
 
 def test_readonly_open_of_a_store_never_created_is_refused_as_not_ready(tmp_path: Path) -> None:
@@ -338,7 +346,7 @@ def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setitem(S.MIGRATIONS, now, step)
     with Store.open(tmp_path / "s") as store:
         assert store.format_version == now + 1
-        assert store.get_session("s")["tags"] == {"environment": "prod"}
+        assert store.get_session("s").tags == {"environment": "prod"}
     with Store.open(tmp_path / "s") as store:  # already migrated: not run again
         assert store.format_version == now + 1
     assert calls == [now + 1]
@@ -377,28 +385,29 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
     shutil.copytree(src, tmp_path / "s")
     with Store.open(tmp_path / "s") as store:
         assert store.format_version == S.FORMAT_VERSION  # through 2 to the current format
-        assert store.get_session("s1") == {
-            "id": "s1", "created_ns": 1_740_000_000_000_000_000, "updated_ns": 1_740_000_000_000_000_000,
-            "tags": {"agent": "turnstone", "case": "c1"}, "grouping": "header", "endpoint": "chat.completions",
-            "turns": 1}
+        stored = {"id": "s1", "created_ns": 1_740_000_000_000_000_000, "updated_ns": 1_740_000_000_000_000_000,
+                  "tags": {"agent": "turnstone", "case": "c1"}, "grouping": "header", "endpoint": "chat.completions",
+                  "turns": 1}
+        assert store.get_session("s1") == records.Session(**stored)
+        assert list(store.records("session")) == [stored]  # no field added by the migrations
         choices = [{"index": 0, "text": "up.", "reasoning": None, "tool_calls": [], "finish_reason": "stop",
                     "stop_reason": None, "token_ids": [5, 9],
                     "logprobs": [{"token": 5, "logprob": -0.125, "top": [[5, -0.125], [6, -2.25]]},
                                  {"token": 9, "logprob": -0.5, "top": [[9, -0.5], [10, -1.0]]}]}]
         turn = store.get_turn(turn_id)
-        assert [t["id"] for t in store.iter_turns("s1")] == [turn_id]
+        assert [t.id for t in store.iter_turns("s1")] == [turn_id]
         for got in (turn, next(store.iter_turns("s1"))):
-            assert got["choices"] == choices
-        assert (turn["backend"], turn["state"], turn["prompt_token_ids"], turn["output_token_ids"], turn["text"]) == (
+            assert got.choices == choices
+        assert (turn.backend, turn.state, turn.prompt_token_ids, turn.output_token_ids, turn.text) == (
             "vllm-main", "ok", [1, 9, 4], [5, 9], "up.")
-        assert "authorization" not in turn["request_headers"]
-        assert records.turn(turn).backend == "vllm-main"
-        runs = {r["id"]: r for r in store.iter_runs(turn_id)}
+        assert "authorization" not in turn.request_headers
+        assert type(turn) is records.Turn and turn.backend == "vllm-main"
+        runs = {r.id: r for r in store.iter_runs(turn_id)}
         assert sorted(runs) == [primary, "r1-fp32-forced"]
-        assert runs[primary]["mode"] == "recorded" and runs[primary]["pieces"] == ["up", "."]
-        assert runs[primary]["top_logprobs"] == [[[5, -0.125], [6, -2.25]], [[9, -0.5], [10, -1.0]]]
+        assert runs[primary].mode == "recorded" and runs[primary].pieces == ["up", "."]
+        assert runs[primary].top_logprobs == [[[5, -0.125], [6, -2.25]], [[9, -0.5], [10, -1.0]]]
         forced = runs["r1-fp32-forced"]
-        assert (forced["backend"], forced["mode"], forced["status"], forced["capture"], forced["token_ids"]) == (
+        assert (forced.backend, forced.mode, forced.status, forced.capture, forced.token_ids) == (
             "fp32", "forced", "ok", "full", [5, 9])
         rows = store.read_rows("r1-fp32-forced")
         assert [p for p, _ in rows] == [0, 1]
@@ -406,10 +415,10 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
                                          ["bf16", "plain"]):
             assert decode_row(blob).tobytes() == want.tobytes() and blob_info(blob)["mode"] == mode
         c = store.get_comparison("r1-fp32-forced", primary)
-        assert (c["kind"], c["status"], c["n"], c["flips"], c["metrics"]["top1_agree"]) == (
+        assert (c.kind, c.status, c.n, c.flips, c.metrics["top1_agree"]) == (
             "topk", "ok", 2, [1], [True, False])
-        assert c["flip_tokens"] == [{"position": 1, "token": 9, "ref_top1": 9, "cand_top1": 10, "region": "content"}]
-        assert records.comparison(c).flips == [1]
+        assert c.flip_tokens == [{"position": 1, "token": 9, "ref_top1": 9, "cand_top1": 10, "region": "content"}]
+        assert type(c) is records.ForcedComparison and c.flips == [1]
         for kind in records.KINDS:
             for rec in store.records(kind):
                 cls = records.record_type(kind, rec)
@@ -437,7 +446,7 @@ def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path
         store.put_session({"id": "s", "created_ns": 3}).result()
         store.put_turn(turn).result()
         for got in (store.get_turn("t"), next(store.iter_turns("s"))):
-            assert got["choices"] == [{"index": 0, "logprobs": canonical}]
+            assert got.choices == [{"index": 0, "logprobs": canonical}]
     # stored as a zstd frame of the JSON, not the JSON itself
     env = lmdb.open(str(tmp_path / "s"), max_dbs=16, readonly=True)
     with env.begin() as txn:
@@ -483,11 +492,11 @@ def test_sigkill_mid_stream_leaves_only_whole_records(tmp_path: Path) -> None:
     assert acked >= 40
 
     with Store.open(path) as store:
-        runs = {r["id"]: r for r in store.iter_runs("t")}
+        runs = {r.id: r for r in store.iter_runs("t")}
         # Every acknowledged record is intact...
         for i in range(acked + 1):
             rid = "run-%06d" % i
-            assert runs[rid]["positions"] == [0, 1, 2, 3]
+            assert runs[rid].positions == [0, 1, 2, 3]
         # ...and no partial one is visible: each row set is complete and self-consistent.
         for rid in runs:
             rows = store.read_rows(rid)
@@ -565,7 +574,7 @@ def test_format_2_store_migrates_to_3_and_rows_gain_engine_states(tmp_path: Path
         rows = store.read_rows("r2")
         assert [p for p, _ in rows] == [0, 1, 2]
         np.testing.assert_array_equal(decode_row(rows[2][1]), np.arange(16, dtype=np.float32) * 3)
-        assert store.get_run("r2")["token_ids"] == [4, 5, 6]
+        assert store.get_run("r2").token_ids == [4, 5, 6]
         assert store.read_engine_states("r2") == {} and store.read_engine_state("r2", 0) is None
         st = EngineState(runner=RUNNER_V1, step=7, batch_size=3, row=1, joined=0)
         store.write_rows("r2", [(3, encode_row(np.ones(16, np.float32)), st),
@@ -603,14 +612,15 @@ def test_format_3_store_migrates_to_4_with_one_name_per_field(tmp_path: Path) ->
     with Store.open(tmp_path / "s") as store:
         assert store.format_version == S.FORMAT_VERSION  # through 4 to the current format
         proxy, replay = list(store.iter_turns("s3"))
-        assert "primary" not in replay and replay["backend"] == "reference-b" == replay["reference"]
-        assert proxy["backend"] == "vllm-main" and proxy["text"] == "abc"
-        assert records.turn(replay).backend == "reference-b" and records.turn(replay).output_token_ids == [7, 8]
-        assert store.get_session("s3")["turns"] == 2 and store.get_session("s3")["tags"] == {"case": "c1"}
+        stored = {t["id"]: t for t in store.records("turn")}  # the field renamed in the stored dict
+        assert "primary" not in stored[replay.id] and replay.backend == "reference-b" == replay.reference
+        assert proxy.backend == "vllm-main" and proxy.text == "abc"
+        assert type(replay) is records.Turn and replay.output_token_ids == [7, 8]
+        assert store.get_session("s3").turns == 2 and store.get_session("s3").tags == {"case": "c1"}
         rows = store.read_rows("r3")
         np.testing.assert_array_equal(decode_row(rows[0][1]), np.arange(16, dtype=np.float32))
         assert store.read_engine_state("r3", 0).step == 2 and store.read_engine_state("r3", 1) is None
-        assert records.comparison(store.get_comparison("r3", "t3-proxy~primary")).flips == [1]
+        assert store.get_comparison("r3", "t3-proxy~primary").flips == [1]
         for kind in records.KINDS:
             for rec in store.records(kind):
                 cls = records.record_type(kind, rec)
@@ -640,11 +650,11 @@ def test_the_record_factories_write_whole_valid_sessions(tmp_path: Path) -> None
     with Store.open(tmp_path / "s") as store:
         tids = store_session(store, "a", turns=2, runs=(("fp8", "forced"), ("fp8", "free")),
                              run_id="{turn}-{backend}-{mode}", compare=None)
-        assert tids == ["a-t0", "a-t1"] and store.get_session("a")["turns"] == 2
-        assert sorted(r["id"] for r in store.iter_runs("a-t1")) == ["a-t1-fp8-forced", "a-t1-fp8-free"]
+        assert tids == ["a-t0", "a-t1"] and store.get_session("a").turns == 2
+        assert sorted(r.id for r in store.iter_runs("a-t1")) == ["a-t1-fp8-forced", "a-t1-fp8-free"]
         assert [p for p, _ in store.read_rows("a-t0-fp8-free")] == [0, 1, 2]
         t = store.get_turn("a-t1")
-        assert t["created_ns"] == T0 + 1 and t["state"] == "ok" and t["output_token_ids"] == [4, 5, 6]
+        assert t.created_ns == T0 + 1 and t.state == "ok" and t.output_token_ids == [4, 5, 6]
     # overriding any field; an unknown one is refused as any write would refuse it
     assert tturn(index=3, text="hi").text == "hi" and tsession(pinned=True).pinned
     assert trun(status="failed").ok is False and tcomparison(flips=[2]).flips == [2]

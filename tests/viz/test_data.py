@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import orjson
 import pytest
@@ -327,7 +328,7 @@ def test_stored_comparisons_match_recomputation(ro_store, monkeypatch):
     """Forced metrics read from tensorverse.shadow.compare's records equal the ones the viewer
     computes from the rows itself."""
     fast = ViewData(ro_store).turn_view("s-net-t1")["forced"]
-    assert any(c.get("metrics") for c in ro_store.iter_comparisons("s-net-t1-fa2-forced"))
+    assert any(c.metrics for c in ro_store.iter_comparisons("s-net-t1-fa2-forced"))
     monkeypatch.setattr(ViewData, "_comparisons", lambda self, run_id: [])
     slow = ViewData(ro_store).turn_view("s-net-t1")["forced"]
     for k in ("fa2", "fp8", "primary"):
@@ -418,7 +419,7 @@ def test_free_runs_without_pieces(tmp_path, vz):
     built = vz.build_store(tmp_path / "s")
     with Store.open(built.path) as store:
         fa2 = store.get_run("s-net-t1-fa2-free")
-        assert "pieces" not in fa2 and fa2["text"]
+        assert fa2.pieces is None and fa2.text
         tv = ViewData(store).turn_view("s-net-t1")
     fa2_node = next(n for n in tv["free"]["nodes"] if n["backends"] == ["fa2"])
     texts = [tv["vocab"].get(str(t)) for t in fa2_node["tokens"]]
@@ -458,12 +459,12 @@ def test_parser_mismatch_shown_per_turn(tmp_path, vz):
         assert view.turn_view("s-net-t1")["parser_check"]["mismatch"] is False
         assert view.session_view("s-net")["turns"][1]["parser_mismatch"] is False
         rec = store.get_run("s-net-t1~primary")
-        pc = vz.parser_check("".join(rec["pieces"]), rec["text"], [
+        pc = vz.parser_check("".join(rec.pieces), rec.text, [
             {"id": "c", "type": "function", "function": {"name": "configure_subinterface",
                                                          "arguments": '{"interface": "Gi0/0/1.201"}'}}])
         assert pc.mismatch
-        store.put_run({**rec, "id": "s-net-t1~primary2", "parser_check": pc.as_dict(),
-                       "created_ns": rec["created_ns"] + 1}).result()
+        store.put_run(msgspec.structs.replace(rec, id="s-net-t1~primary2", parser_check=pc.as_dict(),
+                                              created_ns=rec.created_ns + 1)).result()
         tv = view.turn_view("s-net-t1")
         assert tv["parser_check"]["mismatch"] is True and tv["parser_check"]["differences"]
         assert view.session_view("s-net")["turns"][1]["parser_mismatch"] is True
