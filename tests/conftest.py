@@ -8,9 +8,12 @@ server's log tail attached to its report.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings as _hypothesis_settings
@@ -20,6 +23,43 @@ from hypothesis import settings as _hypothesis_settings
 _hypothesis_settings.register_profile("repeatable", derandomize=True)
 if not os.environ.get("TENSORVERSE_HYPOTHESIS_RANDOM"):
     _hypothesis_settings.load_profile("repeatable")
+
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`, with the scheduler below: pytest
+# 9 ignores the nodeid suffix that xdist 3.8's `xdist_group` marks rely on). Every test module that starts real servers, a Ray cluster or turnstone goes to one
+# worker, as one unit, in file order: the session rig starts once, the machine never holds two
+# rigs (each takes ~8 GiB), two Ray clusters or two turnstone installs never race, and module
+# fixtures still run once. Every other module is a unit of its own for the second worker, which
+# takes the next one whenever it is free. The vLLM tests leave a core idle most of the time (one
+# OpenMP thread per server): the other worker's tests use it. (A module is a server module when
+# its source names one of these marks; the scheduler sees test ids only, not their marks.)
+SERVER_MARKS = re.compile(r"mark\.(vllm|ray|turnstone)\b")
+SERVER_GROUP = "servers"
+
+
+@functools.cache
+def _server_module(path: str) -> bool:
+    try:
+        return bool(SERVER_MARKS.search((Path(__file__).parent.parent / path).read_text()))
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServersTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SERVER_GROUP if _server_module(path) else path
+
+    return ServersTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the servers' unit first, so it starts at once
+        items.sort(key=lambda it: not _server_module(it.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture
@@ -130,3 +170,5 @@ def pytest_unconfigure(config):
     mod = sys.modules.get("tensorverse.rig.servers")
     if mod is not None:
         mod.stop_all()
+
+
