@@ -75,26 +75,46 @@ class VerdictPolicy:
 
 
 class ComparisonLike(Protocol):
-    """One comparison as the ``comparisons`` export table has it (the fields read here)."""
+    """One comparison as the ``comparisons`` export table has it (the fields read here, read-only:
+    a row whose fields are dicts is one)."""
 
-    turn_id: str | None
-    session_id: str | None
-    turn_created_ns: int | None
-    backend: str | None
-    ref_backend: str | None
-    role: str | None
-    ref_role: str | None
-    mode: str | None
-    status: str | None
-    noise_floor: bool | None
-    n: int | None
-    flips: int | None
-    flips_by_class: Mapping[str, int] | None
-    flips_by_region_class: Mapping[str, Mapping[str, int]] | None
-    positions_by_region: Mapping[str, int] | None
-    verdict: str | None
-    ref_tool_calls: int | None
-    cand_tool_calls: int | None
+    @property
+    def turn_id(self) -> str | None: ...
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def turn_created_ns(self) -> int | None: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def ref_backend(self) -> str | None: ...
+    @property
+    def role(self) -> str | None: ...
+    @property
+    def ref_role(self) -> str | None: ...
+    @property
+    def mode(self) -> str | None: ...
+    @property
+    def status(self) -> str | None: ...
+    @property
+    def noise_floor(self) -> bool | None: ...
+    @property
+    def n(self) -> int | None: ...
+    @property
+    def flips(self) -> int | None: ...
+    @property
+    def flips_by_class(self) -> Mapping[str, int] | None: ...
+    @property
+    def flips_by_region_class(self) -> Mapping[str, Mapping[str, int]] | None: ...
+    @property
+    def positions_by_region(self) -> Mapping[str, int] | None: ...
+    @property
+    def verdict(self) -> str | None: ...
+    @property
+    def ref_tool_calls(self) -> int | None: ...
+    @property
+    def cand_tool_calls(self) -> int | None: ...
+
 
 
 @dataclass(frozen=True)

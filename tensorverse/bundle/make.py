@@ -58,5 +58,5 @@ def make_bundle(path: str | Path, *, suite: Mapping[str, Any], corpus: KnownCorp
         "reference_setting": reference, "noise_setting": noise,
         "settings": [s.as_dict() for s in settings],
     }
-    summaries = summarize(list(positions), list(free), ran)
+    summaries = summarize(positions, free, ran)
     return write_bundle(path, manifest, positions, free, summaries, provenance)

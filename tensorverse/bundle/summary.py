@@ -12,14 +12,14 @@ is not ``match``) and ``free_errors``.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 from tensorverse.bundle.format import FLIP_CLASSES
 
 __all__ = ["summarize", "summarize_setting"]
 
 
-def summarize_setting(positions: Iterable[dict[str, Any]], free: Iterable[dict[str, Any]]) -> dict[str, Any]:
+def summarize_setting(positions: Iterable[Mapping[str, Any]], free: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The summary of one setting from its position rows and free rows (dicts with the tables'
     column names)."""
     n = flips = 0
@@ -52,10 +52,11 @@ def summarize_setting(positions: Iterable[dict[str, Any]], free: Iterable[dict[s
     }
 
 
-def summarize(positions: list[dict[str, Any]], free: list[dict[str, Any]], ran: list[str]) -> dict[str, Any]:
+def summarize(positions: Iterable[Mapping[str, Any]], free: Iterable[Mapping[str, Any]],
+              ran: Sequence[str]) -> dict[str, Any]:
     """``{setting: summary}`` for every setting that ran, in ``ran``'s order."""
-    pos_by: dict[str, list[dict[str, Any]]] = {s: [] for s in ran}
-    free_by: dict[str, list[dict[str, Any]]] = {s: [] for s in ran}
+    pos_by: dict[str, list[Mapping[str, Any]]] = {s: [] for s in ran}
+    free_by: dict[str, list[Mapping[str, Any]]] = {s: [] for s in ran}
     for r in positions:
         pos_by.setdefault(r["setting"], []).append(r)
     for r in free:

@@ -80,7 +80,7 @@ def training_key_parts(spec: DemoSpec = DEFAULT_SPEC) -> dict[str, Any]:
     return {
         "spec": dataclasses.asdict(spec),
         "trainer_version": TRAINER_VERSION,
-        "sources": {Path(m.__file__).name: _sha256(Path(m.__file__)) for m in (trainer, corpus)},
+        "sources": {Path(str(m.__file__)).name: _sha256(Path(str(m.__file__))) for m in (trainer, corpus)},
         "tokenizer": {p.name: _sha256(p) for p in rig_models._tokenizer_files()},
     }
 

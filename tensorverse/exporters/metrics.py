@@ -637,7 +637,7 @@ class Metrics:
         from prometheus_client import CollectorRegistry
 
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(self.collector(stats, store, verdict))  # type: ignore[arg-type]
+        reg.register(self.collector(stats, store, verdict))
         return reg
 
 

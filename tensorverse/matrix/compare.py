@@ -79,7 +79,7 @@ def point_cases(out: Path, corpus: Any, ref_key: str | None, key: str, name: str
     is_ref = ref_key is None or ref_key == key and name == ref_name
     res: list[dict[str, Any]] = []
     basis_source = "recorded" if ref_key is None and name != ref_name else "reference"
-    R = TurnRows(out, ref_key) if not is_ref else None
+    R = TurnRows(out, ref_key) if not is_ref and ref_key is not None else None
     with TurnRows(out, key) as C:
         if R is not None:
             R.__enter__()

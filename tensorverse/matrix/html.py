@@ -29,7 +29,8 @@ def _same(a: Any, b: Any) -> bool:
 def heat_cells(report: Mapping[str, Any]) -> tuple[str | None, str | None, list[list[dict[str, Any]]]]:
     """Rows x columns of pooled flip rates over the first two grid axes (one row when the grid
     has one axis; one cell per point when the spec has named points only)."""
-    axes = list(report.get("grid_axes") if report.get("grid_axes") is not None else report.get("axes") or {})
+    grid_axes = report.get("grid_axes")
+    axes = list(grid_axes if grid_axes is not None else report.get("axes") or {})
     pts = [p for p in report["points"] if p.get("status") == "ok" and p.get("summary")]
     if not axes:
         return None, None, [[{"label": p["name"], "rate": p["summary"].get("flip_rate"),

@@ -41,7 +41,7 @@ def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *
 
     registry = (metrics if metrics is not None else Metrics()).registry(stats, store, verdict)
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics_page(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats_json(_: web.Request) -> web.Response:
@@ -72,7 +72,7 @@ def make_admin_app(stats: Callable[[], dict[str, Any]], ingest: Ingest | None, *
         await asyncio.get_running_loop().run_in_executor(None, verdict.wait_idle)  # the store closes next
 
     app = web.Application(client_max_size=(ingest.max_bytes if ingest else 1 << 20) + 1)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/stats", stats_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/verdict", verdict_json)

@@ -153,7 +153,8 @@ def tools_key(tools: Any) -> bytes:
     names = []
     for t in tools or ():
         if isinstance(t, dict):
-            fn = t.get("function") if isinstance(t.get("function"), dict) else t
+            f = t.get("function")
+            fn = f if isinstance(f, dict) else t
             names.append(str(fn.get("name", "")))
     return _h("\0".join(sorted(names)).encode()) if names else b""
 

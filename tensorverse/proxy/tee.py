@@ -201,7 +201,7 @@ class ShadowTee(Addon):
             n = self.counters["dropped_queue_full"]
             if worth_logging(n):
                 log.warning("shadow queue full (%d): dropped turn %s (%d dropped so far)",
-                            self.queue_size, turn.get("id"), n)
+                            self.queue_size, (turn or {}).get("id"), n)
             return
         self.counters["queued"] += 1
 

@@ -94,8 +94,9 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special,
-                                clean_up_tokenization_spaces=False)
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # a list of ids decodes to one string
+        return text
 
     def offsets(self, ids: Sequence[int]) -> list[int] | None:
         """Character offset of each token's start in ``decode(ids)`` (plus the end), or None.

@@ -55,6 +55,7 @@ class ToolSimulator:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        assert isinstance(self.target, str)  # __call__ sends only a URL's calls here
         async with aiohttp.ClientSession(timeout=timeout) as s:
             async with s.post(self.target, json={"call": call, "context": context}) as r:
                 r.raise_for_status()

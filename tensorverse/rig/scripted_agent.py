@@ -110,7 +110,7 @@ class ScriptedAgent(LogitsProcessor):
     def _answer(self, prompt_ids: list[int]) -> list[int]:
         key = hashlib.sha256(json.dumps(prompt_ids).encode()).digest()
         if key not in self._answers:
-            text = self.script.answer(self.tokenizer.decode(prompt_ids))
+            text = self.script.answer(str(self.tokenizer.decode(prompt_ids)))
             self._answers[key] = self.tokenizer.encode(text, add_special_tokens=False) + [self.end]
         return self._answers[key]
 

@@ -175,6 +175,8 @@ def parse_prompt_logprobs(resp: Mapping[str, Any], start: int, tokens: Sequence[
         for k, v in entry.items():
             key = k[len("token_id:"):] if isinstance(k, str) and k.startswith("token_id:") else k
             lp = v.get("logprob") if isinstance(v, Mapping) else v
+            if lp is None:
+                continue
             try:
                 d[int(key)] = max(float(lp), -9999.0)
             except (TypeError, ValueError):

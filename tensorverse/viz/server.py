@@ -63,7 +63,7 @@ ALLOWED_METHODS = ("GET", "HEAD")
 _VIEW = web.AppKey("view", ViewData)
 _POOL = web.AppKey("pool", ThreadPoolExecutor)
 _INFLIGHT = web.AppKey("inflight", dict)
-_HOSTS = web.AppKey("hosts", object)
+_HOSTS: web.AppKey[set[str] | None] = web.AppKey("hosts")
 _STORE_PATH = web.AppKey("store_path", str)
 
 _JSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

@@ -56,7 +56,7 @@ class TurnBuilder:
         """The lane's recorded top-k per position (None: none, or unreadable)."""
         key = id(lane)
         if key not in self._topk_cache:
-            out = None
+            out: list[TopK | None] | None = None
             if lane.topk is not None:
                 out = []
                 for entry in lane.topk:
