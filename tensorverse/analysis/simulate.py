@@ -92,7 +92,7 @@ def fit(turns: Sequence[TurnEvidence], base: Clustered = Clustered()) -> Cluster
     forced = [t for t in turns if t.positions]
     if not forced:
         return base
-    rates = np.array([(t.flips or 0) / t.positions for t in forced])
+    rates = np.array([(t.flips or 0) / (t.positions or 1) for t in forced])  # positions > 0 here
     hit = rates > 0
     pos = np.array([t.positions for t in forced])
     tc = [t for t in turns if t.tool_call_turn and t.broke is not None]

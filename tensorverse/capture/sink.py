@@ -31,9 +31,12 @@ import os
 import time
 import urllib.parse
 from collections import defaultdict
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from tensorverse.capture.frames import CONTENT_TYPE, Frame, encode_frame
+
+if TYPE_CHECKING:
+    from tensorverse.store import Store
 
 __all__ = ["Sink", "SinkError", "HttpSink", "StoreSink", "MemorySink", "sink_from_env",
            "ENV_SINK", "ENV_TOKEN", "ENV_TIMEOUT", "STATS_HEADER"]
@@ -229,7 +232,7 @@ class StoreSink(Sink):
         self.path = os.fspath(path)
         self.name = f"store sink dir:{self.path}"
         self.timeout = timeout
-        self._store = None
+        self._store: Store | None = None
 
     def _ship(self, frames: list[Frame]) -> None:
         if self._store is None:

@@ -209,7 +209,8 @@ def _arrow_rows(bundles: Sequence[CheckedBundle]):
 
     from tensorverse.bundle.format import free_schema, positions_schema
 
-    pos, free = [], []
+    pos: list[Any] = []
+    free: list[Any] = []
     for i, b in enumerate(bundles):
         for rows, schema, out in ((b.positions, positions_schema(), pos), (b.free, free_schema(), free)):
             t = pa.Table.from_pylist(rows, schema=schema)

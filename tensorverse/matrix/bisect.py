@@ -10,7 +10,7 @@ culprit among k changes it takes about 2·log2(k) oracle calls instead of the gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 __all__ = ["ddmin", "DDResult", "CachedOracle"]
 
@@ -25,7 +25,7 @@ class CachedOracle:
     cache: dict[frozenset, bool | None] = field(default_factory=dict)
     calls: list[tuple[frozenset, bool | None]] = field(default_factory=list)
 
-    def __call__(self, changes: Sequence[Hashable]) -> bool:
+    def __call__(self, changes: Iterable[Hashable]) -> bool:
         key = frozenset(changes)
         if key not in self.cache:
             self.cache[key] = self.test(key)

@@ -166,7 +166,7 @@ def run_point_task(req: RunRequest, expected_key: str, corpus_blob: bytes, board
     else:
         base = Path(tempfile.gettempdir())
         sweep_scratch(base)  # what killed or cancelled workers of this node left behind
-    work = Path(tempfile.mkdtemp(prefix=f"tv-point-{task_id[:16]}-", dir=base))
+    work = Path(tempfile.mkdtemp(prefix=f"tv-point-{(task_id or 'local')[:16]}-", dir=base))
     (work / OWNER).write_text(str(pid))
     keep = False
     try:
@@ -214,7 +214,7 @@ class RayExecutor:
         self.cluster = {"nodes": len([n for n in ray.nodes() if n.get("Alive")]), "cpus": res.get("CPU", 0),
                         "gpus": res.get("GPU", 0)}
         self._task = ray.remote(run_point_task)
-        self._board = None
+        self._board: Any = None
         self._corpus: dict[str, Any] = {}
 
     def describe(self) -> str:

@@ -134,7 +134,7 @@ class Accumulator:
         self.events = 0
         self.first_token_seen = False  # set by add_event when an event carries output
         # Raw stream bytes not parsed yet (`feed_raw`), with their arrival times.
-        self._raw: list[bytes] = []
+        self._raw: list[bytes | list[Any]] = []
         self._raw_t: list[float] = []
         self.raw_bytes = 0
         self.first_token_t: float | None = None  # arrival of the first event that carried output
@@ -157,7 +157,7 @@ class Accumulator:
         chunks, times = self._raw, self._raw_t
         self._raw, self._raw_t, self.raw_bytes = [], [], 0
         for chunk, t in zip(chunks, times):
-            if self.fold_run(self.decode_run(chunk) if chunk.__class__ is bytes else chunk) and self.first_token_t is None:
+            if self.fold_run(self.decode_run(chunk) if isinstance(chunk, bytes) else chunk) and self.first_token_t is None:
                 self.first_token_t = t
 
     def decode_run(self, data: bytes) -> list[Any]:

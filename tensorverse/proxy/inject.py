@@ -272,6 +272,7 @@ def strip_stream(kind: str | None, data: bytes, strip: dict[str, Any]) -> tuple[
         return (b"".join(parts) if changed else data), parsed, changed
     blocks = data.split(b"\n\n")  # the events without their blank line, then what follows the last
     append = parsed.append
+    payload: bytes | None
     for n in range(len(blocks) - 1):
         block = blocks[n]
         if block[:6] == b"data: " and b"\n" not in block:
@@ -319,7 +320,7 @@ def splice_chat_run(data: bytes, events: list[ChatEvent], tids: bool, drop: bool
     whole, whatever it holds), so the text is searched once. The number of values found must
     equal the number the decoded events hold, so nothing set is left in and nothing else is cut."""
     want_ids = changed = 0
-    logprobs = []
+    logprobs: list[Any] = []
     for ev in events:
         before = len(logprobs) + want_ids
         if tids and ev.prompt_token_ids is not None:

@@ -252,7 +252,7 @@ def _hash_id(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()[:16]
 
 
-def _tool_results(cur: Mapping[str, Any] | None, nxt: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def _tool_results(cur: Mapping[str, Any] | None, nxt: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
     """The messages the agent appended after ``cur``'s answer before ``nxt`` (tool results)."""
     a = (cur or {}).get("messages") or []
     b = (nxt or {}).get("messages") or []
@@ -367,7 +367,7 @@ def scrub_store(store_path: str | os.PathLike, out: str | os.PathLike, *, tokeni
     from tensorverse.replay.scrub import load_rules
     from tensorverse.store import Store
 
-    rule_list, keep = load_rules(rules) if rules else ([], [])
+    rule_list, keep = load_rules(Path(rules)) if rules else ([], [])
     scrubber = Scrubber(rules=rule_list, keep=keep)
     tok_info = tokenizer.fingerprint()
     with Store.open(store_path, readonly=True) as store:

@@ -276,7 +276,7 @@ class ShadowRunner:
                 await asyncio.to_thread(self._present, run_id, positions, have, True)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
-        out = {"expected": len(positions), "present": len(have),
+        out: dict[str, Any] = {"expected": len(positions), "present": len(have),
                "complete": len(have) >= len(positions), "waited_s": round(_now() - t0, 4)}
         if not out["complete"]:
             missing = [p for p in positions if p not in have]

@@ -17,7 +17,7 @@ from tensorverse.analysis.toolcalls import compare_tool_calls
 from tensorverse.analysis.topk import topk_position_metrics
 from tensorverse.viz.lanes import extract_calls
 from tensorverse.viz.panels import panel
-from tensorverse.store.records import Comparison
+from tensorverse.store.records import Comparison, FreeComparison
 from tensorverse.viz.lane import FREE
 from tensorverse.viz.rounding import sig
 from tensorverse.viz.rows import Row, margin
@@ -32,7 +32,7 @@ def stored_flip_class(comparisons: Iterable[Comparison]) -> str | None:
     """The class of a free run's flip from its stored comparisons (None: none stored, or no
     flip)."""
     for cmp in comparisons:
-        if cmp.mode == FREE and cmp.status == "ok":
+        if isinstance(cmp, FreeComparison) and cmp.mode == FREE and cmp.status == "ok":
             return cmp.flip_class
     return None
 

@@ -39,7 +39,7 @@ def panel(members: list[tuple[int, Any]], k: int = TOPK, cap: int = UNION_CAP,
     # probability any member gives
     def key(j: int) -> tuple:
         first = probs[0][j] if probs else None
-        best = max((p[j] for p in probs if p[j] is not None), default=0.0)
+        best = max((v for p in probs if (v := p[j]) is not None), default=0.0)
         return (-(first if first is not None else -1.0), -best, union[j])
 
     order = sorted(range(len(union)), key=key)[:cap]

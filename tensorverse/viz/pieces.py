@@ -69,8 +69,8 @@ def known_pieces(lanes: Iterable[Lane]) -> dict[int, str]:
                 if str(t).isdigit() and isinstance(p, str):
                     vocab.setdefault(int(t), p)
         if lane.pieces is not None:
-            for t, p in zip(lane.token_ids, lane.pieces):
-                vocab.setdefault(t, p)
+            for tid, piece in zip(lane.token_ids, lane.pieces):
+                vocab.setdefault(tid, piece)
     return vocab
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from tensorverse.store.records import BackendInfo
+from tensorverse.store.records import BackendInfo, Comparison
 from tensorverse.viz.forced import forced_panel, forced_view
 from tensorverse.viz.free import FreeTree
 from tensorverse.viz.lanes import TurnInputs
@@ -25,7 +25,7 @@ class TurnBuilder:
     ``comparisons(run id)``: the stored comparisons of a run (forced metrics and flip classes
     are read from them when present)."""
 
-    def __init__(self, store: Any, comparisons: Callable[[str], list[dict]], inp: TurnInputs,
+    def __init__(self, store: Any, comparisons: Callable[[str], list[Comparison]], inp: TurnInputs,
                  backends: Mapping[str, BackendInfo]) -> None:
         self.comparisons = comparisons
         self.inp = inp
