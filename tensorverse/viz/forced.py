@@ -18,9 +18,9 @@ from tensorverse.analysis.metrics import AnalysisInputError, PositionMetrics, po
 from tensorverse.analysis.regions import tag_regions
 from tensorverse.analysis.flips import first_difference
 from tensorverse.analysis.topk import topk_position_metrics
-from tensorverse.store.records import Comparison
+from tensorverse.store.records import Comparison, ForcedComparison
 from tensorverse.viz.panels import panel
-from tensorverse.viz.lane import FORCED, ROLES_REFERENCE, Lane, comparison_flips
+from tensorverse.viz.lane import ROLES_REFERENCE, Lane, comparison_flips
 from tensorverse.viz.rounding import sig, sigs
 from tensorverse.viz.rows import Row
 
@@ -38,7 +38,7 @@ def stored_flip_count(comparisons: Iterable[Comparison]) -> int | None:
     with full rows first (what the turn view shows), else any."""
     best: tuple | None = None
     for cmp in comparisons:
-        if cmp.status != "ok" or cmp.mode != FORCED:
+        if cmp.status != "ok" or not isinstance(cmp, ForcedComparison):
             continue
         flips = comparison_flips(cmp)
         if flips is None:

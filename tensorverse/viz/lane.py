@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from tensorverse.store.records import FORCED, FREE, RECORDED, BackendInfo, Comparison, Run, Turn
+from tensorverse.store.records import FORCED, FREE, RECORDED, BackendInfo, ForcedComparison, Run, Turn
 
 __all__ = ["Lane", "TurnRec", "lane_from_run", "turn_from_record", "primary_name", "backend_infos",
            "comparison_flips", "topk_entry", "FORCED", "FREE", "RECORDED", "ROLES_REFERENCE",
@@ -132,7 +132,7 @@ class Lane:
 @dataclass
 class TurnRec:
     id: str
-    session_id: str
+    session_id: str | None  # None only for a turn that is not stored (a replay case's)
     index: int
     created_ns: int
     primary: str
@@ -228,7 +228,7 @@ def lane_from_run(run: Run, backends: Mapping[str, BackendInfo] = {}) -> Lane:
     )
 
 
-def comparison_flips(cmp: Comparison) -> int | None:
+def comparison_flips(cmp: ForcedComparison) -> int | None:
     """How many forced flips a comparison found (its ``flips`` list, or its summary's count)."""
     if cmp.flips is not None:
         return len(cmp.flips)
