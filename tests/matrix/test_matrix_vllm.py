@@ -147,7 +147,7 @@ def test_report_matches_individual_replays(grid, tmp_path):
         out = tmp_path / "replay.json"
         cli_main(["replay", str(grid["corpus"]), "--backend", f"ref={servers[0].url}#tiny-a",
                   "--backend", f"cand={servers[1].url}#tiny-a", "--reference", "ref", "--capture", "full",
-                  "--store", str(store), "--out", str(out), "--no-progress", "--concurrency", "4"])
+                  "--store", str(store), "--out", str(out), "--no-progress", "--concurrency", "1"])
     finally:
         for s in servers:
             s.stop()
