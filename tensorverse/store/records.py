@@ -23,6 +23,7 @@ turns, runs and comparisons of its cases). docs/architecture.md, "Records", has 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Literal, Mapping, TypeVar
 
 import msgspec
@@ -317,18 +318,23 @@ def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
     return decode(record, BackendInfo)
 
 
+@functools.cache
+def _defaults(cls: type[Record]) -> dict[str, Any]:
+    """``{field: a factory of its declared default}`` for the fields of ``cls`` that have one
+    (``msgspec.structs.fields`` resolves the class's annotations on every call: once a class)."""
+    out: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cls):
+        if f.default_factory is not msgspec.NODEFAULT:
+            out[f.name] = f.default_factory
+        elif f.default is not msgspec.NODEFAULT:
+            out[f.name] = functools.partial(lambda v: v, f.default)
+    return out
+
+
 def at_default(record: Record, names: Iterable[str]) -> set[str]:
     """The fields among ``names`` that ``record`` holds at their declared default."""
-    info = {f.name: f for f in msgspec.structs.fields(record)}
-    out = set()
-    for name in names:
-        f = info.get(name)
-        if f is None:
-            continue
-        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
-        if default is not msgspec.NODEFAULT and getattr(record, name) == default:
-            out.add(name)
-    return out
+    defaults = _defaults(type(record))
+    return {name for name in names if name in defaults and getattr(record, name) == defaults[name]()}
 
 
 def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:
@@ -346,8 +352,8 @@ def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, 
     if isinstance(record, Record):
         if not isinstance(record, cls):
             raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}", "kind")
-        out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(record))
-        return out
+        out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(record))  # every field:
+        return out  # the records omit their defaults when encoded
     extra = unknown_fields(record, cls)
     if extra:
         rid = record.get("id") or record.get("name") or record.get("run_id")
