@@ -42,7 +42,7 @@ import orjson
 from multidict import CIMultiDictProxy
 
 from tensorverse.proxy.sse import SSEEvent
-from tensorverse.store.records import Session
+from tensorverse.store.records import Session, Turn
 
 _ids = itertools.count(1)
 _prefix = os.urandom(3).hex()
@@ -131,7 +131,7 @@ class Flow:
     acc: Any = None
     settled: bool = False
     unparsed_events: int = 0
-    turn: dict[str, Any] | None = None
+    turn: Turn | None = None  # the recorder's (`tensorverse.proxy.recorder`)
     turn_future: Future | None = None
 
     # Free-form state of third-party addons (addon name -> anything); Tensorverse's own addons

@@ -15,6 +15,7 @@ from typing import Any
 
 from tensorverse.proxy.flow import OK, UPSTREAM_ERROR, Addon, Flow, worth_logging
 from tensorverse.proxy.accumulate import ACCUMULATORS
+from tensorverse.store.records import Turn
 
 log = logging.getLogger("tensorverse.proxy.recorder")
 
@@ -101,10 +102,11 @@ class Recorder(Addon):
             out[low] = f"{out[low]}, {value}" if low in out else value
         return out
 
-    def build_turn(self, flow: Flow) -> dict[str, Any]:
+    def build_turn(self, flow: Flow) -> Turn:
+        """The flow's turn as it is stored (its fields: :class:`~tensorverse.store.records.Turn`)."""
         self._settle(flow)
         req = flow.request_json
-        turn: dict[str, Any] = {
+        fields: dict[str, Any] = {
             "id": f"{flow.start_ns:016x}{flow.id}",
             "session_id": flow.session_id,
             "index": flow.turn_index if flow.turn_index is not None else 0,
@@ -126,40 +128,40 @@ class Recorder(Addon):
             "grouping": flow.grouping,
         }
         if isinstance(req, dict):
-            turn["request"] = req
-            turn["model"] = req.get("model")
-            turn["stream"] = bool(req.get("stream"))
-            turn["tools_offered"] = bool(req.get("tools"))
+            fields["request"] = req
+            fields["model"] = req.get("model")
+            fields["stream"] = bool(req.get("stream"))
+            fields["tools_offered"] = bool(req.get("tools"))
         else:
             self.counters["unparsed_requests"] += 1
-            turn["request"] = None
-            turn["request_unparsed"] = True
-            turn["request_parse_error"] = flow.request_parse_error
-            turn["request_text"] = _text(flow.body, self.max_unparsed_bytes)
-            turn["model"] = None
-            turn["stream"] = False
-            turn["tools_offered"] = False
+            fields["request"] = None
+            fields["request_unparsed"] = True
+            fields["request_parse_error"] = flow.request_parse_error
+            fields["request_text"] = _text(flow.body, self.max_unparsed_bytes)
+            fields["model"] = None
+            fields["stream"] = False
+            fields["tools_offered"] = False
         acc = flow.acc
         if acc is not None:
-            turn.update(acc.result())
-            turn["events"] = acc.events if flow.stream else None
-            if not turn.get("model"):
-                turn["model"] = acc.model
+            fields.update(acc.result())
+            fields["events"] = acc.events if flow.stream else None
+            if not fields.get("model"):
+                fields["model"] = acc.model
         else:
-            turn.update(prompt_token_ids=None, output_token_ids=None, choices=[], text=None, reasoning=None,
+            fields.update(prompt_token_ids=None, output_token_ids=None, choices=[], text=None, reasoning=None,
                         tool_calls=[], finish_reason=None, usage=None, response_id=None)
         if flow.response_body is not None and (flow.response_json is None or (flow.status or 0) >= 400):
-            turn["response_text"] = _text(flow.response_body, self.max_unparsed_bytes)
-            turn["response_unparsed"] = flow.response_json is None
+            fields["response_text"] = _text(flow.response_body, self.max_unparsed_bytes)
+            fields["response_unparsed"] = flow.response_json is None
         if flow.unparsed_events:
-            turn["unparsed_events"] = flow.unparsed_events
+            fields["unparsed_events"] = flow.unparsed_events
         if flow.sse_tail:
-            turn["stream_tail"] = _text(flow.sse_tail, self.max_unparsed_bytes)
+            fields["stream_tail"] = _text(flow.sse_tail, self.max_unparsed_bytes)
         if flow.state == OK and flow.stream and acc is not None and not any(
-            c.get("finish_reason") for c in turn["choices"]
+            c.get("finish_reason") for c in fields["choices"]
         ):
-            turn["incomplete"] = True  # a stream that ended without a finish reason
-        return turn
+            fields["incomplete"] = True  # a stream that ended without a finish reason
+        return Turn(**fields)
 
     async def _record(self, flow: Flow) -> None:
         self._settle(flow)
@@ -178,7 +180,7 @@ class Recorder(Addon):
         flow.turn_future = fut
         fut.add_done_callback(lambda f: self._failed(turn, f.exception()) if f.exception() else None)
 
-    def _failed(self, turn: dict, exc: BaseException | None) -> None:
+    def _failed(self, turn: Turn, exc: BaseException | None) -> None:
         if exc is None:
             return
         from tensorverse.store import StoreFullError
@@ -186,10 +188,10 @@ class Recorder(Addon):
         if isinstance(exc, StoreFullError):
             self.counters["store_full"] += 1
             if worth_logging(self.counters["store_full"]):
-                log.warning("store full: turn %s not recorded (%d so far)", turn["id"], self.counters["store_full"])
+                log.warning("store full: turn %s not recorded (%d so far)", turn.id, self.counters["store_full"])
         else:
             self.counters["store_errors"] += 1
-            log.warning("turn %s not recorded: %s", turn["id"], exc)
+            log.warning("turn %s not recorded: %s", turn.id, exc)
 
     async def response_done(self, flow: Flow) -> None:
         await self._record(flow)

@@ -442,9 +442,8 @@ class Sessions(Addon):
                 self.counters["created"] -= 1
             else:  # stored already: moved once this turn's session record is (`_put_pending`)
                 f.linked_to = s.id
-                turn = f.turn or {}
-                if turn.get("id"):
-                    self._pending_moves.setdefault(s.id, []).append((turn["id"], index))
+                if f.turn is not None and f.turn.id:
+                    self._pending_moves.setdefault(s.id, []).append((f.turn.id, index))
 
     async def response_done(self, flow: Flow) -> None:
         self._put_pending(flow)

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 from tensorverse.proxy.budget import ShadowBudget
 from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
-from tensorverse.store.records import Run
+from tensorverse.store.records import Run, Turn
 
 log = logging.getLogger("tensorverse.proxy.tee")
 
@@ -35,7 +35,7 @@ class TurnShadower(Protocol):
     """What the tee calls to shadow one turn on some backends (`PackageRunner` in production, a
     plain coroutine function in tests)."""
 
-    def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Awaitable[Any]: ...
+    def __call__(self, turn: Turn, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> Awaitable[Any]: ...
 
 
 @dataclass
@@ -62,7 +62,7 @@ class CapturePolicy:
             **kw,
         )
 
-    def reject_reason(self, flow: Flow, turn: dict | None) -> str | None:
+    def reject_reason(self, flow: Flow, turn: Turn | None) -> str | None:
         """None when the turn is selected, else why not (a counter name)."""
         if not self.enabled:
             return "disabled"
@@ -70,11 +70,11 @@ class CapturePolicy:
             return "not_ok"
         if flow.kind not in self.endpoints:
             return "endpoint"
-        if turn.get("kind") == "side":  # a title, summary or judge request: not the agent's turn
+        if turn.kind == "side":  # a title, summary or judge request: not the agent's turn
             return "side_request"
-        if self.only_with_tools and not turn.get("tools_offered"):
+        if self.only_with_tools and not turn.tools_offered:
             return "no_tools"
-        if not turn.get("prompt_token_ids") or turn.get("output_token_ids") is None:
+        if not turn.prompt_token_ids or turn.output_token_ids is None:
             return "no_token_ids"
         if self.sample < 1.0 and self.rng() >= self.sample:
             return "sampled_out"
@@ -201,7 +201,7 @@ class ShadowTee(Addon):
             n = self.counters["dropped_queue_full"]
             if worth_logging(n):
                 log.warning("shadow queue full (%d): dropped turn %s (%d dropped so far)",
-                            self.queue_size, (turn or {}).get("id"), n)
+                            self.queue_size, turn.id if turn is not None else None, n)
             return
         self.counters["queued"] += 1
 
@@ -216,13 +216,13 @@ class ShadowTee(Addon):
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("shadow tee: turn %s failed", turn.get("id"))
+                log.exception("shadow tee: turn %s failed", turn.id)
             finally:
                 del self._busy_since[worker]
                 self.counters["busy_s"] += time.monotonic() - t0
                 self._queue.task_done()
 
-    async def _process(self, turn: dict, fut: Any) -> None:
+    async def _process(self, turn: Turn, fut: Any) -> None:
         if fut is not None and not fut.done():  # the turn must be committed before runs refer to it
             try:
                 async with asyncio.timeout(self.wait_for_turn_s):  # no extra task, unlike wait_for
@@ -238,16 +238,16 @@ class ShadowTee(Addon):
             try:
                 results = await finish(turn, self.store)
             except Exception as e:  # noqa: BLE001
-                log.warning("shadow tee: finishing turn %s failed: %s", turn.get("id"), e)
+                log.warning("shadow tee: finishing turn %s failed: %s", turn.id, e)
             else:
                 if self.metrics is not None and isinstance(results, list):
                     try:  # the comparisons, stored by now
                         self.metrics.observe_comparisons(r for r in results if isinstance(r, dict))
                     except Exception:
-                        log.exception("shadow tee: metrics of turn %s", turn.get("id"))
+                        log.exception("shadow tee: metrics of turn %s", turn.id)
         self.counters["turns_done"] += 1
 
-    async def _run_one(self, turn: dict, b: TeeBackend) -> None:
+    async def _run_one(self, turn: Turn, b: TeeBackend) -> None:
         c = self.counters["backend"][b.name]
         assert b._sem is not None and self.runner is not None
         if self.budget is not None:
@@ -272,12 +272,12 @@ class ShadowTee(Addon):
                         log.exception("shadow tee: metrics of %s runs", b.name)
             except asyncio.TimeoutError:
                 c["timed_out"] += 1
-                log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.get("id"), deadline)
+                log.warning("shadow %s: turn %s timed out after %.1f s", b.name, turn.id, deadline)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - shadow failures never surface
                 c["failed"] += 1
-                log.warning("shadow %s: turn %s failed: %s: %s", b.name, turn.get("id"), type(e).__name__, e)
+                log.warning("shadow %s: turn %s failed: %s: %s", b.name, turn.id, type(e).__name__, e)
 
 
 def _backend(sb: Any, *, recorded_k: int, topk_only: bool = False) -> Any:
@@ -336,7 +336,7 @@ class PackageRunner:
         # the relay's GIL; None: in a thread
         self.workers = workers
 
-    async def __call__(self, turn: dict, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> list[Run]:
+    async def __call__(self, turn: Turn, backends: Sequence[Any], store: Any, *, modes: Sequence[str]) -> list[Run]:
         runs = await self._runner.run_turn(turn, modes=modes, backends=list(backends))
         bad = [r for r in runs[1:] if r.status != "ok"]
         if bad and len(bad) == len(runs) - 1:
@@ -346,17 +346,17 @@ class PackageRunner:
                                          for r in bad))
         return runs
 
-    async def finish(self, turn: dict, store: Any) -> list[dict]:
+    async def finish(self, turn: Turn, store: Any) -> list[dict]:
         """Compare (and store) the turn's runs; returns the comparisons. Free-mode results get
         the ``region`` of their divergence (from the primary's pieces) for the flip metrics, and
         the missing rows of the runs are counted."""
         if self.workers is None:
-            return await asyncio.to_thread(self._compare, store, turn["id"])
+            return await asyncio.to_thread(self._compare, store, turn.id)
         from tensorverse.shadow.compare import put_comparisons
 
-        results = await self.workers.compare(store, turn["id"])
+        results = await self.workers.compare(store, turn.id)
         await asyncio.to_thread(put_comparisons, store, results)
-        return await asyncio.to_thread(self._observe, store, turn["id"], results)
+        return await asyncio.to_thread(self._observe, store, turn.id, results)
 
     def _compare(self, store: Any, turn_id: str) -> list[dict]:
         from tensorverse.shadow.compare import compare_turn

@@ -46,7 +46,7 @@ from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, prim
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store import records
-from tensorverse.store.records import Run
+from tensorverse.store.records import Run, Turn
 
 # How long a run waits for its captured rows to land in the store (the tee budgets for it).
 ROWS_TIMEOUT_S = 30.0
@@ -495,7 +495,7 @@ class ShadowRunner:
             return rendered, "primary_render"
         return rendered, "recorded_prompt"
 
-    async def run_turn(self, turn: Mapping[str, Any] | TurnInput, *,
+    async def run_turn(self, turn: Mapping[str, Any] | Turn | TurnInput, *,
                        modes: Sequence[str] = MODES,
                        backends: Sequence[Backend] | None = None) -> list[Run]:
         """Run ``modes`` of one turn on every non-primary backend; store and return the records.

@@ -352,8 +352,14 @@ def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, 
     if isinstance(record, Record):
         if not isinstance(record, cls):
             raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}", "kind")
-        out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.asdict(record))  # every field:
-        return out  # the records omit their defaults when encoded
+        # every field (the records omit their defaults when encoded). The values stay as they
+        # are: builtins, or JSON text kept unparsed (`tensorverse.jsonbytes.RawJSON`: parts of
+        # the upstream's answer in a recorded turn), which the store's encoder writes as it is
+        out: dict[str, Any] = msgspec.structs.asdict(record)
+        for name, value in out.items():
+            if isinstance(value, msgspec.Struct):
+                out[name] = msgspec.to_builtins(value)
+        return out
     extra = unknown_fields(record, cls)
     if extra:
         rid = record.get("id") or record.get("name") or record.get("run_id")

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tensorverse.proxy.tee import CapturePolicy, TeeBackend
+from tensorverse.store.records import Turn
 
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
@@ -21,7 +22,7 @@ class Runner:
         self.calls: list[tuple[str, str, tuple]] = []
 
     async def __call__(self, turn, backends, store, *, modes):
-        self.calls.append((turn["id"], backends[0], tuple(modes)))
+        self.calls.append((turn.id, backends[0], tuple(modes)))
         if self.behaviour == "hang":
             await asyncio.sleep(3600)
         if self.delay:
@@ -112,9 +113,9 @@ def test_policy_sampling():
         state = "ok"
         kind = "chat.completions"
 
-    turn = {"prompt_token_ids": [1], "output_token_ids": [2]}
+    turn = Turn(id="t", prompt_token_ids=[1], output_token_ids=[2])
     assert [p.reject_reason(F, turn) for _ in range(4)] == [None, "sampled_out", None, "sampled_out"]
-    assert p.reject_reason(F, {"prompt_token_ids": None, "output_token_ids": None}) == "no_token_ids"
+    assert p.reject_reason(F, Turn(id="t", prompt_token_ids=None, output_token_ids=None)) == "no_token_ids"
 
 
 def test_slow_shadows_do_not_slow_the_primary(fake, make_proxy):

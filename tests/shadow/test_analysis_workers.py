@@ -14,6 +14,7 @@ import pytest
 from tensorverse.shadow.compare import compare_turn
 from tensorverse.shadow.analysis_workers import AnalysisWorkers
 from tensorverse.store import Store, records
+from tensorverse.store.records import Turn
 from tensorverse.testing.shadow_workload import prepare_turn, store_turn
 
 
@@ -83,7 +84,7 @@ def test_the_proxy_runner_stores_what_its_workers_computed(store):
 
     async def go():
         try:
-            return await runner.finish({"id": "t1"}, store)
+            return await runner.finish(Turn(id="t1"), store)
         finally:
             await runner.close()
             workers.close()

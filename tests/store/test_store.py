@@ -431,8 +431,10 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
     env.close()
 
 
-def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path) -> None:
+@pytest.mark.parametrize("typed", [False, True], ids=["dict", "typed"])  # typed: as the recorder writes it
+def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path, typed: bool) -> None:
     from tensorverse.jsonbytes import RawJSON
+    from tensorverse.store import records
 
     upstream = [{"content": [{"token": "token_id:7", "logprob": -0.25, "bytes": [116],
                               "top_logprobs": [{"token": "token_id:7", "logprob": -0.25, "bytes": [116]},
@@ -444,7 +446,7 @@ def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path
         {"index": 0, "logprobs": None, "upstream_logprobs": RawJSON(json.dumps(upstream).encode())}]}
     with Store.open(tmp_path / "s") as store:
         store.put_session({"id": "s", "created_ns": 3}).result()
-        store.put_turn(turn).result()
+        store.put_turn(records.Turn(**turn) if typed else turn).result()
         for got in (store.get_turn("t"), next(store.iter_turns("s"))):
             assert got.choices == [{"index": 0, "logprobs": canonical}]
     # stored as a zstd frame of the JSON, not the JSON itself
