@@ -209,14 +209,14 @@ def check_bundle(path: str, corpora: Mapping[str, KnownCorpus], limits: Limits =
     _check_free(free, set(ran), corpus)
     want = summarize(positions, free, ran)
     if json.dumps(summaries, sort_keys=True) != json.dumps(want, sort_keys=True):
-        def got(s: str, k: str) -> Any:
+        def bundled(s: str, k: str) -> Any:
             one = summaries.get(s)
             return one.get(k) if isinstance(one, dict) else None
 
-        diff = next((f"{s}.{k}: bundle {repr(got(s, k))[:80]}, tables {v!r}"
+        diff = next((f"{s}.{k}: bundle {repr(bundled(s, k))[:80]}, tables {v!r}"
                      for s in want for k, v in want[s].items()
                      if not isinstance(summaries.get(s), dict)
-                     or json.dumps(got(s, k), sort_keys=True) != json.dumps(v, sort_keys=True)),
+                     or json.dumps(bundled(s, k), sort_keys=True) != json.dumps(v, sort_keys=True)),
                     f"settings {sorted(summaries)[:20]} vs {ran}, or fields other than the tables give")
         raise BundleRefused("summary_mismatch", diff)
     return CheckedBundle(str(path), m, positions, free, summaries, provenance)

@@ -86,10 +86,10 @@ class ViewData:
         self.store = store
         self.inline_rows = inline_rows
         self._lock = threading.Lock()
-        self._turns: OrderedDict[str, tuple[tuple, dict]] = OrderedDict()
-        self._builders: OrderedDict[str, tuple[tuple, TurnBuilder]] = OrderedDict()
+        self._turns: OrderedDict[str, tuple[bytes | tuple, dict]] = OrderedDict()
+        self._builders: OrderedDict[str, tuple[bytes | tuple, TurnBuilder]] = OrderedDict()
         self._cache_turns = cache_turns
-        self._briefs: dict[str, tuple[tuple, dict]] = {}
+        self._briefs: dict[str, tuple[bytes | tuple, dict]] = {}
         self._sessions: dict[str, tuple[float, Any, dict]] = {}
         self._summary_ttl = summary_ttl_s
         self._verdict: tuple[float, dict] | None = None
@@ -251,7 +251,7 @@ class ViewData:
         except (ValueError, TypeError):  # not a valid turn id
             return None
 
-    def _builder(self, tid: str) -> tuple[tuple, TurnBuilder]:
+    def _builder(self, tid: str) -> tuple[bytes | tuple, TurnBuilder]:
         stamp = self._stamp(tid)
         if stamp is not None:
             with self._lock:
