@@ -430,10 +430,10 @@ class Tap:
                 while pending:  # a flush or stop covers every row submitted before it
                     self._process(pending.popleft())
                 self._flush_sink()
-                if item is _STOP:
-                    return
-                item.set()
-                continue
+                if isinstance(item, threading.Event):
+                    item.set()
+                    continue
+                return
             pending.append(item)
             last_row_at = time.monotonic()
 
@@ -446,8 +446,9 @@ class Tap:
         dtype = slot.codec_dtype or str(slot.array.dtype)
         d = decide(reduce_rows(slot.tensor, spec.k), 0, spec, dtype=dtype,
                    fingerprint=row_checksum(slot.array, dtype=slot.codec_dtype))
-        if d.compact is None:
-            self.rows_evidence[d.reason] = self.rows_evidence.get(d.reason, 0) + 1
+        if d.compact is None:  # sent in full, for a reason (`reduce.Decision`)
+            reason = str(d.reason)
+            self.rows_evidence[reason] = self.rows_evidence.get(reason, 0) + 1
             return None
         return encode_compact(d.compact)
 

@@ -209,6 +209,7 @@ class _Replay:
             info = {"source": RECORDED, "tokens": len(rec["output_token_ids"]),
                     "why": "reference refused" if run is None else f"reference free run {run.status}"}
             return dict(rec, backend=RECORDED), run, info
+        assert ref is not None  # its run is the basis
         t = dict(rec, output_token_ids=list(run.token_ids or []), text=run.text,
                  finish_reason=run.finish_reason, backend=ref.name)
         vs = _vs_recorded(run, rec)
