@@ -125,9 +125,12 @@ def test_slow_shadows_do_not_slow_the_primary(fake, make_proxy):
     teed = make_proxy(fake.url, runner=runner,
                       tee_backends=[TeeBackend(f"s{i}", f"s{i}", concurrency=4) for i in range(3)])
     _post(base, 5), _post(teed, 5)  # warm up
-    a = sorted(_post(base, 40))[20]
-    b = sorted(_post(teed, 40))[20]
-    assert b < a * 1.5 + 0.002
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(40):  # alternately, so a change of the machine's load hits both alike
+        a += _post(base, 1)
+        b += _post(teed, 1)
+    assert sorted(b)[20] < sorted(a)[20] * 1.5 + 0.002
 
 
 def test_busy_seconds_count_each_workers_time_on_turns_for_the_headroom(fake, make_proxy, settle):
