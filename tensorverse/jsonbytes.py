@@ -33,7 +33,7 @@ class RawJSON:
         return f"RawJSON({self.text[:60]!r}{'...' if len(self.text) > 60 else ''})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RawJSON) and other.__class__ is RawJSON and other.text == self.text
+        return type(other) is RawJSON and other.text == self.text
 
     __hash__ = None  # type: ignore[assignment]
 
