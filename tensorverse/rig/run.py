@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,10 @@ def _spec(suite: Suite, chosen: Sequence[Setting], model_dir: Path, served: str,
                       server=ServerSection(options=dict(suite.base_options), env=dict(suite.base_env),
                                            ready_timeout_s=ready_timeout_s),
                       replay=ReplaySection(modes=["forced", "free"], concurrency=2))
+
+
+def _prefixed(log: Callable[[str], None], prefix: str, message: str) -> None:
+    log(f"{prefix} {message}")
 
 
 def _portless(cmd: Sequence[str]) -> list[str]:
@@ -278,7 +283,7 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
     if ex is None:  # here, one server at a time
         for i, s in pending:
             log(f"[{i}/{len(chosen)}] {s.name} ({s.axis} = {s.value}) ...")
-            recs[s.name] = run_config(reqs[s.name], log=lambda m, n=i: log(f"[{n}/{len(chosen)}] {m}"))
+            recs[s.name] = run_config(reqs[s.name], log=functools.partial(_prefixed, log, f"[{i}/{len(chosen)}]"))
     elif pending:  # every point at once: the executor places them
         by_key = {reqs[s.name].key: s.name for _, s in pending}
         log(f"{len(pending)} setting(s) to run: {', '.join(s.name for _, s in pending)}")
@@ -332,9 +337,9 @@ def rig_run(opts: RigRunOptions, log: Callable[[str], None] = print) -> RigRunRe
                                                 noise_flips=nf if n != suite.noise else None)
                     free.append(_free_row(n, c["id"], idx, toks, t["reference"].get("text") or "",
                                           opened[n].entry(c["id"], idx, "free")))
-    have = {}
-    for r in positions:
-        have[r["setting"]] = have.get(r["setting"], 0) + 1
+    have: dict[str, int] = {}
+    for row in positions:
+        have[row["setting"]] = have.get(row["setting"], 0) + 1
     for k, o in enumerate(outcomes):
         if o.status == "ran" and have.get(o.name, 0) != kc.positions:
             outcomes[k] = dataclasses.replace(o, status="failed", reason=f"capture incomplete: "

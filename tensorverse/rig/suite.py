@@ -69,7 +69,7 @@ class Suite:
     name: str
     version: int
     corpus: str | None  # a directory name under CORPORA_DIR; None: the user records it (--corpus)
-    base_options: Mapping[str, object]
+    base_options: Mapping[str, str | int | float | bool]  # vLLM's flags: True for a flag alone
     base_env: Mapping[str, str]
     settings: tuple[Setting, ...]
     reference: str
