@@ -147,7 +147,10 @@ def _spec(suite: Suite, chosen: Sequence[Setting], model_dir: Path, served: str,
                       points=[PointSection(name=s.name, settings=point_settings(s)) for s in chosen],
                       server=ServerSection(options=dict(suite.base_options), env=dict(suite.base_env),
                                            ready_timeout_s=ready_timeout_s),
-                      replay=ReplaySection(modes=["forced", "free"], concurrency=2))
+                      # one request at a time: on some CPUs a request that shares a step with
+                      # another's prefill gets other rows (docs/replay.md, "Batch noise"), and a
+                      # bundle measures its setting, not the batches it happened to meet
+                      replay=ReplaySection(modes=["forced", "free"], concurrency=1))
 
 
 def _prefixed(log: Callable[[str], None], prefix: str, message: str) -> None:

