@@ -30,6 +30,7 @@ import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import aiohttp
+import msgspec
 
 from tensorverse.analysis.flips import first_difference
 from tensorverse.capture.optin import KEY_CAPTURE
@@ -45,7 +46,6 @@ from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, prim
                                      primary_run_id, run_record, sent_sampling)
 from tensorverse.shadow.tokenizer import check_template, fingerprint, render_chat, same_dictionary
 from tensorverse.shadow.turn import TurnInput
-from tensorverse.store import records
 from tensorverse.store.records import Run, Turn
 
 # How long a run waits for its captured rows to land in the store (the tee budgets for it).
@@ -167,7 +167,7 @@ class ShadowRunner:
         info = backend.info()
         if backend.role == "primary":  # keep what the proxy stored about its primary
             try:
-                stored = records.checked(self.store.get_backend(backend.name), records.BackendInfo)
+                stored = msgspec.structs.asdict(self.store.get_backend(backend.name))
                 info = {**stored, **{k: v for k, v in info.items() if v is not None}}
             except Exception:  # noqa: BLE001
                 pass

@@ -49,19 +49,8 @@ def run_record(t: TurnInput, backend: Backend, mode: str, run_id: str) -> Run:
         status="failed",
         capture="topk",
         approximate=True,
-        method=None,
-        token_ids=[],
-        text=None,
-        finish_reason=None,
-        top_logprobs=None,
-        token_logprobs=None,
         k=backend.logprobs,
-        rows=None,
-        timings={},
-        sampling=None,
         prompt_tokens=len(t.prompt_token_ids),
-        attempts=[],
-        error=None,
     )
 
 

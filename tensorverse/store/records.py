@@ -320,21 +320,18 @@ def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
 
 @functools.cache
 def _defaults(cls: type[Record]) -> dict[str, Any]:
-    """``{field: a factory of its declared default}`` for the fields of ``cls`` that have one
-    (``msgspec.structs.fields`` resolves the class's annotations on every call: once a class)."""
-    out: dict[str, Any] = {}
-    for f in msgspec.structs.fields(cls):
-        if f.default_factory is not msgspec.NODEFAULT:
-            out[f.name] = f.default_factory
-        elif f.default is not msgspec.NODEFAULT:
-            out[f.name] = functools.partial(lambda v: v, f.default)
-    return out
+    """``{field: its declared default}`` for the fields of ``cls`` that have one, read once a
+    class (``msgspec.structs.fields`` resolves the annotations on every call). Only compared
+    with, never handed out, so a factory's value is made once."""
+    return {f.name: f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+            for f in msgspec.structs.fields(cls)
+            if f.default_factory is not msgspec.NODEFAULT or f.default is not msgspec.NODEFAULT}
 
 
 def at_default(record: Record, names: Iterable[str]) -> set[str]:
     """The fields among ``names`` that ``record`` holds at their declared default."""
     defaults = _defaults(type(record))
-    return {name for name in names if name in defaults and getattr(record, name) == defaults[name]()}
+    return {name for name in names if name in defaults and getattr(record, name) == defaults[name]}
 
 
 def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:
@@ -352,13 +349,10 @@ def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, 
     if isinstance(record, Record):
         if not isinstance(record, cls):
             raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}", "kind")
-        # every field (the records omit their defaults when encoded). The values stay as they
-        # are: builtins, or JSON text kept unparsed (`tensorverse.jsonbytes.RawJSON`: parts of
-        # the upstream's answer in a recorded turn), which the store's encoder writes as it is
+        # every field (the records omit their defaults when encoded), values as they are:
+        # builtins, or JSON text kept unparsed (`tensorverse.jsonbytes.RawJSON`: parts of the
+        # upstream's answer in a recorded turn), which the store's encoder writes as it is
         out: dict[str, Any] = msgspec.structs.asdict(record)
-        for name, value in out.items():
-            if isinstance(value, msgspec.Struct):
-                out[name] = msgspec.to_builtins(value)
         return out
     extra = unknown_fields(record, cls)
     if extra:
