@@ -89,12 +89,12 @@ def draw(p: Clustered, turns: int, rng: np.random.Generator) -> Stream:
 
 def fit(turns: Sequence[TurnEvidence], base: Clustered = Clustered()) -> Clustered:
     """Parameters of a noise-only shadow clustered like these real turns (excesses 0)."""
-    forced = [t for t in turns if t.positions]
+    forced = [(t.flips or 0, t.positions) for t in turns if t.positions]  # (flips, positions > 0)
     if not forced:
         return base
-    rates = np.array([(t.flips or 0) / (t.positions or 1) for t in forced])  # positions > 0 here
+    rates = np.array([f / n for f, n in forced])
     hit = rates > 0
-    pos = np.array([t.positions for t in forced])
+    pos = np.array([n for _, n in forced])
     tc = [t for t in turns if t.tool_call_turn and t.broke is not None]
     hard = float(hit.mean()) if hit.any() else base.hard
     hard_rate = float(rates[hit].mean()) if hit.any() else base.hard_rate
