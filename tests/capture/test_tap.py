@@ -296,3 +296,19 @@ def test_rows_with_an_evidence_spec_travel_compact_unless_they_are_evidence():
     assert (s["rows_compact"], s["rows_evidence"], s["rows_shipped"]) == (1, {"flip": 1, "requested": 1}, 3)
     assert s["bytes_shipped"] < 2 * V * 4 + 1000  # the compact row is a few hundred bytes
     tap.close()
+
+
+def test_rows_sent_in_full_are_counted_once_each_under_their_reason():
+    from tensorverse.capture.optin import EvidenceSpec
+
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=8)
+    logits = torch.linspace(-5.0, -1.0, V).repeat(4, 1)
+    logits[:3, 12] = 9.0  # forced 13, this runtime prefers 12: three flips
+    logits[3, 14] = 9.0  # requested
+    specs = [EvidenceSpec(20, 0.1, 13, False)] * 3 + [EvidenceSpec(20, 0.1, 14, True)]
+    assert tap.capture(logits, [(r, "run", r, None, specs[r]) for r in range(4)]) == 4
+    assert tap.flush(10)
+    assert tap.stats()["rows_evidence"] == {"flip": 3, "requested": 1}
+    assert [f.compact for f in sorted(sink.frames, key=lambda f: f.position)] == [False] * 4
+    tap.close()
