@@ -3,7 +3,8 @@
 With ``[capture] logits = "evidence"`` each shadow run asks the plugin to reduce its rows where
 they are captured (``tv_compact``; :mod:`tensorverse.capture.reduce` decides per row) and names
 the positions it wants in full whatever the row holds (``tv_full``), so that both sides of a
-likely flip are kept in every run of the turn, not only in the run that flips:
+likely flip are kept in every forced run of the turn, not only in the run that flips
+(:func:`requested_positions`):
 
 * the **tool-call regions** of the primary's answer (``tool_name``, ``tool_args``,
   ``tool_syntax``: the design's "every logit during tool calls"), when its pieces are known;
@@ -13,6 +14,15 @@ likely flip are kept in every run of the turn, not only in the run that flips:
   most of its rows);
 * the **seeded sample** of ``[retention] sample`` (the same positions compaction keeps for
   re-analysis: :func:`tensorverse.store.compaction.sampled`).
+
+A **free** run is asked for the seeded sample only (:func:`free_requested_positions`, over the
+positions it may generate), not for the primary's tool-call regions and close calls. Up to its
+divergence a free run decodes the primary's prefix, as the same backend's forced run does, so its
+row at a primary's position is that forced row again (the forced run keeps it); after the
+divergence the position belongs to another text, where the primary's close calls and tool calls
+mean nothing. The free comparison reads tokens, tool calls, the primary's recorded top-k and the
+forced run's top-1s, never a free run's rows. Asking free runs for the primary's positions too
+doubled the requested rows on the wire (``benchmarks/production_load.py``, ``benchmarks/RESULTS.md``).
 
 Each run keeps in full, by itself, its own flips (a forced row whose top-1 is not the primary's
 token) and its own close calls, below ``tv_close`` = :func:`close_threshold`: ``close_nats``, or
@@ -37,7 +47,8 @@ from tensorverse.capture.optin import KEY_CLOSE, KEY_COMPACT, KEY_FULL
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.compaction import sampled
 
-__all__ = ["SourceEvidence", "requested_positions", "close_threshold", "xargs", "TOOL_REGIONS"]
+__all__ = ["SourceEvidence", "requested_positions", "free_requested_positions", "close_threshold", "xargs",
+           "TOOL_REGIONS"]
 
 TOOL_REGIONS = frozenset({"tool_name", "tool_args", "tool_syntax"})
 
@@ -103,6 +114,13 @@ def requested_positions(turn: TurnInput, ev: SourceEvidence, pieces: Sequence[st
     want.update(_closest(turn, ev))
     want.update(p for p in range(n) if sampled(ev.seed, turn.id, p, ev.sample))
     return sorted(want)
+
+
+def free_requested_positions(turn: TurnInput, ev: SourceEvidence, length: int) -> list[int]:
+    """The positions a free run of ``turn`` sends in full whatever its rows hold: the seeded
+    sample of its first ``length`` positions (its ``max_tokens``; compaction samples a free run's
+    positions with the same hash), nothing of the primary's (see the module docstring)."""
+    return [p for p in range(max(0, int(length))) if sampled(ev.seed, turn.id, p, ev.sample)]
 
 
 def _ranges(ps: Sequence[int]) -> str:

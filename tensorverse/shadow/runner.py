@@ -40,7 +40,7 @@ from tensorverse.shadow.client import BackendClient, BackendError
 from tensorverse.shadow.completions import (forced_body, free_body, parse_completion,
                                             parse_prompt_logprobs, scoring_body)
 from tensorverse.shadow.doctor import probe_capabilities
-from tensorverse.shadow.evidence import SourceEvidence, close_threshold, requested_positions
+from tensorverse.shadow.evidence import SourceEvidence, close_threshold, free_requested_positions, requested_positions
 from tensorverse.shadow.evidence import xargs as evidence_xargs
 from tensorverse.shadow.runs import (MODES, fail_run, primary_parser_check, primary_record,
                                      primary_run_id, run_record, sent_sampling)
@@ -376,12 +376,16 @@ class ShadowRunner:
         return run
 
     def _ask_evidence(self, t: TurnInput, body: dict[str, Any], run: Run) -> None:
-        """With evidence at the source: ask the plugin for compact rows and the positions every
-        run keeps in full (`tensorverse.shadow.evidence`); say so on the run."""
+        """With evidence at the source: ask the plugin for compact rows and the positions the run
+        keeps in full (`tensorverse.shadow.evidence`: a forced run the primary's, a free run the
+        sample); say so on the run."""
         xargs = body.get("vllm_xargs")
         if self.evidence is None or not xargs or KEY_CAPTURE not in xargs:
             return
-        full = requested_positions(t, self.evidence)
+        if run.mode == "free":
+            full = free_requested_positions(t, self.evidence, int(body.get("max_tokens") or 0))
+        else:
+            full = requested_positions(t, self.evidence)
         close = close_threshold(t, self.evidence)
         xargs.update(evidence_xargs(self.evidence, full, close))
         run.evidence = {"k": self.evidence.k, "close_nats": close, "requested": len(full)}

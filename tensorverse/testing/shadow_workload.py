@@ -104,14 +104,14 @@ def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, sha
                ("candidate", "forced"): (cand, tokens), ("candidate", "free"): (free_rows, free_tokens)}
     runs = {}
     primary_top5 = _top5(ref)
-    full: set[int] = set()
+    full: dict[str, set[int]] = {"forced": set(), "free": set()}
     close = 0.0
     if evidence is not None:
-        from tensorverse.shadow.evidence import close_threshold, requested_positions
+        from tensorverse.shadow.evidence import close_threshold, free_requested_positions, requested_positions
         from tensorverse.shadow.turn import TurnInput
 
         ti = TurnInput(id=turn_id, prompt_token_ids=[0], output_token_ids=tokens, top_logprobs=list(primary_top5))
-        full = set(requested_positions(ti, evidence))
+        full = {"forced": set(requested_positions(ti, evidence)), "free": set(free_requested_positions(ti, evidence, n))}
         close = close_threshold(ti, evidence)
     for backend, _role in LINEUP:
         for mode in ("forced", "free"):
@@ -122,7 +122,7 @@ def prepare_turn(turn_id: str, session_id: str, index: int, ref: np.ndarray, sha
                 blobs = []
                 for p in range(n):
                     blob, compact = _at_source(x[p], evidence, close, tokens[p] if mode == "forced" else -1,
-                                               p in full)
+                                               p in full[mode])
                     blobs.append((p, blob, None, compact))
             runs[(backend, mode)] = (toks, _top5(x) if mode == "forced" else None, blobs)
     return PreparedTurn(turn_id, session_id, index, created_ns, tokens, real_flips, primary_top5, runs)

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tensorverse.capture.optin import Positions, parse_extra_args
-from tensorverse.shadow.evidence import SourceEvidence, close_threshold, requested_positions, xargs
+from tensorverse.shadow.evidence import (
+    SourceEvidence,
+    close_threshold,
+    free_requested_positions,
+    requested_positions,
+    xargs,
+)
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.compaction import sampled
 
@@ -49,6 +55,19 @@ def test_the_seeded_sample_is_the_one_compaction_keeps():
     ev = SourceEvidence(sample=0.3, seed=5)
     assert requested_positions(t, ev) == [p for p in range(11) if sampled(5, "turn-xyz", p, 0.3)]
     assert requested_positions(t, ev)  # 0.3 of 11 positions: some
+
+
+def test_a_free_run_is_asked_for_the_sample_of_its_own_length_and_nothing_of_the_primarys():
+    top = [[[100 + p, -0.01], [7, -0.02]] for p in range(11)]  # every position a close call
+    t = _turn(top=top, tid="turn-xyz")  # with tool-call regions
+    ev = SourceEvidence(sample=0.3, seed=5, close_share=1.0)
+    assert requested_positions(t, ev) == list(range(11))
+    assert free_requested_positions(t, ev, 40) == [p for p in range(40) if sampled(5, "turn-xyz", p, 0.3)]
+    # where the runs overlap, the forced and the free run keep the same sampled positions
+    assert [p for p in free_requested_positions(t, ev, 40) if p < 11] == \
+        requested_positions(t, SourceEvidence(sample=0.3, seed=5, close_share=0.0, close_nats=0.0), pieces=[])
+    assert free_requested_positions(t, SourceEvidence(sample=0.0), 40) == []
+    assert free_requested_positions(t, ev, 0) == [] and free_requested_positions(t, ev, -3) == []
 
 
 def test_pieces_of_another_length_are_ignored():

@@ -235,6 +235,40 @@ def test_forced_and_free_with_plugin_store_full_rows(store):
     assert fc and fc[0].kind == "topk" and 2 in fc[0].flips  # vs the primary's top-k
 
 
+def test_with_evidence_at_the_source_the_forced_run_asks_for_the_primarys_positions_and_the_free_run_for_the_sample(store):
+    from tensorverse.capture.optin import Positions, parse_extra_args
+    from tensorverse.shadow.evidence import SourceEvidence
+    from tensorverse.store.compaction import sampled
+
+    ev = SourceEvidence(sample=0.3, seed=5, close_share=1.0)
+
+    async def main():
+        prim = await FakeVLLM().start()
+        shadow = await FakeVLLM(store=store).start()
+        try:
+            turn = make_turn(prim)
+            out = turn["output_token_ids"]
+            turn["top_logprobs"][2] = {f"token_id:{out[2]}": -0.5, "token_id:7": -0.51}  # a close call
+            backends = [Backend("prim", prim.url, role="primary", logprobs=5), Backend("cand", shadow.url)]
+            runs = await shadow_turn(turn, backends, store, cache=RunnerCache(), evidence=ev)
+            return shadow, runs
+        finally:
+            await prim.close()
+            await shadow.close()
+
+    shadow, (_, forced, free) = run(main())
+    sent = {b["vllm_xargs"]["tv_capture"]: b for p, b in shadow.requests
+            if p == "/v1/completions" and "tv_capture" in (b.get("vllm_xargs") or {})}
+    want = {forced.id: sorted({2} | {p for p in range(6) if sampled(5, "t1", p, 0.3)}),
+            free.id: [p for p in range(sent[free.id]["max_tokens"]) if sampled(5, "t1", p, 0.3)]}
+    assert sent[free.id]["max_tokens"] == 6 + 64  # the free margin: the sample reaches past the primary's end
+    assert want[free.id] and any(p >= 6 for p in want[free.id])
+    for run_id, positions in want.items():
+        opt = parse_extra_args(sent[run_id]["vllm_xargs"])
+        assert opt.full == Positions.parse(positions) and opt.compact == 20, run_id
+    assert (forced.evidence["requested"], free.evidence["requested"]) == (len(want[forced.id]), len(want[free.id]))
+
+
 def test_plugin_missing_falls_back_to_prompt_logprobs(store):
     async def main():
         shadow = await FakeVLLM(plugin=False, flip_at={1: 33}).start()
