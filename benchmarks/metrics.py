@@ -30,6 +30,7 @@ from benchmarks._targets import finish
 
 from tensorverse.config import parse_config
 from tensorverse.exporters.metrics import REGIONS, Metrics
+from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison
 
 BACKENDS = ["flashinfer", "fp8-kv", "nvfp4", "tp2", "secondary"]
 
@@ -40,7 +41,7 @@ def config():
         for b in BACKENDS]})
 
 
-def turn_results(rng: np.random.Generator, n: int) -> list[dict]:
+def turn_results(rng: np.random.Generator, n: int) -> list[Comparison]:
     out = []
     regions = [REGIONS[i % 5] for i in range(n)]
     for b in BACKENDS:
@@ -52,19 +53,19 @@ def turn_results(rng: np.random.Generator, n: int) -> list[dict]:
             by_region: dict[str, int] = {}
             for f in flips:
                 by_region[regions[f]] = by_region.get(regions[f], 0) + 1
-            out.append({"mode": "forced", "backend": b, "role": role, "ref_role": rr, "status": "ok", "n": n,
-                        "flips": flips, "first_flip": flips[0] if flips else None,
-                        "summary": {"n": n, "flips": len(flips), "flips_by_region": by_region},
-                        "metrics": {"kl": kl.tolist()}, "noise": {"verdict": "within noise"}})
+            out.append(ForcedComparison(run_id=f"{b}-f", ref_run_id=rr, backend=b, role=role, ref_role=rr, n=n,
+                                        flips=flips, first_flip=flips[0] if flips else None,
+                                        summary={"n": n, "flips": len(flips), "flips_by_region": by_region},
+                                        metrics={"kl": kl.tolist()}, noise={"verdict": "within noise"}))
         pos = int(rng.integers(0, n))
-        out.append({"mode": "free", "backend": b, "role": role, "ref_role": "primary", "status": "ok",
-                    "diverged": True, "common_prefix": pos, "first_flip": pos, "verdict": "match",
-                    "ref_tool_calls": 1, "cand_tool_calls": 1, "region": "tool_args"})
+        out.append(FreeComparison(run_id=f"{b}-r", ref_run_id="primary", backend=b, role=role, ref_role="primary",
+                                  diverged=True, common_prefix=pos, first_flip=pos, verdict="match",
+                                  ref_tool_calls=1, cand_tool_calls=1, region="tool_args"))
     return out
 
 
-def tokens_of(results: list[dict]) -> int:
-    return sum(r["n"] if r["mode"] == "forced" else r["common_prefix"] + 1 for r in results)
+def tokens_of(results: list[Comparison]) -> int:
+    return sum((r.n or 0) if isinstance(r, ForcedComparison) else (r.common_prefix or 0) + 1 for r in results)
 
 
 def bench_updates(turns: int, n: int) -> float:

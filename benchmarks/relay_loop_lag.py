@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -53,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -126,8 +126,10 @@ async def _phase(work: Callable[[], Awaitable[Any]] | None, idle_s: float) -> tu
     return _stats(lags), out, wall
 
 
-def _canon(results: list[list[dict]]) -> str:
-    return json.dumps([sorted(r, key=lambda c: (c["run_id"], c["ref_run_id"])) for r in results], sort_keys=True)
+def _canon(results: list[list[Any]]) -> bytes:
+    # every field (a record that crossed a process boundary no longer omits its defaults)
+    return msgspec.json.encode([[msgspec.structs.asdict(c) for c in sorted(r, key=lambda c: (c.run_id, c.ref_run_id))]
+                                for r in results], order="sorted")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             workers = AnalysisWorkers(store.path, 1)
 
-            async def in_thread() -> list[list[dict]]:
+            async def in_thread() -> list[list[Any]]:
                 return [await asyncio.to_thread(compare_turn, store, tid, store_results=False) for tid in ids]
 
-            async def in_workers() -> list[list[dict]]:
+            async def in_workers() -> list[list[Any]]:
                 return [await workers.compare(store, tid) for tid in ids]
 
             policy = EvidencePolicy(after_s=0.0)

@@ -373,7 +373,7 @@ def _char_regions(text: str, start_in_thinking: bool | None) -> list[str]:
     return lab.r
 
 
-def tag_regions(pieces: Sequence[str], *, start_in_thinking: bool | None = None) -> list[str]:
+def tag_regions(pieces: Sequence[str | None], *, start_in_thinking: bool | None = None) -> list[str]:
     """Region of each output token; ``pieces`` are the tokens' decoded texts, in order.
 
     Returns exactly ``len(pieces)`` entries. Never raises on odd text (non-string pieces are
@@ -406,7 +406,7 @@ def tag_regions(pieces: Sequence[str], *, start_in_thinking: bool | None = None)
 UNKNOWN = "unknown"  # the region of a position with no pieces to tag
 
 
-def region_at(pieces: Sequence[str] | None, position: int | None) -> str:
+def region_at(pieces: Sequence[str | None] | None, position: int | None) -> str:
     """The region of one output position, from the primary's decoded pieces (``unknown`` when the
     pieces or the position are missing, or the pieces cannot be tagged)."""
     if not pieces or position is None or not 0 <= position < len(pieces):

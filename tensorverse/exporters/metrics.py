@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from tensorverse.analysis.regions import UNKNOWN, region_at
-from tensorverse.store.records import Run
+from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison, Run
 
 __all__ = [
     "Metrics",
@@ -521,48 +521,48 @@ class Metrics:
             if bad:
                 self.parser_mismatch.inc((b,))
 
-    def observe_comparisons(self, results: Iterable[Mapping[str, Any]], *,
+    def observe_comparisons(self, results: Iterable[Comparison], *,
                             pieces: Sequence[str] | None = None) -> None:
         """Comparisons as `tensorverse.shadow.compare.compare_turn` returned (and stored) them.
 
         ``pieces``: the primary's decoded output pieces, for the region of free-mode flips
-        (a result's own ``region`` wins)."""
+        that have none of their own (stored before free comparisons held it)."""
         with self._lock:
             for r in results:
                 self._observe(r, pieces)
 
-    def observe_comparison(self, result: Mapping[str, Any], *, pieces: Sequence[str] | None = None) -> None:
+    def observe_comparison(self, result: Comparison, *, pieces: Sequence[str] | None = None) -> None:
         with self._lock:
             self._observe(result, pieces)
 
-    def _observe(self, r: Mapping[str, Any], pieces: Sequence[str] | None) -> None:
-        b = r.get("backend")
-        mode = r.get("mode")
+    def _observe(self, r: Comparison, pieces: Sequence[str] | None) -> None:
+        b = r.backend
+        mode = r.mode
         if not isinstance(b, str) or mode not in MODES:
             return
-        role = self._role(b, r.get("role"))
-        rr = r.get("ref_role")
+        role = self._role(b, r.role)
+        rr = r.ref_role
         if rr not in REF_ROLES:
-            rr = "primary" if (mode == "free" or r.get("ref_backend") == self.primary) else \
-                (self.backends.get(r.get("ref_backend") or "", "reference"))
-        if r.get("status") != "ok":
+            rr = "primary" if (mode == "free" or r.ref_backend == self.primary) else \
+                (self.backends.get(r.ref_backend or "", "reference"))
+        if r.status != "ok":
             self.comparisons.inc((b, role, mode, rr, "error"))
             return
         self.comparisons.inc((b, role, mode, rr, "ok"))
-        if r.get("template_mismatch"):
+        if r.template_mismatch:
             self.template.inc((b, role))
         key = (b, role, mode, rr)
-        if mode == "forced":
+        if isinstance(r, ForcedComparison):
             self._observe_forced(r, key)
         else:
             self._observe_free(r, key, pieces)
 
-    def _observe_forced(self, r: Mapping[str, Any], key: tuple[str, str, str, str]) -> None:
+    def _observe_forced(self, r: ForcedComparison, key: tuple[str, str, str, str]) -> None:
         b, role, mode, rr = key
-        summary = r.get("summary") or {}
-        n = int(r.get("n") or summary.get("n") or 0)
+        summary = r.summary or {}
+        n = int(r.n or summary.get("n") or 0)
         self.compared_tokens.inc(key, n)
-        n_flips = int(summary.get("flips", len(r.get("flips") or ())))
+        n_flips = int(summary.get("flips", len(r.flips or ())))
         counted = 0
         for reg, cls, k in _flip_cells(r, summary):
             if k:
@@ -570,31 +570,31 @@ class Metrics:
                 counted += k
         if n_flips > counted:
             self.flips.inc((*key, UNKNOWN, UNCLASSIFIED), n_flips - counted)
-        ff = r.get("first_flip")
+        ff = r.first_flip
         if isinstance(ff, int):
             self.first_flip.observe(key, float(ff))
-        kl = (r.get("metrics") or {}).get("kl")
+        kl = (r.metrics or {}).get("kl")
         if kl:
             self.kl.observe_many((b, role, rr), np.asarray(kl, dtype=np.float64))
-        noise = r.get("noise")
+        noise = r.noise
         if isinstance(noise, Mapping) and noise.get("verdict"):
             v = str(noise["verdict"]).replace(" ", "_")
             if v in NOISE_VERDICTS:
                 self.noise.inc((b, role, v))
 
-    def _observe_free(self, r: Mapping[str, Any], key: tuple[str, str, str, str],
+    def _observe_free(self, r: FreeComparison, key: tuple[str, str, str, str],
                       pieces: Sequence[str] | None) -> None:
         b, role, mode, rr = key
-        d = r.get("divergence") or {}
-        diverged = bool(r.get("diverged", d.get("position") is not None))
-        prefix = r.get("common_prefix", d.get("common_prefix"))
+        d = r.divergence or {}
+        diverged = bool(r.diverged if r.diverged is not None else d.get("position") is not None)
+        prefix = r.common_prefix if r.common_prefix is not None else d.get("common_prefix")
         prefix = int(prefix) if isinstance(prefix, int) else 0
         self.compared_tokens.inc(key, prefix + (1 if diverged else 0))
-        cls = r.get("flip_class")
+        cls = r.flip_class
         cls = cls if cls in FLIP_CLASSES else UNCLASSIFIED
         if diverged:
-            pos = r.get("first_flip", d.get("position"))
-            reg = r.get("region")
+            pos = r.first_flip if r.first_flip is not None else d.get("position")
+            reg = r.region
             if reg not in REGIONS:
                 reg = region_at(pieces, pos if isinstance(pos, int) else None)
             self.flips.inc((*key, reg, cls))
@@ -602,9 +602,9 @@ class Metrics:
                 self.first_flip.observe(key, float(pos))
         elif cls == "parser":  # identical tokens, different tool calls
             self.flips.inc((*key, UNKNOWN, cls))
-        verdict = r.get("verdict")
+        verdict = r.verdict
         if verdict is not None:
-            if verdict == "match" and not r.get("ref_tool_calls") and not r.get("cand_tool_calls"):
+            if verdict == "match" and not r.ref_tool_calls and not r.cand_tool_calls:
                 verdict = "none"
             self.verdicts.inc((b, role, verdict if verdict in VERDICTS else "malformed"))
 
@@ -641,7 +641,7 @@ class Metrics:
         return reg
 
 
-def _flip_cells(r: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[str, str, int]]:
+def _flip_cells(r: ForcedComparison, summary: Mapping[str, Any]) -> list[tuple[str, str, int]]:
     """(region, class, flips) of a forced comparison: from ``flips_by_region_class`` when it
     has one, else by class (region unknown), else by region (class ``unclassified``: stored
     before issue 19)."""
@@ -654,7 +654,7 @@ def _flip_cells(r: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[
                     out.append((reg if reg in REGIONS else UNKNOWN,
                                 cls if cls in FLIP_CLASSES else UNCLASSIFIED, int(k)))
         return out
-    by_class = r.get("flips_by_class") or summary.get("flips_by_class")  # in the summary: stored before 2026-12-05
+    by_class = r.flips_by_class or summary.get("flips_by_class")  # in the summary: stored before 2026-12-05
     if isinstance(by_class, Mapping) and by_class:
         return [(UNKNOWN, c if c in FLIP_CLASSES else UNCLASSIFIED, int(k)) for c, k in by_class.items()]
     by_region = summary.get("flips_by_region")

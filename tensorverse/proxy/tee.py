@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 from tensorverse.proxy.budget import ShadowBudget
 from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
-from tensorverse.store.records import Run, Turn
+from tensorverse.store.records import Comparison, ComparisonBase, Run, Turn
 
 log = logging.getLogger("tensorverse.proxy.tee")
 
@@ -242,7 +242,7 @@ class ShadowTee(Addon):
             else:
                 if self.metrics is not None and isinstance(results, list):
                     try:  # the comparisons, stored by now
-                        self.metrics.observe_comparisons(r for r in results if isinstance(r, dict))
+                        self.metrics.observe_comparisons(r for r in results if isinstance(r, ComparisonBase))
                     except Exception:
                         log.exception("shadow tee: metrics of turn %s", turn.id)
         self.counters["turns_done"] += 1
@@ -346,7 +346,7 @@ class PackageRunner:
                                          for r in bad))
         return runs
 
-    async def finish(self, turn: Turn, store: Any) -> list[dict]:
+    async def finish(self, turn: Turn, store: Any) -> list[Comparison]:
         """Compare (and store) the turn's runs; returns the comparisons. Free-mode results get
         the ``region`` of their divergence (from the primary's pieces) for the flip metrics, and
         the missing rows of the runs are counted."""
@@ -358,34 +358,25 @@ class PackageRunner:
         await asyncio.to_thread(put_comparisons, store, results)
         return await asyncio.to_thread(self._observe, store, turn.id, results)
 
-    def _compare(self, store: Any, turn_id: str) -> list[dict]:
+    def _compare(self, store: Any, turn_id: str) -> list[Comparison]:
         from tensorverse.shadow.compare import compare_turn
 
         return self._observe(store, turn_id, compare_turn(store, turn_id))
 
-    def _observe(self, store: Any, turn_id: str, results: list[dict]) -> list[dict]:
-        """The proxy's metrics of a compared turn; free-mode divergences get their region."""
+    def _observe(self, store: Any, turn_id: str, results: list[Comparison]) -> list[Comparison]:
+        """The proxy's metrics of a compared turn that the comparisons do not hold: the primary's
+        parser check, rows that never arrived."""
         from tensorverse.shadow.runs import primary_run_id
 
         if self.metrics is not None:
-            from tensorverse.analysis.regions import region_at
-
             try:  # the primary's parser check (issue 19), once per turn
                 self.metrics.observe_parser_check(store.get_run(primary_run_id(turn_id)))
             except KeyError:
                 pass
 
-            compared = {r.get("run_id") for r in results}
+            compared = {r.run_id for r in results}
             runs = [r for r in store.iter_runs(turn_id) if r.id in compared]
             self.metrics.observe_missing_rows(runs)
-            if any(r.get("mode") == "free" and r.get("diverged") for r in results):
-                try:
-                    pieces = store.get_run(primary_run_id(turn_id)).pieces
-                except KeyError:
-                    pieces = None
-                for r in results:
-                    if r.get("mode") == "free" and r.get("diverged") and "region" not in r:
-                        r["region"] = region_at(pieces, r.get("first_flip"))
         return results
 
     async def close(self) -> None:

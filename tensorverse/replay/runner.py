@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from tensorverse.replay.corpus import Corpus, load_corpus
 from tensorverse.replay.journal import journal_key, read_journal
 from tensorverse.replay.options import ReplayOptions
-from tensorverse.store.records import RECORDED, Run, Session, Turn
+from tensorverse.store.records import RECORDED, Comparison, ForcedComparison, FreeComparison, Run, Session, Turn
 from tensorverse.replay.rig import rig_fingerprint
 from tensorverse.shadow.backend import Backend
 
@@ -95,7 +95,7 @@ def _turn_id(prefix: str, case_id: str, index: int) -> str:
 # ----------------------------------------------------------------------------------- the runner
 
 
-def _vs_recorded(run: Run | None, rec: Mapping[str, Any]) -> dict[str, Any]:
+def _vs_recorded(run: Run | None, rec: Mapping[str, Any]) -> FreeComparison:
     """A free run against the case's recorded output: divergence and tool-call verdict."""
     from tensorverse.shadow.compare import compare_free
 
@@ -214,7 +214,7 @@ class _Replay:
                  finish_reason=run.finish_reason, backend=ref.name)
         vs = _vs_recorded(run, rec)
         return t, run, {"source": "reference", "backend": ref.name, "tokens": len(t["output_token_ids"]),
-                        "vs_recorded": {k: vs[k] for k in ("diverged", "first_flip", "verdict")}}
+                        "vs_recorded": {"diverged": vs.diverged, "first_flip": vs.first_flip, "verdict": vs.verdict}}
 
     async def _put_case_records(self, case: Mapping[str, Any], turn: Mapping[str, Any],
                                 t: Mapping[str, Any], first: bool) -> None:
@@ -269,17 +269,16 @@ class _Replay:
                 jobs.append(self._run(t, ("forced",), forced_only))
             for got in await asyncio.gather(*jobs):
                 runs += got
-            comps: list[dict] = []
+            comps: list[Comparison] = []
+            compare_error = None
             if runs:
                 try:
                     comps = await asyncio.to_thread(compare_turn, self.store, t["id"], roles=roles)
                 except Exception as e:  # noqa: BLE001 - recorded per run below, never fatal
-                    comps = [{"mode": m, "backend": b.name, "ref_backend": opts.reference,
-                              "status": "error", "error": f"{type(e).__name__}: {e}"}
-                             for b in live for m in opts.modes]
+                    compare_error = f"{type(e).__name__}: {e}"
             per: dict[str, Any] = {}
             for b in live:
-                per[b.name] = self._turn_result(b, runs, comps, tokens)
+                per[b.name] = self._turn_result(b, runs, comps, tokens, compare_error)
             if ref_b is not None:
                 self._reference_free_row(per[ref_b.name], ref_run, rec,
                                          on_path=ref_b.name in active and "free" in opts.modes)
@@ -288,7 +287,7 @@ class _Replay:
                 if free is None or "free" not in opts.modes:
                     continue
                 run = next((r for r in runs if r.backend == name and r.mode == "free"), None)
-                path = _vs_recorded(run, rec)["verdict"] if free.get("status") == "ok" and run else None
+                path = _vs_recorded(run, rec).verdict if free.get("status") == "ok" and run else None
                 if free.get("status") != "ok" or path != "match":
                     active.discard(name)
                     branch[name] = {"status": "diverged" if free.get("status") == "ok" else "error",
@@ -320,18 +319,20 @@ class _Replay:
         else:
             c = _vs_recorded(run, rec)
             res.update(tokens=len(run.token_ids or []), finish_reason=run.finish_reason,
-                       diverged=c["diverged"], first_flip=c["first_flip"],
-                       common_prefix=c["common_prefix"], verdict=c["verdict"],
+                       diverged=c.diverged, first_flip=c.first_flip,
+                       common_prefix=c.common_prefix, verdict=c.verdict,
                        differences=[{k: v for k, v in d.items()
                                      if self.opts.include_text or k in ("kind", "path")}
-                                    for d in (c.get("tool_calls") or {}).get("differences") or ()],
+                                    for d in (c.tool_calls or {}).get("differences") or ()],
                        vs="recorded")
             if self.opts.include_text:
                 res["text"] = run.text
         row["free"] = res
 
-    def _turn_result(self, b: Backend, runs: Sequence[Run], comps: Sequence[Mapping],
-                     tokens: Sequence[int]) -> dict[str, Any]:
+    def _turn_result(self, b: Backend, runs: Sequence[Run], comps: Sequence[Comparison],
+                     tokens: Sequence[int], compare_error: str | None = None) -> dict[str, Any]:
+        """One backend's runs of a turn, with their comparisons (``compare_error``: comparing the
+        turn failed, said on each run that ran)."""
         out: dict[str, Any] = {}
         for mode in self.opts.modes:
             run = next((r for r in runs if r.backend == b.name and r.mode == mode), None)
@@ -348,34 +349,38 @@ class _Replay:
                 continue
             if mode == "forced":
                 res["departures"] = _departures(run, tokens)
-                c = next((c for c in comps if c.get("mode") == "forced" and c.get("backend") == b.name
-                          and c.get("ref_backend") == self.opts.reference), None)
-                if c is not None and c.get("status") == "ok":
-                    m = c.get("metrics") or {}
-                    res.update(kind=c.get("kind"), n=c.get("n"), flips=c.get("flips"),
-                               first_flip=c.get("first_flip"), approximate=c.get("approximate"),
+                c = next((c for c in comps if isinstance(c, ForcedComparison) and c.backend == b.name
+                          and c.ref_backend == self.opts.reference), None)
+                if c is not None and c.status == "ok":
+                    m = c.metrics or {}
+                    res.update(kind=c.kind, n=c.n, flips=c.flips,
+                               first_flip=c.first_flip, approximate=c.approximate,
                                top1_agree=sum(1 for x in m.get("top1_agree") or () if x),
                                kl=[round(float(x), 9) for x in m.get("kl") or ()],
-                               flip_tokens=c.get("flip_tokens") if self.opts.include_text else None,
-                               flip_regions=[f.get("region") for f in c.get("flip_tokens") or ()],
-                               flip_classes=c.get("flip_classes"))
+                               flip_tokens=c.flip_tokens if self.opts.include_text else None,
+                               flip_regions=[f.get("region") for f in c.flip_tokens or ()],
+                               flip_classes=c.flip_classes)
                 elif c is not None:
-                    res["compare_error"] = c.get("error")
+                    res["compare_error"] = c.error
+                elif compare_error is not None:
+                    res["compare_error"] = compare_error
             else:
-                c = next((c for c in comps if c.get("mode") == "free" and c.get("backend") == b.name), None)
+                fc = next((c for c in comps if isinstance(c, FreeComparison) and c.backend == b.name), None)
                 res.update(tokens=len(run.token_ids or []), finish_reason=run.finish_reason)
                 if self.opts.include_text:
                     res["text"] = run.text
-                if c is not None and c.get("status") == "ok":
-                    tc = c.get("tool_calls") or {}
-                    res.update(diverged=c.get("diverged"), first_flip=c.get("first_flip"),
-                               common_prefix=c.get("common_prefix"), verdict=c.get("verdict"),
+                if fc is not None and fc.status == "ok":
+                    tc = fc.tool_calls or {}
+                    res.update(diverged=fc.diverged, first_flip=fc.first_flip,
+                               common_prefix=fc.common_prefix, verdict=fc.verdict,
                                differences=[{k: v for k, v in d.items()
                                              if self.opts.include_text or k in ("kind", "path")}
                                             for d in tc.get("differences") or ()],
-                               confirms_forced=c.get("confirms_forced"), flip_class=c.get("flip_class"))
-                elif c is not None:
-                    res["compare_error"] = c.get("error")
+                               confirms_forced=fc.confirms_forced, flip_class=fc.flip_class)
+                elif fc is not None:
+                    res["compare_error"] = fc.error
+                elif compare_error is not None:
+                    res["compare_error"] = compare_error
             out[mode] = res
         return out
 

@@ -33,9 +33,12 @@ import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tensorverse.forkserver import worker_context
+
+if TYPE_CHECKING:
+    from tensorverse.store.records import Comparison
 
 __all__ = ["AnalysisWorkers", "compare_in_worker", "plan_in_worker"]
 
@@ -53,7 +56,7 @@ def _store(path: str) -> Any:
     return st
 
 
-def compare_in_worker(store_path: str, turn_id: str) -> list[dict[str, Any]]:
+def compare_in_worker(store_path: str, turn_id: str) -> list[Comparison]:
     """In a worker process: the comparisons of one stored turn, not stored."""
     from tensorverse.shadow.compare import compare_turn
 
@@ -105,7 +108,7 @@ class AnalysisWorkers:
             pool = self._get_pool()
             return pool, pool.submit(fn, *args)
 
-    async def compare(self, store: Any, turn_id: str) -> list[dict[str, Any]]:
+    async def compare(self, store: Any, turn_id: str) -> list[Comparison]:
         """The turn's comparisons, computed in a worker (in a thread, over ``store``, the proxy's
         open store, if the worker died); not stored."""
         pool, fut = self._submit(compare_in_worker, self.store_path, turn_id)

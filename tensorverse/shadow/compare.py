@@ -22,8 +22,12 @@ the primary's (``forced_departure``, ``confirms_forced``).
 A chat-template mismatch recorded on a run is carried as ``template_mismatch`` (never counted as
 a flip). Runs refused by the same-dictionary check have no comparisons.
 
-Result keys (forced): ``turn_id``, ``mode``, ``kind`` (``full``/``topk``), ``backend``,
-``ref_backend``, ``role``, ``ref_role``, ``approximate``, ``noise_floor``, ``n``, ``positions``
+The results are typed records, as the store reads them back:
+:class:`~tensorverse.store.records.ForcedComparison` and
+:class:`~tensorverse.store.records.FreeComparison` (failed comparisons too, with ``status:
+error`` and ``error``). Fields (forced): ``run_id``, ``ref_run_id``, ``turn_id``, ``mode``,
+``kind`` (``full``/``topk``), ``backend``, ``ref_backend``, ``role``, ``ref_role``,
+``approximate``, ``noise_floor``, ``n``, ``positions``
 (compared output positions), ``incomplete`` (rows missing on either side), ``summary``
 (:func:`tensorverse.analysis.metrics.summarize`, with regions), ``flips`` (positions),
 ``first_flip``, ``flip_tokens`` (per flip: position, token, ref_top1, cand_top1), ``metrics``
@@ -34,7 +38,8 @@ Result keys (forced): ``turn_id``, ``mode``, ``kind`` (``full``/``topk``), ``bac
 rule, the noise source, per flip its margin, steps and dtype), and for candidates against the
 primary ``excess`` (runtime-class flip rate minus the noise floor's, with its 95 % interval).
 Free: ``divergence`` (``position``, ``common_prefix``, ``kind``, ``ref_token``, ``cand_token``...),
-``common_prefix``, ``diverged``, ``tool_calls`` (verdict dict), ``verdict``, ``forced_departure``,
+``common_prefix``, ``diverged``, ``region`` (of the primary's output at the divergence, when its
+pieces are known), ``tool_calls`` (verdict dict), ``verdict``, ``forced_departure``,
 ``confirms_forced``, ``template_mismatch``, ``flip_class`` (None: no flip), ``flips_by_class``,
 ``attribution``. All of these are optional for readers: comparisons stored before them still read.
 
@@ -66,11 +71,11 @@ from tensorverse.analysis.flips import forced_flips, free_divergence
 from tensorverse.analysis.metrics import (AnalysisInputError, PositionMetrics, position_metrics, summarize,
                                           widen_bf16)
 from tensorverse.analysis.noise import compare_flip_rates
-from tensorverse.analysis.regions import tag_regions
+from tensorverse.analysis.regions import region_at, tag_regions
 from tensorverse.analysis.toolcalls import compare_tool_calls, extract_tool_calls
 from tensorverse.analysis.topk import parse_top_logprobs, topk_position_metrics
 from tensorverse.store import records
-from tensorverse.store.records import Run
+from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison, Run
 from tensorverse.store.compact import CompactRow, compact_row, decode_compact
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 
@@ -290,7 +295,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
     if sparse:  # back into position order
         idx = np.argsort(np.asarray(order), kind="stable")
         m = _take(m, idx)
-        classes.sort(key=lambda a: a.position)
+        classes.sort(key=lambda a: -1 if a.position is None else a.position)
     return m, both, len(both) < n, classes, sparse
 
 
@@ -329,10 +334,10 @@ def _template_mismatch(*runs: Run | None) -> bool:
 
 
 def compare_forced(store: Store, cand: RunLike, ref: RunLike,
-                   tokens: Sequence[int], *, pieces: Sequence[str] | None = None,
+                   tokens: Sequence[int], *, pieces: Sequence[str | None] | None = None,
                    roles: Mapping[str, str] | None = None,
                    noise_positions: Collection[int] | None = None, noise_source: str | None = None,
-                   rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
+                   rule: TieRule = DEFAULT_RULE) -> ForcedComparison:
     """One forced-mode comparison (full rows when both runs have them, else top-k).
 
     ``noise_positions``: positions where the noise run flips (None: no noise run; then no flip
@@ -342,17 +347,6 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
     n = len(tokens)
     role = roles.get(cand.backend, cand.role)
     ref_role = roles.get(ref.backend, ref.role)
-    result: dict[str, Any] = {
-        "turn_id": cand.turn_id,
-        "mode": "forced",
-        "backend": cand.backend,
-        "ref_backend": ref.backend,
-        "role": role,
-        "ref_role": ref_role,
-        "noise_floor": role == "secondary" and ref_role == "primary",
-        "template_mismatch": _template_mismatch(cand, ref),
-        "status": "ok",
-    }
     incomplete = False
     sparse: list[int] = []
     if _full(cand) and _full(ref):
@@ -360,12 +354,12 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
         k = min(cand.k or 10**9, ref.k or 10**9)
-        m = topk_position_metrics(ref.top_logprobs[:n], cand.top_logprobs[:n], list(tokens),
-                                  k=None if k == 10**9 else k)
+        ref_top, cand_top = ref.top_logprobs or [], cand.top_logprobs or []  # _has_topk: n entries each
+        m = topk_position_metrics(ref_top[:n], cand_top[:n], list(tokens), k=None if k == 10**9 else k)
         positions = list(range(n))
         kind = "topk"
         flip_set = set(forced_flips(m))
-        entries = [parse_top_logprobs(ref.top_logprobs[p]) if p in flip_set else {} for p in positions]
+        entries = [parse_top_logprobs(ref_top[p]) if p in flip_set else {} for p in positions]
         noise = None if noise_positions is None else [p in noise_positions for p in positions]
         classes = classify_forced_topk(entries, m.ref_top1, m.cand_top1, noise=noise, rule=rule)
     else:
@@ -388,30 +382,33 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
             c = by_rc.setdefault(regions[i], {})
             c[cls_at[positions[i]]] = c.get(cls_at[positions[i]], 0) + 1
         summary["flips_by_region_class"] = by_rc
-    result.update({
-        "kind": kind,
-        "approximate": kind != "full" or bool(sparse),
-        "compact_positions": sparse or None,
-        "n": len(positions),
-        "positions": positions if incomplete else None,
-        "incomplete": incomplete,
-        "summary": summary,
-        "flips": flips,
-        "flip_classes": flip_classes,
-        "flips_by_class": by_class,
-        "attribution": {"rule": rule.as_dict(), "noise_source": noise_source,
-                        "details": [a.as_dict() for a in classes[:256]]},
-        "first_flip": flips[0] if flips else None,
-        "flip_tokens": [{"position": positions[i], "token": int(m.tokens[i]),
-                         "ref_top1": int(m.ref_top1[i]), "cand_top1": int(m.cand_top1[i]),
-                         "region": regions[i] if regions else None,
-                         "flip_class": cls_at[positions[i]]} for i in flips_local[:256]],
-        "metrics": _columns(m),
-        "regions": regions,
-    })
-    if result["summary"].get("first_flip") is not None:
-        result["summary"]["first_flip"] = flips[0]
-    return result
+    if summary.get("first_flip") is not None:
+        summary["first_flip"] = flips[0]
+    return ForcedComparison(
+        run_id=cand.id, ref_run_id=ref.id, turn_id=cand.turn_id, backend=cand.backend,
+        ref_backend=ref.backend, role=role, ref_role=ref_role,
+        noise_floor=role == "secondary" and ref_role == "primary",
+        template_mismatch=_template_mismatch(cand, ref), status="ok",
+        kind=kind,
+        approximate=kind != "full" or bool(sparse),
+        compact_positions=sparse or None,
+        n=len(positions),
+        positions=positions if incomplete else None,
+        incomplete=incomplete,
+        summary=summary,
+        flips=flips,
+        flip_classes=flip_classes,
+        flips_by_class=by_class,
+        attribution={"rule": rule.as_dict(), "noise_source": noise_source,
+                     "details": [a.as_dict() for a in classes[:256]]},
+        first_flip=flips[0] if flips else None,
+        flip_tokens=[{"position": positions[i], "token": int(m.tokens[i]),
+                      "ref_top1": int(m.ref_top1[i]), "cand_top1": int(m.cand_top1[i]),
+                      "region": regions[i] if regions else None,
+                      "flip_class": cls_at[positions[i]]} for i in flips_local[:256]],
+        metrics=_columns(m),
+        regions=regions,
+    )
 
 
 def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Store) -> int | None:
@@ -449,13 +446,15 @@ def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Store) -
 def compare_free(cand: RunLike, primary: RunLike, *,
                  forced: RunLike | None = None, store: Any = None,
                  roles: Mapping[str, str] | None = None,
-                 noise_positions: Collection[int] = (), rule: TieRule = DEFAULT_RULE) -> dict[str, Any]:
+                 noise_positions: Collection[int] = (), rule: TieRule = DEFAULT_RULE,
+                 pieces: Sequence[str | None] | None = None) -> FreeComparison:
     """One free-mode comparison with the primary's recorded output.
 
     Its flip (the divergence point, or differing tool calls on identical tokens) is classified:
     the tie rule on the primary's recorded top-k at that point, ``noise`` when a noise run flips
     or diverges there (``noise_positions``), ``parser`` when the primary's own parser check
-    (``primary["parser_check"]``) found a mismatch."""
+    (``primary["parser_check"]``) found a mismatch. ``pieces``: the primary's output pieces (the
+    region of the divergence; default the primary's own)."""
     roles = roles or {}
     cand, primary = records.run(cand), records.run(primary)
     forced = records.run(forced) if forced is not None else None
@@ -477,45 +476,40 @@ def compare_free(cand: RunLike, primary: RunLike, *,
         except AnalysisInputError:
             pair = None
     pc = primary.parser_check
+    pcs = pieces if pieces is not None else primary.pieces
     flip = classify_free(position=d.position, ref_token=d.ref_token, cand_token=d.cand_token,
                          ref_logits=pair, noise_positions=noise_positions,
                          tool_calls_differ=not verdict.match,
                          primary_parser_mismatch=bool(pc and pc.get("mismatch")),
                          rule=rule)
-    return {
-        "turn_id": cand.turn_id,
-        "mode": "free",
-        "kind": "tokens",
-        "backend": cand.backend,
-        "ref_backend": primary.backend,
-        "role": role,
-        "ref_role": "primary",
-        "noise_floor": role == "secondary",
-        "approximate": False,
-        "status": "ok",
-        "divergence": d.as_dict(),
-        "diverged": d.diverged,
-        "common_prefix": d.common_prefix,
-        "first_flip": d.position,
-        "flip_class": flip.flip_class.value if flip is not None else None,
-        "flips_by_class": flips_by_class([flip]),
-        "attribution": {"rule": rule.as_dict(), "flip": flip.as_dict() if flip is not None else None},
-        "tool_calls": verdict.to_dict(),
-        "verdict": verdict.verdict,
-        "ref_tool_calls": len(ref_x.calls),
-        "cand_tool_calls": len(cand_x.calls),
-        "forced_departure": departure,
-        "confirms_forced": (departure == d.position) if forced_ok else None,
-        "template_mismatch": _template_mismatch(cand),
-        "finish_reason": cand.finish_reason,
-        "ref_finish_reason": primary.finish_reason,
-    }
+    return FreeComparison(
+        run_id=cand.id, ref_run_id=primary.id, turn_id=cand.turn_id, kind="tokens",
+        backend=cand.backend, ref_backend=primary.backend, role=role, ref_role="primary",
+        noise_floor=role == "secondary", approximate=False, status="ok",
+        divergence=d.as_dict(),
+        diverged=d.diverged,
+        common_prefix=d.common_prefix,
+        first_flip=d.position,
+        region=region_at(pcs, d.position) if d.diverged and pcs else None,
+        flip_class=flip.flip_class.value if flip is not None else None,
+        flips_by_class=flips_by_class([flip]),
+        attribution={"rule": rule.as_dict(), "flip": flip.as_dict() if flip is not None else None},
+        tool_calls=verdict.to_dict(),
+        verdict=verdict.verdict,
+        ref_tool_calls=len(ref_x.calls),
+        cand_tool_calls=len(cand_x.calls),
+        forced_departure=departure,
+        confirms_forced=(departure == d.position) if forced_ok else None,
+        template_mismatch=_template_mismatch(cand),
+        finish_reason=cand.finish_reason,
+        ref_finish_reason=primary.finish_reason,
+    )
 
 
 def compare_runs(store: Store, runs: Iterable[RunLike], *,
-                 roles: Mapping[str, str] | None = None, pieces: Sequence[str] | None = None,
+                 roles: Mapping[str, str] | None = None, pieces: Sequence[str | None] | None = None,
                  store_results: bool = True,
-                 backends: Collection[str] | None = None) -> list[dict[str, Any]]:
+                 backends: Collection[str] | None = None) -> list[Comparison]:
     """All comparisons of one turn's runs (see the module docstring); stored when asked.
 
     ``backends``: only the comparisons that involve these backends (as candidate, or as the
@@ -534,7 +528,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
     forced = {b: r for (b, m), r in latest.items() if m == "forced"}
     free = {b: r for (b, m), r in latest.items() if m == "free"}
     ref = select_reference(list(forced.values()), roles)
-    out: list[dict[str, Any]] = []
+    out: list[Comparison] = []
     floor_run = next((r for b, r in sorted(forced.items()) if r.status == "ok"
                       and roles.get(b, r.role) == "secondary"), None)
     pivots = {x.backend for x in (ref, floor_run) if x is not None}
@@ -543,77 +537,69 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
     def wanted(b: str) -> bool:
         return everything or b in (backends or ())
 
-    def add(result: dict[str, Any], run_id: str, ref_run_id: str) -> None:
-        result["run_id"] = run_id
-        result["ref_run_id"] = ref_run_id
-        out.append(result)
-
-    def failed(cand: Run, refrun: Run, mode: str, e: Exception) -> dict[str, Any]:
-        return {"turn_id": cand.turn_id, "mode": mode, "backend": cand.backend,
-                "ref_backend": refrun.backend, "status": "error",
-                "error": f"{type(e).__name__}: {e}"}
+    def failed(cand: Run, refrun: Run, mode: str, e: Exception) -> Comparison:
+        cls = ForcedComparison if mode == "forced" else FreeComparison
+        return cls(run_id=cand.id, ref_run_id=refrun.id, turn_id=cand.turn_id, backend=cand.backend,
+                   ref_backend=refrun.backend, status="error", error=f"{type(e).__name__}: {e}")
 
     # The noise run: where the secondary (the primary's exact config) flips against the primary,
     # a candidate's flip is `noise`; the secondary's own flips are noise by definition.
     proles = {**roles, primary.backend: "primary"}
     noise_positions: set[int] | None = None
     noise_source = None
-    floor_res: dict[str, Any] | Exception | None = None
+    floor_res: ForcedComparison | Exception | None = None
     if floor_run is not None and n and len(floor_run.token_ids) >= n \
             and _has_topk(primary, n) and _has_topk(floor_run, n):
         try:
             first = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles)
-            noise_positions = set(first["flips"])
+            noise_positions = set(first.flips or ())
             noise_source = f"secondary:{floor_run.backend}"
             floor_res = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles,
                                        noise_positions=noise_positions, noise_source=noise_source)
         except (AnalysisInputError, KeyError, ValueError) as e:
             floor_res = e
 
-    vs_primary: dict[str, dict[str, Any]] = {}
+    vs_primary: dict[str, ForcedComparison] = {}
     for b, run in sorted(forced.items()):
         if run.status != "ok" or len(run.token_ids) < n:
             continue
         if ref is not None and b != ref.backend and wanted(b):
             try:
-                add(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
-                                   noise_positions=noise_positions, noise_source=noise_source),
-                    run.id, ref.id)
+                out.append(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
+                                          noise_positions=noise_positions, noise_source=noise_source))
             except (AnalysisInputError, KeyError, ValueError) as e:
-                add(failed(run, ref, "forced", e), run.id, ref.id)
+                out.append(failed(run, ref, "forced", e))
         is_floor = floor_run is not None and b == floor_run.backend
         if n and (wanted(b) or is_floor) and _has_topk(primary, n) and _has_topk(run, n):
             try:
                 if is_floor and isinstance(floor_res, Exception):
                     raise floor_res
-                res = floor_res if is_floor and floor_res is not None else \
+                res = floor_res if is_floor and isinstance(floor_res, ForcedComparison) else \
                     compare_forced(store, run, primary, tokens, pieces=pieces, roles=proles,
                                    noise_positions=noise_positions, noise_source=noise_source)
                 vs_primary[b] = res
                 if wanted(b):
-                    add(res, run.id, primary.id)
+                    out.append(res)
             except (AnalysisInputError, KeyError, ValueError) as e:
                 if wanted(b):
-                    add(failed(run, primary, "forced", e), run.id, primary.id)
+                    out.append(failed(run, primary, "forced", e))
 
-    floor = next((r for r in vs_primary.values() if r.get("noise_floor")), None)
+    floor = next((r for r in vs_primary.values() if r.noise_floor), None)
     if floor is not None:
         for res in vs_primary.values():
-            if res is floor or res.get("status") != "ok":
+            if res is floor or res.status != "ok":
                 continue
             try:
-                res["noise"] = compare_flip_rates(len(res["flips"]), res["n"], len(floor["flips"]),
-                                                  floor["n"]).as_dict()
-                res["noise"]["floor_backend"] = floor["backend"]
+                res.noise = {**compare_flip_rates(len(res.flips or ()), res.n or 0, len(floor.flips or ()),
+                                                  floor.n or 0).as_dict(), "floor_backend": floor.backend}
             except AnalysisInputError as e:
-                res["noise"] = {"error": str(e)}
+                res.noise = {"error": str(e)}
             try:
-                res["excess"] = excess_flip_rate(
-                    res["flips_by_class"]["runtime"], res["n"],
-                    floor["flips_by_class"]["noise"], floor["n"]).as_dict()
-                res["excess"]["floor_backend"] = floor["backend"]
+                res.excess = {**excess_flip_rate((res.flips_by_class or {})["runtime"], res.n or 0,
+                                                 (floor.flips_by_class or {})["noise"], floor.n or 0).as_dict(),
+                              "floor_backend": floor.backend}
             except (AnalysisInputError, KeyError) as e:
-                res["excess"] = {"error": str(e)}
+                res.excess = {"error": str(e)}
 
     free_noise: set[int] = set(noise_positions or ())
     sec_free = free.get(floor_run.backend) if floor_run is not None else None
@@ -626,29 +612,26 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
         if run.status != "ok" or not wanted(b):
             continue
         try:
-            add(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
-                             noise_positions=free_noise),
-                run.id, primary.id)
+            out.append(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
+                                    noise_positions=free_noise, pieces=pieces))
         except (AnalysisInputError, KeyError, ValueError) as e:
-            add(failed(run, primary, "free", e), run.id, primary.id)
+            out.append(failed(run, primary, "free", e))
 
     if store_results:
         put_comparisons(store, out)
     return out
 
 
-def put_comparisons(store: Store, results: Sequence[Mapping[str, Any]]) -> None:
+def put_comparisons(store: Store, results: Sequence[Comparison]) -> None:
     """Store the comparisons :func:`compare_runs` returned (waits for the writer)."""
-    futures = [store.put_comparison(r["run_id"], r["ref_run_id"],
-                                    {k: v for k, v in r.items() if k not in ("run_id", "ref_run_id")})
-               for r in results]
+    futures = [store.put_comparison(r.run_id, r.ref_run_id, r) for r in results]
     for f in futures:
         f.result()
 
 
 def compare_turn(store: Store, turn_id: str, *, roles: Mapping[str, str] | None = None,
                  store_results: bool = True,
-                 backends: Collection[str] | None = None) -> list[dict[str, Any]]:
+                 backends: Collection[str] | None = None) -> list[Comparison]:
     """Compare the stored runs of one turn and store the comparisons. Pure numpy on stored rows;
     blocking (call it in a thread from async code). ``backends``: see :func:`compare_runs`."""
     return compare_runs(store, list(store.iter_runs(turn_id)), roles=roles,

@@ -222,6 +222,7 @@ class FreeComparison(ComparisonBase, kw_only=True):
     divergence: dict[str, Any] | None = None
     diverged: bool | None = None
     common_prefix: int | None = None
+    region: str | None = None  # of the primary's output at the divergence (None: no pieces, no divergence)
     flip_class: str | None = None
     tool_calls: dict[str, Any] | None = None
     verdict: str | None = None

@@ -26,7 +26,7 @@ import numpy as np
 from tensorverse.shadow.compare import compare_turn
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
-from tensorverse.store.records import Run, Session, Turn
+from tensorverse.store.records import Comparison, Run, Session, Turn
 
 __all__ = ["ShadowedTurn", "PreparedTurn", "prepare_turn", "store_turn", "write_turn", "LINEUP"]
 
@@ -40,7 +40,7 @@ class ShadowedTurn:
     tokens: list[int]
     flips: list[int]  # the candidate's forced flip positions
     run_ids: dict[tuple[str, str], str]  # (backend, mode) -> run id
-    comparisons: list[dict[str, Any]]
+    comparisons: list[Comparison]
 
 
 def _top5(x: np.ndarray) -> list[list[list[float]]]:

@@ -24,6 +24,7 @@ from tensorverse.exporters.metrics import (
     Metrics,
     exported_names,
 )
+from tensorverse.store import records
 from tensorverse.store.records import Run
 
 LABEL_OK = {"backend", "role", "mode", "ref_role", "region", "class", "verdict", "reason", "outcome", "endpoint", "table",
@@ -105,6 +106,11 @@ def test_no_secondary_and_no_topk_means_fewer_series():
     assert refs == {"primary"}  # the free mode's; forced has no reference to compare with
 
 
+def typed(results):
+    """Comparison dicts as the typed records `compare_turn` returns and the store reads back."""
+    return [records.comparison({"run_id": f"run-{i}", "ref_run_id": "ref", **r}) for i, r in enumerate(results)]
+
+
 def forced(backend="fi", role="shadow", ref_role="primary", kl=(0.0, 0.5, 2e-5, 20.0), flips=(1, 3),
            by_region=None, noise=None):
     n = len(kl)
@@ -116,12 +122,12 @@ def forced(backend="fi", role="shadow", ref_role="primary", kl=(0.0, 0.5, 2e-5, 
 
 def test_forced_comparison_updates():
     m = Metrics.from_config(cfg())
-    m.observe_comparisons([
+    m.observe_comparisons(typed([
         forced(by_region={"content": 1, "tool_args": 1}, noise={"verdict": "regression"}),
         forced(kl=(float("nan"), 1e-7), flips=(), by_region=None),
         forced(ref_role="secondary", flips=(2,), by_region=None),
         {"mode": "forced", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "error", "error": "x"},
-    ])
+    ]))
     text = generate_latest(m.registry()).decode()
     lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
     assert value(text, "tensorverse_compared_tokens_total", **lab) == 6
@@ -149,14 +155,14 @@ def test_free_comparison_updates():
     m = Metrics.from_config(cfg())
     pieces = ["Hi", " there", "<tool_call>", '{"name": "', "get", '"}', "</tool_call>"]
     base = {"mode": "free", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "ok"}
-    m.observe_comparisons([
+    m.observe_comparisons(typed([
         {**base, "diverged": True, "common_prefix": 4, "first_flip": 4, "verdict": "wrong_func_name",
          "ref_tool_calls": 1, "cand_tool_calls": 1},
         {**base, "diverged": False, "common_prefix": 7, "first_flip": None, "verdict": "match",
          "ref_tool_calls": 0, "cand_tool_calls": 0},
         {**base, "diverged": True, "common_prefix": 0, "first_flip": 0, "verdict": "match",
          "ref_tool_calls": 1, "cand_tool_calls": 1, "region": "thinking"},
-    ], pieces=pieces)
+    ]), pieces=pieces)
     text = generate_latest(m.registry()).decode()
     lab = dict(backend="fi", role="shadow", mode="free", ref_role="primary")
     assert value(text, "tensorverse_compared_tokens_total", **lab) == 5 + 7 + 1
@@ -278,7 +284,7 @@ def test_flip_classes_and_parser_checks():
     c["summary"]["flips_by_class"] = {"tie": 1, "near_tie": 0, "noise": 1, "parser": 0, "runtime": 1}
     c["summary"]["flips_by_region_class"] = {"content": {"tie": 1, "runtime": 1}, "tool_args": {"noise": 1}}
     base = {"mode": "free", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "ok"}
-    m.observe_comparisons([
+    m.observe_comparisons(typed([
         c,
         {**base, "diverged": True, "common_prefix": 2, "first_flip": 2, "verdict": "match",
          "ref_tool_calls": 0, "cand_tool_calls": 0, "region": "content", "flip_class": "near_tie"},
@@ -286,7 +292,7 @@ def test_flip_classes_and_parser_checks():
          "ref_tool_calls": 1, "cand_tool_calls": 1, "flip_class": "parser"},
         {**base, "diverged": True, "common_prefix": 0, "first_flip": 0, "verdict": "match",
          "region": "thinking", "flip_class": "made-up"},  # unknown values never make a new series
-    ])
+    ]))
     m.observe_parser_check(Run(id="t1~primary", turn_id="t1", backend="prim", mode="recorded",
                                parser_check={"mismatch": True}))
     m.observe_parser_check(Run(id="t2~primary", turn_id="t2", backend="prim", mode="recorded",
@@ -317,7 +323,7 @@ def test_flip_classes_of_a_comparison_are_read_from_its_top_and_from_the_summary
     new["flips_by_class"] = {"tie": 2, "runtime": 1}
     old = forced(flips=(0, 1), backend="old")
     old["summary"]["flips_by_class"] = {"noise": 2}
-    m.observe_comparisons([new, old])
+    m.observe_comparisons(typed([new, old]))
     text = generate_latest(m.registry()).decode()
     lab = dict(role="shadow", mode="forced", ref_role="primary", region="unknown")
     assert value(text, "tensorverse_flips_total", backend="new", **lab, **{"class": "tie"}) == 2

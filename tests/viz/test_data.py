@@ -498,8 +498,8 @@ def test_positions_compared_on_compact_rows_are_marked_approximate(tmp_path):
             else:  # the reference agrees everywhere: compact rows, one full (the sample)
                 store.write_rows(be, [(0, encode_row(rows[0]))]
                                  + [(p, encode_compact(compact_row(rows[p])), None, True) for p in (1, 2)]).result()
-        cmp = next(c for c in compare_turn(store, "t") if c["run_id"] == "cand" and c["ref_run_id"] == "ref")
-        assert cmp["compact_positions"] == [1, 2] and cmp["flips"] == [1]
+        cmp = next(c for c in compare_turn(store, "t") if c.run_id == "cand" and c.ref_run_id == "ref")
+        assert cmp.compact_positions == [1, 2] and cmp.flips == [1]
         f = ViewData(store).turn_view("t")["forced"]
     assert f["reference"] == "ref"
     assert f["lanes"]["cand"]["flips"] == [1]
