@@ -23,13 +23,21 @@ the proxy instead (``in_thread``), on the proxy's own store object (an LMDB envi
 once per process); the pool starts again for the next job (``worker_restarts``). Nothing is
 lost.
 ``analysis_workers = 0`` keeps both jobs in threads of the proxy.
+
+A worker exits when the proxy does, however the proxy ends (:func:`exit_with`): a pool's worker
+waits on a job queue whose pipe it holds both ends of, and holds the fork server's liveness pipe,
+so a proxy killed without closing its pool (SIGKILL, the OOM killer) otherwise left its workers
+and the fork server running for good, hundreds of MB each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -40,7 +48,7 @@ from tensorverse.forkserver import worker_context
 if TYPE_CHECKING:
     from tensorverse.store.records import Comparison
 
-__all__ = ["AnalysisWorkers", "compare_in_worker", "plan_in_worker"]
+__all__ = ["AnalysisWorkers", "compare_in_worker", "plan_in_worker", "exit_with"]
 
 log = logging.getLogger("tensorverse.shadow")
 
@@ -54,6 +62,34 @@ def _store(path: str) -> Any:
     if st is None:
         st = _stores[path] = Store.open(path, readonly=True)
     return st
+
+
+def exit_with(pid: int) -> None:
+    """A worker's initializer: exit as soon as process ``pid`` (the pool's owner) has ended (see
+    the module docstring). A daemon thread waits on a pidfd of it (Linux 5.3+: readable when it
+    exits, whichever process it is a child of), else checks once a second that it still exists."""
+    threading.Thread(target=_watch, args=(pid,), name="tensorverse-watch-owner", daemon=True).start()
+
+
+def _watch(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)  # gone already
+    except (AttributeError, OSError):  # not Linux, or an older kernel
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    else:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # exists, another user's: not ours to watch, keep waiting
+                pass
+    os._exit(0)  # nobody is left to read a result: no cleanup to run
 
 
 def compare_in_worker(store_path: str, turn_id: str) -> list[Comparison]:
@@ -88,7 +124,8 @@ class AnalysisWorkers:
             if self._closed:
                 raise RuntimeError("the analysis workers are closed")
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=worker_context())
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=worker_context(),
+                                                 initializer=exit_with, initargs=(os.getpid(),))
             return self._pool
 
     def _broken(self, pool: ProcessPoolExecutor, what: str) -> None:

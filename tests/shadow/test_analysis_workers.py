@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import msgspec
 import numpy as np
@@ -74,6 +78,48 @@ def test_a_killed_worker_costs_no_turn_and_is_replaced(store):
     assert _canon(second) == _canon(compare_turn(store, "t2", store_results=False))
     assert _canon(third) == _canon(first)
     assert workers.counters == {"compared": 3, "planned": 0, "in_thread": 1, "worker_restarts": 1}
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped counts: it runs nothing and holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_proxy_leaves_no_worker_behind(tmp_path):
+    """A pool's worker holds both ends of its job queue and the fork server's liveness pipe, so
+    when the process that owns the pool is killed (SIGKILL, the OOM killer) neither sees it: the
+    worker (hundreds of MB once it has compared a turn) and the fork server stayed for good. Each
+    worker now exits when its owner does."""
+    Store.open(tmp_path / "s").close()
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        from tensorverse.shadow.analysis_workers import AnalysisWorkers
+        w = AnalysisWorkers({str(tmp_path / "s")!r}, 1)
+        _, fut = w._submit(os.getpid)
+        print(fut.result(), flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    worker = server = 0
+    try:
+        worker = int(owner.stdout.readline())  # type: ignore[union-attr]
+        with open(f"/proc/{worker}/stat") as f:
+            server = int(f.read().rsplit(")", 1)[1].split()[1])  # the fork server: the worker's parent
+        assert not _gone(worker) and not _gone(server)
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while not (_gone(worker) and _gone(server)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker) and _gone(server)
+    finally:
+        owner.kill()
+        for pid in (worker, server):
+            if pid and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_the_proxy_runner_stores_what_its_workers_computed(store):
