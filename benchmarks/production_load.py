@@ -9,8 +9,9 @@ What runs, each in its own process:
   ``--first-ms`` to its first token, ``--tokens`` output tokens ``--token-ms`` apart), recording
   the top logprobs of the model the shadows stand for (its close calls), with its ``/tokenize``;
 * three shadows: :class:`~tensorverse.testing.fake_engine.FakeEngine` with ``agree_base`` rows at
-  151,936 ids (the primary's tokens are their argmax; each runtime flips about 2 % of positions at
-  near ties), speaking the capture plugin's protocol: forced and free runs with the plugin's
+  151,936 ids (the primary's tokens are their argmax; near ties at a seeded 4 % of positions, where
+  a runtime flips or not: with 48-token turns the ties fall at positions 19, 39 and 46, and shadow-2
+  and shadow-3 flip at all three, shadow-1 at none: 2.1 % of a turn's rows are flips), speaking the capture plugin's protocol: forced and free runs with the plugin's
   ``vllm_xargs``, rows through the real :class:`~tensorverse.capture.tap.Tap` (the reduction at the
   source included) to the proxy's ``/ingest``;
 * the proxy: ``python -m tensorverse proxy --config FILE``, as a user starts it (``[capture]
