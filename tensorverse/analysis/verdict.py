@@ -19,7 +19,9 @@ primary endpoint:
 ``regression``  the lower bound of the tool-call break excess is above 0 ("mean <= 0" rejected);
 ``equivalent``  its upper bound is below the margin ("mean >= margin" rejected);
 ``undecided``   neither yet; ``turns_needed`` estimates the tool-calling turns still needed if
-                traffic goes on as it has, ``hours_needed`` the hours at the observed rate.
+                traffic goes on as it has, ``hours_needed`` the hours at the observed rate, and
+                :func:`turns_to_run` the turns of all kinds the shadow runs meanwhile (what its
+                GPU time still costs: ``/verdict``'s ``gpu``).
 
 Without a secondary the floor is 0 (the shadow's raw rates: conservative for ``equivalent``,
 eager for ``regression``); the secondary itself is judged that way too, against no floor.
@@ -44,7 +46,8 @@ import numpy as np
 from tensorverse.analysis import sequential
 
 __all__ = ["DECISIONS", "TOOL_REGIONS", "VerdictPolicy", "ComparisonLike", "TurnEvidence", "Interval",
-           "ShadowVerdict", "evidence_from_rows", "decide", "verdicts", "verdicts_json", "fixed_sample_interval"]
+           "ShadowVerdict", "evidence_from_rows", "decide", "verdicts", "verdicts_json", "fixed_sample_interval",
+           "turns_to_run"]
 
 DECISIONS = ("regression", "equivalent", "undecided")
 TOOL_REGIONS = ("tool_name", "tool_args")
@@ -351,6 +354,17 @@ def decide(backend: str, role: str, evidence: Sequence[TurnEvidence], policy: Ve
         first_ns=evidence[0].created_ns if evidence else None,
         last_ns=evidence[-1].created_ns if evidence else None,
         notes=notes)
+
+
+def turns_to_run(v: ShadowVerdict) -> float | None:
+    """The turns the shadow still runs, tool-calling or not, before its verdict is decided: 0 once
+    decided; else ``turns_needed`` tool-calling turns at the share of its turns that called tools
+    so far (None: no estimate, or no tool-calling turn seen yet)."""
+    if v.decision != "undecided":
+        return 0.0
+    if v.turns_needed is None or not v.tool_call_turns:
+        return None
+    return v.turns_needed * max(v.turns, v.tool_call_turns) / v.tool_call_turns
 
 
 def verdicts(rows: Iterable[ComparisonLike], policy: VerdictPolicy = VerdictPolicy(), *,

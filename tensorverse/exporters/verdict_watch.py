@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from tensorverse.analysis.verdict import ShadowVerdict, VerdictPolicy, verdicts, verdicts_json
+from tensorverse.analysis.verdict import ShadowVerdict, VerdictPolicy, turns_to_run, verdicts, verdicts_json
 
-__all__ = ["VerdictWatch", "VerdictSnapshot", "DECIDED"]
+__all__ = ["VerdictWatch", "VerdictSnapshot", "DECIDED", "still_needed"]
 
 #: verdicts after which a shadow only needs watching (`[capture] maintenance_per_minute`)
 DECIDED = ("regression", "equivalent")
@@ -34,16 +34,33 @@ class VerdictSnapshot:
     error: str | None = None
 
     def as_dict(self, policy: VerdictPolicy, spend: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """JSON-ready; ``spend``: the shadows' GPU time and money (`tensorverse.proxy.budget`)."""
+        """JSON-ready; ``spend``: the shadows' GPU time and money (`tensorverse.proxy.budget`),
+        to which each shadow's projection is added: ``gpu_seconds_needed`` (and ``cost_needed``
+        with a price), what it still takes to decide its verdict (:func:`still_needed`)."""
         out = {"computed_ns": self.computed_ns, "seconds": self.seconds, "error": self.error,
                **verdicts_json(self.verdicts, policy)}
         if spend is not None:
-            out["gpu"] = dict(spend)
+            by_backend = {v.backend: v for v in self.verdicts}
+            out["gpu"] = {name: {**g, **still_needed(by_backend.get(name), g)} for name, g in spend.items()}
         return out
 
     def decided(self, backend: str) -> bool:
         """Whether ``backend``'s verdict is decided (``regression`` or ``equivalent``)."""
         return any(v.backend == backend and v.decision in DECIDED for v in self.verdicts)
+
+
+def still_needed(v: ShadowVerdict | None, spend: Mapping[str, Any]) -> dict[str, float | None]:
+    """A shadow's GPU-seconds (and money, when ``spend`` has it) still needed to decide its
+    verdict: the turns it still runs (`tensorverse.analysis.verdict.turns_to_run`) at its
+    GPU-seconds per turn so far; None where either is unknown."""
+    turns = turns_to_run(v) if v is not None else None
+    per_turn = spend.get("gpu_seconds_per_turn")
+    seconds = None if turns is None or per_turn is None else (0.0 if turns == 0 else turns * float(per_turn))
+    total, cost = spend.get("gpu_seconds_total"), spend.get("cost_total")
+    money = None
+    if seconds is not None and cost is not None:
+        money = 0.0 if seconds == 0 else (cost / total * seconds if total else None)
+    return {"gpu_seconds_needed": None if seconds is None else round(seconds, 3), "cost_needed": money}
 
 
 class VerdictWatch:

@@ -20,6 +20,11 @@ shadow used for Tensorverse; the probe and the wait for captured rows are not ch
 turns that failed or timed out as a whole (their runs do not come back to the tee). With
 ``[verdict] gpu_price_per_hour`` the spend is also given in money.
 
+**What it still needs.** :meth:`ShadowBudget.stats` gives each shadow's GPU-seconds per turn run
+(since the proxy started); ``/verdict`` multiplies it by the turns the verdict still needs
+(:func:`tensorverse.analysis.verdict.turns_to_run`): the GPU-seconds, and with a price the money,
+an undecided shadow will take before it is decided if traffic and cost go on as they have.
+
 Pure bookkeeping with an injected clock: the tee asks :meth:`ShadowBudget.reject_reason` before
 a turn and calls :meth:`ShadowBudget.charge` after it, on the proxy's event loop.
 """
@@ -61,6 +66,7 @@ class ShadowBudget:
     clock: Callable[[], float] = time.monotonic
     _spent: dict[str, deque] = field(default_factory=dict, repr=False)  # (t, gpu_seconds)
     _total: dict[str, float] = field(default_factory=dict, repr=False)
+    _turns: dict[str, int] = field(default_factory=dict, repr=False)  # turns charged
     _recent: dict[str, deque] = field(default_factory=dict, repr=False)  # turn starts in maintenance
 
     def spent_today(self, name: str) -> float:
@@ -91,6 +97,7 @@ class ShadowBudget:
     def charge(self, name: str, runs: Iterable[Run]) -> float:
         """Charge ``name`` for its runs of one turn; returns the GPU-seconds charged."""
         s = gpu_seconds_of(runs, self.gpus.get(name, 1))
+        self._turns[name] = self._turns.get(name, 0) + 1
         if s > 0:
             self._spent.setdefault(name, deque()).append((self.clock(), s))
             self._total[name] = self._total.get(name, 0.0) + s
@@ -100,15 +107,19 @@ class ShadowBudget:
         return None if self.price_per_gpu_hour is None else gpu_seconds / 3600.0 * self.price_per_gpu_hour
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per shadow: GPU-seconds in the last 24 h and since the proxy started, the budget, what
-        is left of it, whether the verdict is decided, and the money with a price."""
+        """Per shadow: GPU-seconds in the last 24 h and since the proxy started, the turns charged
+        and the GPU-seconds per turn, the budget, what is left of it, whether the verdict is
+        decided, and the money with a price."""
         out = {}
         for name in dict.fromkeys([*self.gpus, *self.per_day, *self._total]):
             day = self.spent_today(name)
             budget = self.per_day.get(name)
             total = self._total.get(name, 0.0)
+            turns = self._turns.get(name, 0)
             out[name] = {"gpus": self.gpus.get(name, 1), "gpu_seconds_day": round(day, 3),
-                         "gpu_seconds_total": round(total, 3), "budget_per_day": budget,
+                         "gpu_seconds_total": round(total, 3), "turns": turns,
+                         "gpu_seconds_per_turn": round(total / turns, 6) if turns else None,
+                         "budget_per_day": budget,
                          "budget_left": None if budget is None else round(max(0.0, budget - day), 3),
                          "decided": bool(self.decided(name)), "cost_total": self.cost(total)}
         return out

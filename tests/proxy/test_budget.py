@@ -101,6 +101,8 @@ def test_the_tee_stops_a_shadow_at_its_budget_and_exports_the_spend(fake, make_p
     assert verdict["gpu"]["s1"]["gpu_seconds_total"] == 2.4
     assert verdict["gpu"]["s1"]["cost_total"] == pytest.approx(0.024)
     assert verdict["gpu"]["s1"]["decided"] is False
+    assert (verdict["gpu"]["s1"]["turns"], verdict["gpu"]["s1"]["gpu_seconds_per_turn"]) == (2, 1.2)
+    assert verdict["gpu"]["s1"]["gpu_seconds_needed"] is None  # no comparison yet: no verdict to project
 
 
 def test_the_watched_verdict_decides_the_maintenance_rate():
@@ -113,3 +115,43 @@ def test_the_watched_verdict_decides_the_maintenance_rate():
                              backend=name, decision=decision)
     snap = VerdictSnapshot(verdicts=[v("a", "regression"), v("b", "undecided"), v("c", "equivalent")])
     assert [snap.decided(n) for n in ("a", "b", "c", "d")] == [True, False, True, False]
+
+
+def _verdict(name, decision, *, turns=0, tool_call_turns=0, turns_needed=None):
+    from tensorverse.analysis.verdict import Interval, ShadowVerdict
+
+    fields = ShadowVerdict.__dataclass_fields__
+    none = Interval(turns=0, estimate=None, low=-1.0, high=1.0)
+    given = {"backend": name, "decision": decision, "turns": turns, "tool_call_turns": tool_call_turns,
+             "turns_needed": turns_needed, "hours_needed": None, "tool_call_break_excess": none,
+             "flip_excess": none, "tool_flip_excess": none}
+    return ShadowVerdict(**{f: None for f in fields if f not in given}, **given)
+
+
+def test_verdict_says_what_an_undecided_shadow_still_costs_in_gpu_seconds_and_money():
+    """Issue 37: the verdict reports the GPU time (and money) a shadow took and still needs. 40
+    tool-calling turns still needed, a quarter of its turns call tools: 160 turns to run, at 1.5
+    GPU-seconds a turn (two turns charged, 3 s) = 240 s, at 3.6 an hour = 0.24."""
+    from tensorverse.analysis.verdict import VerdictPolicy, turns_to_run
+    from tensorverse.exporters.verdict_watch import VerdictSnapshot
+
+    b = ShadowBudget(gpus={"fp8": 2, "fa": 1, "new": 1}, price_per_gpu_hour=3.6)
+    b.charge("fp8", _runs(0.5, 0.25))  # 1.5 GPU-seconds (2 GPUs)
+    b.charge("fp8", _runs(0.75))
+    b.charge("fa", _runs(10.0))
+    spend = b.stats()
+    assert (spend["fp8"]["turns"], spend["fp8"]["gpu_seconds_per_turn"]) == (2, 1.5)
+    assert (spend["new"]["turns"], spend["new"]["gpu_seconds_per_turn"]) == (0, None)
+    fp8 = _verdict("fp8", "undecided", turns=80, tool_call_turns=20, turns_needed=40)
+    fa = _verdict("fa", "equivalent", turns=30, tool_call_turns=9)
+    assert (turns_to_run(fp8), turns_to_run(fa)) == (160.0, 0.0)
+    assert turns_to_run(_verdict("x", "undecided", turns=5, tool_call_turns=0, turns_needed=3)) is None
+    assert turns_to_run(_verdict("x", "undecided", turns=5, tool_call_turns=5, turns_needed=None)) is None
+    assert turns_to_run(_verdict("x", "undecided", turns=0, tool_call_turns=4, turns_needed=8)) == 8.0  # free runs only
+    gpu = VerdictSnapshot(verdicts=[fp8, fa]).as_dict(VerdictPolicy(), spend)["gpu"]
+    assert (gpu["fp8"]["gpu_seconds_needed"], gpu["fp8"]["cost_needed"]) == (240.0, pytest.approx(0.24))
+    assert (gpu["fa"]["gpu_seconds_needed"], gpu["fa"]["cost_needed"]) == (0.0, 0.0)  # decided: nothing more
+    assert (gpu["new"]["gpu_seconds_needed"], gpu["new"]["cost_needed"]) == (None, None)  # no verdict, no turn yet
+    assert gpu["fp8"]["gpu_seconds_total"] == 3.0  # the spend as it was
+    no_price = VerdictSnapshot(verdicts=[fp8]).as_dict(VerdictPolicy(), ShadowBudget(gpus={"fp8": 1}).stats())
+    assert no_price["gpu"]["fp8"]["cost_needed"] is None
