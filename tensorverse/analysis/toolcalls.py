@@ -698,10 +698,10 @@ def compare_tool_calls(reference: Any, candidate: Any) -> Verdict:
     ref = _as_extraction(reference)
     cand = _as_extraction(candidate)
     diffs: list[Difference] = []
-    for m in ref.malformed:
-        diffs.append(Difference("malformed", "$", None, None, m.raw, MISSING, f"reference: {m.reason}: {m.detail}"))
-    for m in cand.malformed:
-        diffs.append(Difference("malformed", "$", None, None, MISSING, m.raw, f"candidate: {m.reason}: {m.detail}"))
+    for bad in ref.malformed:
+        diffs.append(Difference("malformed", "$", None, None, bad.raw, MISSING, f"reference: {bad.reason}: {bad.detail}"))
+    for bad in cand.malformed:
+        diffs.append(Difference("malformed", "$", None, None, MISSING, bad.raw, f"candidate: {bad.reason}: {bad.detail}"))
 
     rc, cc = ref.calls, cand.calls
     n, m = len(rc), len(cc)

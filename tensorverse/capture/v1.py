@@ -136,10 +136,10 @@ class V1CaptureProcessor(LogitsProcessor):
         slot = st.slot
         if slot is None:
             return
-        if len(st.out) > st.slot_pos:
+        cid = st.opt.capture_id  # set: only a capturing request holds a slot
+        if len(st.out) > st.slot_pos and cid is not None:
             st.slot = None
-            runtime.get_tap().submit(slot, st.opt.capture_id, st.slot_pos, st.slot_engine,
-                                     st.slot_evidence)
+            runtime.get_tap().submit(slot, cid, st.slot_pos, st.slot_engine, st.slot_evidence)
         elif leaving:
             st.slot = None
             runtime.get_tap().release(slot, discarded=True)
@@ -219,7 +219,7 @@ class V1CaptureProcessor(LogitsProcessor):
                     log_once("force-range", "forced token %d outside the vocabulary (%d)", tok, vocab)
             elif st.slot is None and opt.finished_at(pos):
                 finished.append(index)
-        if copied:
+        if copied and tap is not None:  # a row was copied: the tap was taken
             tap.mark_copied(copied)
         if f_rows:
             force_tokens(logits, f_rows, f_toks)

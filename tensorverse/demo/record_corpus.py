@@ -89,9 +89,10 @@ def record(out: Path, *, cases: int = DEFAULT_CASES, max_tokens: int = DEFAULT_M
         s.wait_ready()
         tokenizer = asyncio.run(_tokenizer_fingerprint(s.url, model_name))
         out_cases = []
+        tools: list[Any] = list(TOOLS)  # the tokenizer's annotation: a list of dicts or callables
         for i, p in enumerate(prompts):
             msgs = p["messages"]
-            text = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
             ids = [int(x) for x in tok(text, add_special_tokens=False)["input_ids"]]
             sampling = {"temperature": 0, "max_tokens": max_tokens}
             ch = _post(s.url + "/completions", {"model": model_name, "prompt": ids, "return_token_ids": True,

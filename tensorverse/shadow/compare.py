@@ -50,6 +50,7 @@ flips against the primary's top-k (and where its free run diverges, for free fli
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -295,7 +296,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
     if sparse:  # back into position order
         idx = np.argsort(np.asarray(order), kind="stable")
         m = _take(m, idx)
-        classes.sort(key=lambda a: -1 if a.position is None else a.position)
+        classes.sort(key=attrgetter("position"))  # a forced flip always has its position
     return m, both, len(both) < n, classes, sparse
 
 
@@ -353,9 +354,9 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
         m, positions, incomplete, classes, sparse = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
-        k = min(cand.k or 10**9, ref.k or 10**9)
+        ks = [x for x in (cand.k, ref.k) if x]  # the smaller k of the two; none known: no bound
         ref_top, cand_top = ref.top_logprobs or [], cand.top_logprobs or []  # _has_topk: n entries each
-        m = topk_position_metrics(ref_top[:n], cand_top[:n], list(tokens), k=None if k == 10**9 else k)
+        m = topk_position_metrics(ref_top[:n], cand_top[:n], list(tokens), k=min(ks) if ks else None)
         positions = list(range(n))
         kind = "topk"
         flip_set = set(forced_flips(m))
@@ -537,8 +538,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
     def wanted(b: str) -> bool:
         return everything or b in (backends or ())
 
-    def failed(cand: Run, refrun: Run, mode: str, e: Exception) -> Comparison:
-        cls = ForcedComparison if mode == "forced" else FreeComparison
+    def failed(cls: type[Comparison], cand: Run, refrun: Run, e: Exception) -> Comparison:
         return cls(run_id=cand.id, ref_run_id=refrun.id, turn_id=cand.turn_id, backend=cand.backend,
                    ref_backend=refrun.backend, status="error", error=f"{type(e).__name__}: {e}")
 
@@ -551,8 +551,8 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
     if floor_run is not None and n and len(floor_run.token_ids) >= n \
             and _has_topk(primary, n) and _has_topk(floor_run, n):
         try:
-            first = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles)
-            noise_positions = set(first.flips or ())
+            # its flips only: where the noise run flips (regions and roles change no flip)
+            noise_positions = set(compare_forced(store, floor_run, primary, tokens).flips or ())
             noise_source = f"secondary:{floor_run.backend}"
             floor_res = compare_forced(store, floor_run, primary, tokens, pieces=pieces, roles=proles,
                                        noise_positions=noise_positions, noise_source=noise_source)
@@ -568,7 +568,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
                 out.append(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
                                           noise_positions=noise_positions, noise_source=noise_source))
             except (AnalysisInputError, KeyError, ValueError) as e:
-                out.append(failed(run, ref, "forced", e))
+                out.append(failed(ForcedComparison, run, ref, e))
         is_floor = floor_run is not None and b == floor_run.backend
         if n and (wanted(b) or is_floor) and _has_topk(primary, n) and _has_topk(run, n):
             try:
@@ -582,7 +582,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
                     out.append(res)
             except (AnalysisInputError, KeyError, ValueError) as e:
                 if wanted(b):
-                    out.append(failed(run, primary, "forced", e))
+                    out.append(failed(ForcedComparison, run, primary, e))
 
     floor = next((r for r in vs_primary.values() if r.noise_floor), None)
     if floor is not None:
@@ -615,7 +615,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
             out.append(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
                                     noise_positions=free_noise, pieces=pieces))
         except (AnalysisInputError, KeyError, ValueError) as e:
-            out.append(failed(run, primary, "free", e))
+            out.append(failed(FreeComparison, run, primary, e))
 
     if store_results:
         put_comparisons(store, out)

@@ -295,14 +295,15 @@ class FakeUpstream:
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         key = (rid, model, n, n_tools, reasoning, tids, lp, top, as_ids, finish, include_usage)
+        cached = True
         try:  # the same request renders the same events: rendered once (the benchmark's upstream
             events = self._rendered.get(key)  # must cost the machine little, whatever is injected)
         except TypeError:  # e.g. a model that is a JSON object
-            key, events = None, None
+            cached, events = False, None
         if events is None:
             events = self._chat_events(rid, model, created, n, calls, reasoning, tids, lp, top, as_ids, finish,
                                        include_usage)
-            if key is not None:
+            if cached:
                 if len(self._rendered) >= 64:
                     self._rendered.clear()
                 self._rendered[key] = events
@@ -320,9 +321,7 @@ class FakeUpstream:
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         rid = f"cmpl-fake{len(self.requests)}"
 
-        def lps(i: int) -> dict | None:
-            if k is None:
-                return None
+        def lps(i: int, k: int) -> dict:
             tid, text = self._tok(i)
             name = f"token_id:{tid}" if as_ids else text
             top = {name: -0.1}  # the sampled token is also rank 1 (vLLM merges the two entries)
@@ -335,8 +334,8 @@ class FakeUpstream:
                     "choices": [{"index": 0, "text": "".join(self._tok(i)[1] for i in range(n)),
                                  "logprobs": None if k is None else {
                                      "text_offset": [3 * i for i in range(n)], "token_logprobs": [-0.1] * n,
-                                     "tokens": [lps(i)["tokens"][0] for i in range(n)],
-                                     "top_logprobs": [lps(i)["top_logprobs"][0] for i in range(n)]},
+                                     "tokens": [lps(i, k)["tokens"][0] for i in range(n)],
+                                     "top_logprobs": [lps(i, k)["top_logprobs"][0] for i in range(n)]},
                                  "finish_reason": "length", "stop_reason": None,
                                  "token_ids": [self._tok(i)[0] for i in range(n)] if tids else None,
                                  "prompt_logprobs": None, "prompt_token_ids": self.prompt_ids if tids else None,
@@ -346,7 +345,7 @@ class FakeUpstream:
             return web.Response(body=orjson.dumps(resp), content_type="application/json")
         events = []
         for i in range(n):
-            ch = {"index": 0, "text": self._tok(i)[1], "logprobs": lps(i), "finish_reason": "length" if i == n - 1 else None,
+            ch = {"index": 0, "text": self._tok(i)[1], "logprobs": None if k is None else lps(i, k), "finish_reason": "length" if i == n - 1 else None,
                   "stop_reason": None, "prompt_token_ids": self.prompt_ids if tids and i == 0 else None,
                   "token_ids": [self._tok(i)[0]] if tids else None}
             events.append(b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": 1796000000,
