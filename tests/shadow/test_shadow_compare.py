@@ -370,7 +370,8 @@ def test_forced_result_fields_roles_templates_and_no_pieces(store):
     put_rows(store, "r-f", R)
     put_rows(store, "c-f", C)
     res = compare_forced(store, cand, ref, T, roles={"c": "canary", "r": "secondary"})
-    assert res.mode == "forced" and res.kind == "full" and res.status == "ok"
+    assert type(res) is ForcedComparison and res.mode == "forced" and res.kind == "full" and res.status == "ok"
+    assert (res.run_id, res.ref_run_id, res.turn_id, res.backend, res.ref_backend) == ("c-f", "r-f", "T", "c", "r")
     assert (res.role, res.ref_role, res.noise_floor) == ("canary", "secondary", False)
     assert res.template_mismatch is True
     assert res.flips == [1, 4] and res.flip_classes == ["runtime", "runtime"]
@@ -607,9 +608,13 @@ def test_free_result_fields_and_the_tie_at_the_divergence_point():
     T = [10, 11, 12, 13, 14, 15]
     top = [_entry(t, [1, 2, 3]) for t in T]
     top[3] = [[13, -0.5], [40, -0.5], [41, -3.0]]  # 13 and 40 tie at 3
-    cand, prim = _free_pair(T, T[:3] + [40, 41, 42], top=top)
+    cand, prim = _free_pair(T, T[:3] + [40, 41, 42], top=top, finish_reason="tool_calls")
     cand["template"] = _template("template_mismatch")
+    cand["finish_reason"] = "length"
     res = compare_free(cand, prim)
+    assert type(res) is FreeComparison
+    assert (res.run_id, res.ref_run_id, res.turn_id) == ("c-r", primary_run_id("T"), "T")
+    assert (res.finish_reason, res.ref_finish_reason) == ("length", "tool_calls")
     assert {k: getattr(res, k) for k in ("mode", "kind", "backend", "ref_backend", "role", "ref_role",
                                 "noise_floor", "approximate", "status", "template_mismatch")} == {
         "mode": "free", "kind": "tokens", "backend": "c", "ref_backend": "prim", "role": "shadow",
@@ -673,6 +678,44 @@ def test_free_tool_calls_of_the_primary_come_from_its_openai_tool_calls():
     assert res.flips_by_class == {"tie": 0, "near_tie": 0, "noise": 0, "parser": 0, "runtime": 0}
     cand["text"] = CAND_TEXT
     assert compare_free(cand, prim).verdict == "value_mismatch"
+
+
+def test_the_region_of_a_free_divergence_comes_from_the_pieces_given_else_the_primarys():
+    from tensorverse.shadow.compare import compare_free
+
+    T = [10, 11, 12, 13, 14, 15]
+    cand, prim = _free_pair(T, T[:3] + [40, 41, 42], pieces=PIECES)
+    assert compare_free(cand, prim).region == "tool_args"  # PIECES[3] is the vlan's value
+    assert compare_free(cand, prim, pieces=["word"] * 6).region == "content"  # the pieces given win
+    cand, prim = _free_pair(T, T[:3] + [40, 41, 42])  # a primary without pieces
+    assert compare_free(cand, prim).region is None
+    assert compare_free(cand, prim, pieces=PIECES).region == "tool_args"
+    same, prim = _free_pair(T, list(T), pieces=PIECES)
+    assert compare_free(same, prim).region is None  # no divergence
+
+
+def test_compare_runs_gives_its_pieces_to_the_free_comparisons(store, turn_runs):
+    prim = primary_run_id("T")
+    runs = list(store.iter_runs("T"))
+    assert _keyed(compare_runs(store, runs, store_results=False))[("cand-r", prim)].region == "tool_args"
+    out = _keyed(compare_runs(store, runs, pieces=["word"] * N, store_results=False))
+    assert out[("cand-r", prim)].region == "content"
+
+
+def test_free_departure_from_forced_rows_reduced_at_the_source(store):
+    """The forced run's rows as the plugin sends them with evidence at the source: compact up to
+    the flip (their top-1 is read from the compact form), the flip itself in full."""
+    from tensorverse.shadow.compare import compare_free
+
+    R = ref_logits()
+    T = tokens_of(R)
+    C, alt = _flipped(R, (3,))
+    assert _put_rows_reduced_at_source(store, "c-f", C, T, close=0.0) == 1  # the flip only
+    assert store.read_compact_row("c-f", 0) is not None
+    forced = run_record("c-f", "c", "shadow", "forced", T, top=topk(R), rows=COMPLETE)
+    cand, prim = _free_pair(T, T[:3] + [alt[3], 1, 1], top=topk(R))
+    res = compare_free(cand, prim, forced=forced, store=store)
+    assert res.forced_departure == 3 and res.confirms_forced is True
 
 
 def test_free_departure_reads_the_forced_rows_from_the_store(store):
