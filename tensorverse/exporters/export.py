@@ -437,15 +437,15 @@ def export_store(store: Store, out_dir: str | os.PathLike, *, fmt: str = "parque
     ext = "parquet" if fmt == "parquet" else "jsonl"
     writers: dict[str, _Table] = {}
     try:
-        for t in wanted:
-            writers[t] = _Table(cls(out / f"{t}.{ext}", t), t, batch_rows)
+        for name in wanted:
+            writers[name] = _Table(cls(out / f"{name}.{ext}", name), name, batch_rows)
 
         def add(table: str, row: dict[str, Any]) -> None:
             w = writers.get(table)
             if w is not None:
                 w.add(row)
 
-        need_runs = any(t in writers for t in ("runs", "comparisons", "positions", "logits", "engine"))
+        need_runs = any(table in writers for table in ("runs", "comparisons", "positions", "logits", "engine"))
         states = _EngineStates(store)
         n_sessions = 0
         for s in store.iter_sessions(since_ns=since_ns, until_ns=until_ns):

@@ -123,7 +123,7 @@ class Flow:
     session_record: Session | None = None
     messages: list[Any] | None = None
     history: Any = None
-    chain_tip: str | None = None
+    chain_tip: bytes | None = None  # the hash chain of the request's messages (proxy/sessions.py)
     linked_to: str | None = None
     recorded: bool = False
     # Recorder: the answer's accumulator, whether it was settled, events it could not parse, the

@@ -29,6 +29,7 @@ import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import orjson
@@ -340,12 +341,12 @@ class Sessions(Addon):
             self.counters["by_client_id"] += 1
         else:
             for i in range(len(hashes) - 1, -1, -1):
-                sid = self._prefixes.get(hashes[i])
-                if sid is not None:
-                    s = self._sessions.get(sid)
+                known = self._prefixes.get(hashes[i])
+                if known is not None:
+                    s = self._sessions.get(known)
                     if s is None:  # evicted from memory but known: continue it from the store
-                        stored = self._from_store(sid)
-                        s = self._create(sid, flow, "prefix", stored or 0)
+                        stored = self._from_store(known)
+                        s = self._create(known, flow, "prefix", stored or 0)
                     evidence, score = grouping.PREFIX, i + 1
                     self.counters["by_prefix"] += 1
                     break
@@ -464,9 +465,9 @@ class Sessions(Addon):
         moves = self._pending_moves.pop(flow.session_id, None) if flow.session_id else None
         for tid, index in moves or ():
             if self.store is not None:
-                self._watch(self._submit(lambda t=tid, i=index, sid=flow.session_id: self.store.move_turn(
-                    t, sid, i, kind=grouping.SIDE, by="proxy", reason="side request linked to its conversation",
-                    drop_empty=True)), f"side turn {tid}")
+                self._watch(self._submit(partial(
+                    self.store.move_turn, tid, flow.session_id, index, kind=grouping.SIDE, by="proxy",
+                    reason="side request linked to its conversation", drop_empty=True)), f"side turn {tid}")
 
     def _remember(self, flow: Flow) -> None:
         tip = flow.chain_tip
