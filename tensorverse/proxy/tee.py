@@ -347,9 +347,8 @@ class PackageRunner:
         return runs
 
     async def finish(self, turn: Turn, store: Any) -> list[Comparison]:
-        """Compare (and store) the turn's runs; returns the comparisons. Free-mode results get
-        the ``region`` of their divergence (from the primary's pieces) for the flip metrics, and
-        the missing rows of the runs are counted."""
+        """Compare (and store) the turn's runs; returns the comparisons (a free one holds the
+        ``region`` of its divergence, for the flip metrics), and counts the runs' missing rows."""
         if self.workers is None:
             return await asyncio.to_thread(self._compare, store, turn.id)
         from tensorverse.shadow.compare import put_comparisons
