@@ -152,10 +152,12 @@ class Proxy:
     async def _keep_retention(self) -> None:
         """[retention]: compact and prune in a worker thread when due (never on the relay's loop)."""
         loop = asyncio.get_running_loop()
+        keeper = self.retention
+        assert keeper is not None  # the task is started only with a keeper
         while True:
-            if self.retention.due():
-                await loop.run_in_executor(None, self.retention.run_once)
-            await asyncio.sleep(min(5.0, self.retention.interval_s))
+            if keeper.due():
+                await loop.run_in_executor(None, keeper.run_once)
+            await asyncio.sleep(min(5.0, keeper.interval_s))
 
     async def start(self) -> None:
         c = self.config
@@ -179,8 +181,8 @@ class Proxy:
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, c.admin.host, c.admin.port)
             await site.start()
-            server = site._server
-            self.admin_port = server.sockets[0].getsockname()[1] if server and server.sockets else c.admin.port
+            sockets = getattr(site._server, "sockets", None)  # an asyncio Server's listening sockets
+            self.admin_port = sockets[0].getsockname()[1] if sockets else c.admin.port
         if c.admin.resolved_token() is None:
             log.info("admin token not set: the capture ingest endpoint is disabled")
         log.info("tensorverse proxy on %s:%s -> %s (admin %s:%s, store %s, %d shadow(s))",
@@ -194,9 +196,12 @@ class Proxy:
         backends = [BackendInfo(name=c.primary.name, url=c.primary.url, role="primary",
                                 settings=dict(c.primary.settings))]
         backends += [BackendInfo(name=s.name, url=s.url, role=s.role, model=s.model) for s in c.shadows]
+        store = self.store
+        if store is None:
+            return
         try:
             for info in backends:
-                await asyncio.wrap_future(self.store.put_backend(info.name, info))
+                await asyncio.wrap_future(store.put_backend(info.name, info))
         except Exception as e:  # noqa: BLE001 - a full or broken store never stops the proxy
             log.warning("could not record backends in the store: %s", e)
 
@@ -236,7 +241,8 @@ class Proxy:
             except asyncio.CancelledError:
                 pass
             self._retention_task = None
-            await asyncio.get_running_loop().run_in_executor(None, self.retention.wait_idle)
+            if self.retention is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.retention.wait_idle)
         if self.analysis is not None:  # after the tee and the keeper: nothing asks it any more
             await asyncio.get_running_loop().run_in_executor(None, self.analysis.close)
             self.analysis = None

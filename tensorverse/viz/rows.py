@@ -58,7 +58,7 @@ class Row:
         idx = idx[np.lexsort((idx, -x[idx]))]
         return idx.tolist()
 
-    def logp(self, ids: Sequence[int]) -> list[float | None]:
+    def logp(self, ids: Sequence[int]) -> list[float]:  # a full row knows every id
         v = self.x[np.asarray(ids, dtype=np.int64)].astype(np.float64) - self.lse
         return v.tolist()
 
@@ -138,7 +138,7 @@ class RowReader:
         self.store = store
         self.warnings = warnings
         self.size = size
-        self._cache: OrderedDict[tuple[str, int], Row | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], Row | Compacted | None] = OrderedDict()
         self._has: dict[str, bool] = {}
         self._lock = threading.Lock()
         self._src = StoredRows(store)
@@ -177,9 +177,9 @@ class RowReader:
         """The lane's row at ``pos``: a :class:`Row`, a :class:`Compacted` position (its full row
         was compacted: said once per lane in ``warnings``), or None. Deltas are decoded through
         the reference run their turn's compaction record names (``ref`` is not needed)."""
-        if not self.has_rows(lane):
-            return None
         rid = lane.run_id
+        if rid is None or not self.has_rows(lane):
+            return None
         key = (rid, pos)
         with self._lock:
             if key in self._cache:
@@ -192,9 +192,14 @@ class RowReader:
                 self.warn(f"{lane.backend} ({lane.mode}): row {pos} holds NaN/inf; skipped")
                 row = None
         except RowCompacted as exc:
-            row = Compacted(exc.compact)
-            self.warn(f"{lane.backend} ({lane.mode}): compacted positions show their kept top-{exc.compact.k} "
-                      "logprobs (exact); whole-vocabulary metrics there are the stored comparison's")
+            if exc.compact is None:  # pruned since this run was first looked at: nothing is left
+                self.warn(f"{lane.backend} ({lane.mode}): rows pruned by [retention]: the stored comparisons "
+                          "hold the exact metrics")
+                row = None
+            else:
+                row = Compacted(exc.compact)
+                self.warn(f"{lane.backend} ({lane.mode}): compacted positions show their kept top-{exc.compact.k} "
+                          "logprobs (exact); whole-vocabulary metrics there are the stored comparison's")
         except (RecordNotFound, KeyError, ValueError) as exc:
             if isinstance(exc, CodecError):
                 self.warn(f"{lane.backend} ({lane.mode}): {exc}")

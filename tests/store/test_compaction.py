@@ -1140,3 +1140,21 @@ def test_compact_turn_a_delta_longer_than_the_stored_row_is_not_taken(store):
     cand = store.compaction("th")["runs"]["th.cand"]
     assert (cand["full"], cand["delta"], cand["delta_ref"]) == ([0, 1], [1], "th.ref")
     assert store.read_row("th.cand", 0) == cand0
+
+
+def test_a_viewer_reading_rows_while_retention_prunes_them_shows_none_and_says_so(store):
+    """`tensorverse view` runs beside a live proxy: a turn's rows can be pruned between the
+    viewer's first look at a run and its next position. That position is shown as having no
+    row (the stored comparisons keep the numbers), never an error page."""
+    from tensorverse.viz.lane import Lane
+    from tensorverse.viz.rows import RowReader
+
+    workload(store, turns=1)
+    r = next(r for r in store.iter_runs("t0") if r.mode == "forced" and r.backend == "candidate")
+    lane = Lane(backend=r.backend, mode=r.mode, run_id=r.id, token_ids=list(r.token_ids), capture=r.capture)
+    warnings: list[str] = []
+    reader = RowReader(store, warnings)
+    assert reader.has_rows(lane)  # the viewer's first look: rows there
+    assert store.drop_session_rows("s0").result() > 0
+    assert reader.get(lane, 1) is None
+    assert any("rows pruned by [retention]" in w for w in warnings)
