@@ -89,6 +89,11 @@ def _check_url(value: str, *, strip_v1: bool) -> str:
     return f"{u.scheme}://{u.netloc}{path}"
 
 
+#: what a turn is shadowed in, and on which endpoints, unless configured
+_MODES: tuple[Literal["forced", "free"], ...] = ("forced", "free")
+_ENDPOINTS: tuple[Literal["chat.completions", "completions", "messages"], ...] = ("chat.completions", "completions")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -233,7 +238,7 @@ class CaptureSection(_Section):
     per_minute: int = Field(0, ge=0)  # budget of shadowed turns per minute; 0 = unlimited
     # once a shadow's verdict is decided, at most this many of its turns a minute; 0 = no change
     maintenance_per_minute: int = Field(0, ge=0)
-    modes: list[Literal["forced", "free"]] = Field(default_factory=lambda: ["forced", "free"])
+    modes: list[Literal["forced", "free"]] = Field(default_factory=lambda: list(_MODES))
     # full: each backend as configured (every captured row in full where it has the capture plugin);
     # evidence: the plugin reduces rows where they are captured and sends in full only the evidence
     #   (flips, close calls, tool-call regions, the sample; [retention]'s topk, close_nats, sample,
@@ -245,7 +250,7 @@ class CaptureSection(_Section):
     positions: str = "all"
     backends: list[str] | None = None  # names; None = every shadow
     endpoints: list[Literal["chat.completions", "completions", "messages"]] = Field(
-        default_factory=lambda: ["chat.completions", "completions"]
+        default_factory=lambda: list(_ENDPOINTS)
     )
 
     @field_validator("positions")
@@ -479,7 +484,7 @@ def load_config(path: str | os.PathLike) -> Config:
         raise ConfigError(f"cannot read configuration {p}: {e.strerror or e}", "unreadable") from None
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            import yaml  # type: ignore[import-untyped]
+            import yaml
         except ImportError:
             raise ConfigError(f"{p}: YAML configuration needs PyYAML (pip install pyyaml), or use TOML",
                               "dependency") from None

@@ -139,6 +139,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     from tensorverse.store import StoreVersionError
     from tensorverse.store.retention import plan, prune, usage
 
+    out: dict[str, Any]
     try:
         policy = _policy(args)
         with _open(args, args.dry_run) as store:
