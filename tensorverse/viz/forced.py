@@ -54,7 +54,7 @@ def stored_columns(comparisons: Iterable[Comparison], ref_run_id: str, n: int) -
     candidate's stored comparisons (tensorverse.shadow.compare), when it covers this turn's
     ``n`` positions."""
     for cmp in comparisons:
-        if cmp.ref_run_id != ref_run_id or cmp.status != "ok":
+        if cmp.ref_run_id != ref_run_id or cmp.status != "ok" or not isinstance(cmp, ForcedComparison):
             continue
         cols = cmp.metrics
         if cols is None:
@@ -89,8 +89,8 @@ def forced_panel(tb: TurnBuilder, p: int) -> dict | None:
     return panel(present, engine=tb.rows.engine(lanes, p)) if present else None
 
 
-def _stored_columns(tb: TurnBuilder, cand: Lane, ref: Lane, n: int) -> dict | None:
-    if not cand.run_id or not ref.run_id:
+def _stored_columns(tb: TurnBuilder, cand: Lane, ref: Lane | None, n: int) -> dict | None:
+    if ref is None or not cand.run_id or not ref.run_id:
         return None
     return stored_columns(tb.comparisons(cand.run_id), ref.run_id, n)
 
@@ -113,7 +113,7 @@ def forced_view(tb: TurnBuilder, inline: bool, used: set[int]) -> dict:
     ref_lane = members.get(ref_name) if ref_name else None
     regions = tag_regions(tb.pieces(t.lane)) if n else []
     cands = [k for k in members if k != ref_name] if ref_name else []
-    arr = {k: {"kl": [None] * n, "delta_p": [None] * n, "rank": [None] * n,
+    arr: dict[str, dict[str, Any]] = {k: {"kl": [None] * n, "delta_p": [None] * n, "rank": [None] * n,
                "top1": [None] * n, "flip": [None] * n, "approx": [False] * n, "cls": {}} for k in cands}
     margin: list[float | None] = [None] * n
     ref_top1: list[int | None] = [None] * n
@@ -138,9 +138,11 @@ def forced_view(tb: TurnBuilder, inline: bool, used: set[int]) -> dict:
     # record when it has one, rather than decoding its rows.
     ref_topk = tb.topk(ref_lane) if ref_lane is not None else None
     if ref_topk is not None:
-        for k in [k for k in slow if not tb.rows.has_rows(members[k]) and tb.topk(members[k])]:
-            slow.remove(k)
-            topk_metrics(arr[k], ref_topk, tb.topk(members[k]), tokens, margin, ref_top1, tb.rows.warn)
+        for k in list(slow):
+            cand_topk = None if tb.rows.has_rows(members[k]) else tb.topk(members[k])
+            if cand_topk:
+                slow.remove(k)
+                topk_metrics(arr[k], ref_topk, cand_topk, tokens, margin, ref_top1, tb.rows.warn)
     panels: list[dict | None] | None = [None] * n if inline else None
     if slow or inline:
         for s in range(0, n, CHUNK):
@@ -149,16 +151,18 @@ def forced_view(tb: TurnBuilder, inline: bool, used: set[int]) -> dict:
             if inline:
                 need = set(members)
             dists = {k: [tb.dist(members[k], p, ref_lane) for p in range(s, e)] for k in need}
-            for k in slow:
+            for k in slow:  # candidates exist only with a reference
+                assert ref_name is not None
                 chunk_metrics(arr[k], dists[ref_name], dists[k], tokens, s, e, margin, ref_top1, tb.rows.warn)
-            if inline:
+            if panels is not None:
                 for j, p in enumerate(range(s, e)):
                     keys = [k for k in ([ref_name] if ref_name else []) + [k for k in members if k != ref_name]
                             if dists[k][j] is not None]
                     present = [(tb.index[k], dists[k][j]) for k in keys]
                     if present:
-                        panels[p] = panel(present, engine=tb.rows.engine([members[k] for k in keys], p))
-                        used.update(panels[p]["ids"])
+                        built = panel(present, engine=tb.rows.engine([members[k] for k in keys], p))
+                        panels[p] = built
+                        used.update(built["ids"])
     lanes_out: dict[str, dict] = {}
     flips: dict[int, dict] = {}
     for k in cands:
