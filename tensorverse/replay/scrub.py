@@ -60,6 +60,7 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -324,7 +325,7 @@ class Scrubber:
         self._distinct: dict[str, set[str]] = {}
         self.hostnames: dict[str, str] = {}  # lower-case learnt name -> placeholder (lower)
         self._host_re: re.Pattern[str] | None = None
-        self._v4_blocks: dict[str, list] = {}  # original /24 -> [(block base, next free)]
+        self._v4_blocks: dict[int, list] = {}  # original /24 -> [(block base, next free)]
         self._v4_next_block = 0
         self._v4_taken: set[int] = set()
         self._v4_overflow = 0
@@ -472,28 +473,28 @@ class Scrubber:
                 s, e = m.span(rule.group)
                 orig = m.group(rule.group)
                 if orig:
-                    add(s, e, rule.kind, lambda o=orig, r=rule: self._rule(r, o))
+                    add(s, e, rule.kind, partial(self._rule, rule, orig))
         for rx, style in _API_KEY_RES:
             for m in rx.finditer(text):
-                add(m.start(), m.end(), "api_key", lambda m=m, st=style: self._api_key(m, st))
+                add(m.start(), m.end(), "api_key", partial(self._api_key, m, style))
         for rx, kind in _CONFIG_RES:
             for m in rx.finditer(text):
                 s, e = m.span("val")
-                add(s, e, kind, lambda m=m, k=kind: self._config_secret(m, k))
+                add(s, e, kind, partial(self._config_secret, m, kind))
         for m in _EMAIL_RE.finditer(text):
-            add(m.start(), m.end(), "email", lambda m=m: self._email(m))
+            add(m.start(), m.end(), "email", partial(self._email, m))
         for m in _MAC_RE.finditer(text):
-            add(m.start(), m.end(), "mac", lambda m=m: self._mac(m))
+            add(m.start(), m.end(), "mac", partial(self._mac, m))
         for m in _V6_RE.finditer(text):
             if m.group(0) and m.group(0).count(":") >= 2:
-                add(m.start(), m.end(), "ipv6", lambda m=m: self._ipv6(m.group(0)))
+                add(m.start(), m.end(), "ipv6", partial(self._ipv6, m.group(0)))
         for m in _IPV4_RE.finditer(text):
-            add(m.start(), m.end(), "ipv4", lambda m=m: self._ipv4(m.group(0)))
+            add(m.start(), m.end(), "ipv4", partial(self._ipv4, m.group(0)))
         for m in _FQDN_RE.finditer(text):
-            add(m.start(), m.end(), "fqdn", lambda m=m: self._fqdn(m.group(0), m.group("tld")))
+            add(m.start(), m.end(), "fqdn", partial(self._fqdn, m.group(0), m.group("tld")))
         if self.hostnames:
             for m in self._hostname_re().finditer(text):
-                add(m.start(), m.end(), "hostname", lambda m=m: self._hostname(m.group(0)))
+                add(m.start(), m.end(), "hostname", partial(self._hostname, m.group(0)))
         hits.sort(key=lambda h: h.start)
         return hits
 
