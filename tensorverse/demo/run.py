@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tensorverse.demo.decide import DEFAULT_MAX_SECONDS, DEFAULT_MAX_TURNS
 from tensorverse.ports import free_port
@@ -132,7 +132,7 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def proxy_config(primary_url: str, shadows: list[tuple[str, str, str, str | Runtime]], store: Path,
+def proxy_config(primary_url: str, shadows: Sequence[tuple[str, str, str, str | Runtime]], store: Path,
                  admin_port: int, token: str, shadow_timeout_s: float = 600.0):
     """The proxy's configuration: ``shadows`` as (name, url, role, runtime or dtype)."""
     from tensorverse.config import parse_config
@@ -256,7 +256,7 @@ def summarize_session(store: Store, session_id: str, tok: Any = None, under_test
     broken: dict[str, Any] | None = None
     first_by: dict[str, dict[str, Any]] = {}
     broken_by: dict[str, dict[str, Any]] = {}
-    runs_total = Counter()
+    runs_total: Counter[tuple[str | None, str, str]] = Counter()
 
     def entry(name: str) -> dict[str, Any]:
         if name not in per:
@@ -278,7 +278,7 @@ def summarize_session(store: Store, session_id: str, tok: Any = None, under_test
         for r in runs:
             cmps = list(store.iter_comparisons(r.id))
             for c in cmps:
-                if c.status != "ok":
+                if c.status != "ok" or c.backend is None:
                     continue
                 name = c.backend
                 e = entry(name)
@@ -380,9 +380,10 @@ def summarize_session(store: Store, session_id: str, tok: Any = None, under_test
         "first_flip_by_backend": first_by,
         "broken_tool_call_by_backend": broken_by,
     }
-    summary["verdict"] = session_verdicts(store, session_id)
+    verdicts = session_verdicts(store, session_id)
+    summary["verdict"] = verdicts
     v = shadow_departures(summary, under_test)
-    decision = next((x for x in summary["verdict"]["shadows"] if x["backend"] == under_test), None)
+    decision = next((x for x in verdicts["shadows"] if x["backend"] == under_test), None)
     summary["under_test"] = dataclasses.asdict(v) | {"departs": v.departs, "verdict": decision} \
         if v is not None else None
     return summary

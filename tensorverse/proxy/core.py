@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -38,7 +38,16 @@ from tensorverse.proxy import http
 from tensorverse.proxy.flow import ABORTED, ERROR, OK, PENDING, UPSTREAM_ERROR, Addon, Flow, overrides
 from tensorverse.proxy.protocol import endpoint_kind, error_body
 from tensorverse.proxy.sse import SSEParser, SSESplitter, first_event_end
-from tensorverse.proxy.upstream import UpstreamPool
+from tensorverse.proxy.upstream import RelayedResponse, UpstreamPool
+
+
+class _ServerLimits(NamedTuple):
+    """The client-facing server's limits (``http.Server``'s arguments)."""
+
+    head_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
 
 log = logging.getLogger("tensorverse.proxy")
 
@@ -138,8 +147,7 @@ class ProxyCore:
         self.max_connections = max_connections
         self.strip_header_prefixes = strip_header_prefixes
         self.retry_without_injection = retry_without_injection
-        self._server_limits = {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s,
-                               "max_connections": max_client_connections}
+        self._server_limits = _ServerLimits(head_timeout_s, body_timeout_s, max_client_connections)
         self._client: aiohttp.ClientSession | None = None
         # LLM endpoints go through the lean client (tensorverse.proxy.upstream) where it applies:
         # a plain-HTTP upstream without a connection limit.
@@ -213,7 +221,9 @@ class ProxyCore:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = any free port); returns the port."""
         await self._on_startup()
-        server = http.Server(self.handle, **self._server_limits, error_body=lambda status, message: error_body(
+        lim = self._server_limits
+        server = http.Server(self.handle, head_timeout_s=lim.head_timeout_s, body_timeout_s=lim.body_timeout_s,
+                             max_connections=lim.max_connections, error_body=lambda status, message: error_body(
             None, status, message, "BadRequest" if status < 500 else "InternalServerError"))
         try:
             self.port = await server.start(host, port, backlog=1024)
@@ -388,6 +398,7 @@ class ProxyCore:
                 self._forwarded(flow)  # aiohttp's client has no "sent" point: before the request
         send_body = flow.upstream_body
         on_sent = (lambda: self._forwarded(flow)) if kind is not None else None
+        up: RelayedResponse
         for attempt in (0, 1):
             try:
                 if pool is not None:
@@ -448,7 +459,7 @@ class ProxyCore:
         log.warning("%s %s: %s", flow.method, flow.path, message)
         return self._error(flow.kind, status, message, "BadGateway" if status == 502 else "GatewayTimeout", retry=True)
 
-    async def _relay(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
+    async def _relay(self, request: http.Request, flow: Flow, up: RelayedResponse) -> http.StreamResponse:
         if flow.kind is not None:
             self._forwarded(flow)  # normally done already, once the request was written
         flow.status = up.status
@@ -475,7 +486,7 @@ class ProxyCore:
             return await self._relay_events(request, flow, up)
         return await self._relay_bytes(request, flow, up)
 
-    async def _relay_whole(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
+    async def _relay_whole(self, request: http.Request, flow: Flow, up: RelayedResponse) -> http.StreamResponse:
         try:
             flow.response_body = await up.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -498,7 +509,7 @@ class ProxyCore:
         self._finish(flow)
         return resp
 
-    async def _relay_events(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
+    async def _relay_events(self, request: http.Request, flow: Flow, up: RelayedResponse) -> http.StreamResponse:
         self.counters["streams"] += 1
         headers = forward_response_headers(up.headers, keep_length=False)
         headers["X-Accel-Buffering"] = "no"
@@ -583,7 +594,7 @@ class ProxyCore:
                     self._hook_failed(a, "event")
         return b"".join(ev.raw for ev in events)
 
-    async def _relay_bytes(self, request: http.Request, flow: Flow, up: aiohttp.ClientResponse) -> http.StreamResponse:
+    async def _relay_bytes(self, request: http.Request, flow: Flow, up: RelayedResponse) -> http.StreamResponse:
         keep_length = up.content_length is not None and "chunked" not in up.headers.get("Transfer-Encoding", "")
         headers = forward_response_headers(up.headers, keep_length=keep_length)
         if flow.stream:
@@ -643,7 +654,7 @@ def _client_closed(request: http.Request) -> bool:
     return t is None or t.is_closing()
 
 
-async def _safe_read(up: aiohttp.ClientResponse) -> bytes:
+async def _safe_read(up: RelayedResponse) -> bytes:
     try:
         return await up.read()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

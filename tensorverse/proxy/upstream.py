@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import aiohttp
 import httptools
@@ -63,6 +63,29 @@ class UpstreamProtocolError(aiohttp.ClientResponseError):
 
     def __str__(self) -> str:
         return f"invalid HTTP response from the upstream: {self.message}"
+
+
+class _Body(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class RelayedResponse(Protocol):
+    """What the relay reads of an upstream's answer: an :class:`UpstreamResponse` (an LLM
+    endpoint through the pool) or aiohttp's ``ClientResponse`` (everything else)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+    @property
+    def content_length(self) -> int | None: ...
+    @property
+    def content(self) -> _Body: ...
+    async def read(self) -> bytes: ...
+    def release(self) -> Any: ...
+    def close(self) -> None: ...
 
 
 class UpstreamResponse:

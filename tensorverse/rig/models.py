@@ -135,7 +135,9 @@ def _config(spec: ModelSpec):
     from transformers import Qwen3Config
 
     sp = _special_ids()
-    return Qwen3Config(
+    # rope_theta and torch_dtype are not in transformers 5's typed signature; it still takes them
+    # as extra keyword arguments, and the config.json the checkpoint is built with depends on them.
+    return Qwen3Config(  # type: ignore[call-arg]
         vocab_size=QWEN3_VOCAB_SIZE,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,

@@ -235,7 +235,7 @@ def _join(planes: list, n: int, width: int) -> np.ndarray:
 def row_checksum(row, *, dtype: str | None = None) -> int:
     """The crc32 a blob of ``row`` records (``blob_info(blob)["crc32"]``): a bit fingerprint."""
     code, bits = _as_bits(row, dtype, "row", "")
-    return zlib.crc32(_packed(code, bits)[1])
+    return zlib.crc32(_packed(code, bits)[1].data)
 
 
 # ----------------------------------------------------------------------------- planes
@@ -329,17 +329,18 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
     shape = bits.shape
     n = bits.size
     bf16, pk = _packed(code, bits)
-    crc_row = zlib.crc32(pk)
+    crc_row = zlib.crc32(pk.data)
 
     mode = _MODE_BF16 if bf16 else _MODE_PLAIN
     crc_ref = 0
-    table = payloads = None
+    table: list[bytes] | None = None
+    payloads: list | None = None
     if ref is not None:
         rcode, rbits = _as_bits(ref, _DTYPE_NAMES[code], "ref", record)
         if rbits.shape != shape:
             raise _fail(record, f"ref has shape {rbits.shape}, row has shape {shape}", "reference")
         ref_bf16, rpk = _packed(rcode, rbits)
-        crc_ref = zlib.crc32(rpk)
+        crc_ref = zlib.crc32(rpk.data)
         both16 = bf16 and ref_bf16
         if code == 1 and not both16:  # 32-bit delta
             z = _zigzag_delta(bits.reshape(n), rbits.reshape(n))
@@ -357,7 +358,7 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
                 table, payloads = stable, spayloads
         if mode != delta_mode:
             crc_ref = 0
-    if table is None:
+    if table is None or payloads is None:
         table, payloads, _ = _encode_planes(_split(pk), level)
 
     head = _HEAD.pack(MAGIC, CODEC_VERSION, code, mode, len(shape), crc_row, crc_ref)
@@ -486,7 +487,7 @@ def decode_row(blob: bytes | memoryview, *, ref: np.ndarray | None = None,
     width = len(planes)
     if mode in (_MODE_PLAIN, _MODE_BF16):
         pk = _join(raw, n, width)
-        if zlib.crc32(pk) != crc_row:
+        if zlib.crc32(pk.data) != crc_row:
             raise _fail(record, "decoded row checksum mismatch", "checksum")
         if mode == _MODE_BF16:
             return np.left_shift(pk, 16, dtype=np.uint32).view(np.float32).reshape(shape)
@@ -498,7 +499,7 @@ def decode_row(blob: bytes | memoryview, *, ref: np.ndarray | None = None,
     if rbits.shape != tuple(shape):
         raise _fail(record, f"ref has shape {rbits.shape}, blob has shape {tuple(shape)}", "reference")
     ref_bf16, rpk = _packed(rcode, rbits)
-    if zlib.crc32(rpk) != crc_ref:
+    if zlib.crc32(rpk.data) != crc_ref:
         raise _fail(record, "ref does not match the row this blob was encoded against "
                             "(ref checksum mismatch)", "reference")
     if mode == _MODE_DELTA_BF16:
@@ -514,7 +515,7 @@ def decode_row(blob: bytes | memoryview, *, ref: np.ndarray | None = None,
         return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32).reshape(shape)
     # the checksum is over the row's own packing (a bf16-exact row delta-coded in 32 bits
     # against a full float32 ref is checksummed as bf16)
-    if zlib.crc32(_packed(code, bits)[1]) != crc_row:
+    if zlib.crc32(_packed(code, bits)[1].data) != crc_row:
         raise _fail(record, "decoded row checksum mismatch", "checksum")
     return _finish(bits, code, shape)
 
