@@ -77,7 +77,7 @@ PROMPT_IDS = list(range(20_000, 20_300))  # a 300-token prompt
 SHADOWS = ("shadow-1", "shadow-2", "shadow-3")
 
 PRIMARY = """
-import asyncio, functools, json, sys, types
+import asyncio, functools, json, sys
 from tensorverse.testing.fake_engine import FakeEngine
 from tensorverse.testing.fake_upstream import FakeUpstream
 base, prompt = int(sys.argv[1]), json.loads(sys.argv[2])
@@ -97,8 +97,7 @@ class Primary(FakeUpstream):
                 "top_logprobs": [{"token": name(t), "logprob": lp, "bytes": [116]} for t, lp in pairs[: top or 0]]}
 
 async def main():
-    tok = types.SimpleNamespace(h_tokenize=d._tokenize, h_detokenize=d._detokenize)
-    f = await Primary(token_base=base, prompt_ids=prompt, tokenizer=tok).start(int(sys.argv[3]))
+    f = await Primary(token_base=base, prompt_ids=prompt, tokenizer=d).start(int(sys.argv[3]))
     f.requests = type("Drop", (), {"append": lambda self, x: None, "__len__": lambda self: 0})()
     print("ready", flush=True)
     await asyncio.Event().wait()

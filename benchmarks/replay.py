@@ -16,8 +16,8 @@ Same corpus, same backends, same concurrency, in the same run:
 
 ``wall_ratio`` = median replay wall time / median direct wall time (target <= 1.1).
 
-The backends are fake vLLM servers (``tests/shadow/shadow_fake.py``: vLLM's completions protocol
-with the capture plugin's forcing, ``/tokenize``, ``/version``), three of them (``ref``, ``same``,
+The backends are fake vLLM servers (``tensorverse/testing/fake_vllm.py``: vLLM's completions
+protocol with the capture plugin's forcing, ``/tokenize``, ``/version``), three of them (``ref``, ``same``,
 ``cand`` with perturbed logits) in one separate process. ``testing/fake_upstream.py`` is not used: it ignores
 forcing, so forced runs would take the scoring fallback and not send the same requests. The model's
 time is emulated by ``--ms-per-token`` of sleep per generated token on the completions endpoint
@@ -48,7 +48,7 @@ from benchmarks._targets import finish  # noqa: E402
 SERVERS = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[2])
-from tests.shadow.shadow_fake import FakeVLLM
+from tensorverse.testing.fake_vllm import FakeVLLM
 MS = float(sys.argv[1]) / 1000.0
 
 class Timed(FakeVLLM):

@@ -821,7 +821,7 @@ def _run_report(form: Form, tmp: Path, capsys) -> None:
     if form.tokens[1] == "check":
         return _run_report_check(form, tmp, capsys)
     from tests.replay.test_replay_runner import PROMPTS, _replay, make_case
-    from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+    from tensorverse.testing.fake_vllm import FakeVLLM
 
     from tensorverse.replay.corpus import write_corpus
 

@@ -226,13 +226,17 @@ class StoreSink(Sink):
     """Writes rows into a local Tensorverse store: one ``write_rows`` transaction per capture id
     per flush, waited for (so a slow disk slows the encoder thread, not vLLM)."""
 
-    def __init__(self, path: str | os.PathLike, *, timeout: float = 30.0, **kw) -> None:
+    def __init__(self, path: "str | os.PathLike | Store", *, timeout: float = 30.0, **kw) -> None:
         kw.setdefault("linger_s", 0.2)
         super().__init__(**kw)
-        self.path = os.fspath(path)
+        from tensorverse.store import Store
+
+        # an open store is borrowed (an in-process engine writing into its caller's store): never closed here
+        self._borrowed: Store | None = path if isinstance(path, Store) else None
+        self.path = os.fspath(path.path if isinstance(path, Store) else path)
         self.name = f"store sink dir:{self.path}"
         self.timeout = timeout
-        self._store: Store | None = None
+        self._store: Store | None = self._borrowed
 
     def _ship(self, frames: list[Frame]) -> None:
         if self._store is None:
@@ -247,8 +251,8 @@ class StoreSink(Sink):
             fut.result(timeout=self.timeout)
 
     def _reset(self) -> None:
-        store, self._store = self._store, None
-        if store is not None:
+        store, self._store = self._store, self._borrowed
+        if store is not None and store is not self._borrowed:
             try:
                 store.close()
             except Exception:  # noqa: BLE001

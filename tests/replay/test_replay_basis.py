@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 from tests.replay.test_replay_runner import N, _replay, greedy, make_case  # type: ignore[import-not-found]
 
 from tensorverse.replay.corpus import load_corpus, write_corpus

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 from tests.replay.test_replay_runner import corpus_dir, _replay  # type: ignore[import-not-found]  # noqa: F401
 
 from tensorverse.cli import main as cli_main

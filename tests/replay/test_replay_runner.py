@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 
 from tensorverse.replay.corpus import load_corpus, write_corpus
 from tensorverse.replay.report import check_thresholds, parse_threshold, render_summary

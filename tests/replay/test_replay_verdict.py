@@ -6,7 +6,7 @@ import pytest
 
 from tensorverse.replay.report import check_thresholds, parse_threshold
 from tests.replay.test_replay_runner import _replay, corpus_dir  # noqa: F401 - the fixture
-from tests.shadow.shadow_fake import FakeVLLM
+from tensorverse.testing.fake_vllm import FakeVLLM
 
 
 def test_replay_results_carry_each_candidates_verdict(corpus_dir):  # noqa: F811

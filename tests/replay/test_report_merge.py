@@ -9,7 +9,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 from tests.replay.test_replay_runner import _replay, corpus_dir, greedy, make_case  # type: ignore[import-not-found]  # noqa: F401
 
 from tensorverse.cli import main as cli_main

@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 
 from tensorverse.cli import main as cli_main
 from tensorverse.shadow.doctor import doctor, format_report

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from tests.shadow.shadow_fake import FakeVLLM  # type: ignore[import-not-found]
+from tensorverse.testing.fake_vllm import FakeVLLM
 
 from tensorverse.shadow import Backend, ShadowRunner, shadow_turn
 from tensorverse.shadow.cache import SHARED_CACHE, RunnerCache
