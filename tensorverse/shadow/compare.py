@@ -205,6 +205,12 @@ def _load_side(src: StoredRows, run_id: str, ps: Sequence[int]) -> tuple[dict[in
     return full, compact
 
 
+def _own_top1(full: dict[int, np.ndarray], compact: dict[int, CompactRow], p: int) -> int:
+    """A run's own top-1 at ``p``: its full row's argmax, or its compact row's first id (a row
+    reduced at the source knows its top-1 exactly)."""
+    return int(compact[p].ids[0]) if p in compact else int(np.argmax(full[p]))
+
+
 def _as_compact(side: dict[int, np.ndarray], compact: dict[int, CompactRow], p: int,
                 other: CompactRow | None, token: int) -> CompactRow:
     """Position ``p`` of one side as a compact row: its own, or its full row's with the other
@@ -224,7 +230,7 @@ def _kept(c: CompactRow) -> tuple[dict[int, float], str]:
 
 def _full_metrics(store: Store, ref: Run, cand: Run,
                   tokens: Sequence[int], noise_positions: Collection[int] | None = None,
-                  rule: TieRule = DEFAULT_RULE,
+                  rule: TieRule = DEFAULT_RULE, own_top1: dict[int, int] | None = None,
                   ) -> tuple[PositionMetrics, list[int], bool, list[FlipAttribution], list[int]]:
     """Metrics of the positions with a row on both sides. Where both rows are full they are exact;
     where either side holds only its compact form (reduced at the source: ``tv_compact``), they
@@ -244,6 +250,12 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
         ps = both[s: s + CHUNK]
         rf, rc = _load_side(src, ref.id, ps)
         cf, cc = _load_side(src, cand.id, ps)
+        if own_top1 is not None:
+            if len({r.shape[-1] for r in cf.values()}) > 1:  # rows of different widths: no
+                own_top1.clear()  # departure read here (the free comparison's own pass says why)
+                own_top1 = None
+            else:
+                own_top1.update((p, _own_top1(cf, cc, p)) for p in ps)
         dense = [p for p in ps if p in rf and p in cf]
         mixed = [p for p in ps if p not in dense]
         if dense:
@@ -338,11 +350,14 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
                    tokens: Sequence[int], *, pieces: Sequence[str | None] | None = None,
                    roles: Mapping[str, str] | None = None,
                    noise_positions: Collection[int] | None = None, noise_source: str | None = None,
-                   rule: TieRule = DEFAULT_RULE) -> ForcedComparison:
+                   rule: TieRule = DEFAULT_RULE, own_top1: dict[int, int] | None = None) -> ForcedComparison:
     """One forced-mode comparison (full rows when both runs have them, else top-k).
 
     ``noise_positions``: positions where the noise run flips (None: no noise run; then no flip
-    is ``noise``); every flip is classified (:mod:`tensorverse.analysis.attribution`)."""
+    is ``noise``); every flip is classified (:mod:`tensorverse.analysis.attribution`).
+    ``own_top1``: filled, on the full-row path, with the candidate's own top-1 at each position
+    it read (:func:`compare_runs` hands it to the same backend's free comparison, which would
+    otherwise read the forced run's rows once more for its departure)."""
     roles = roles or {}
     cand, ref = records.run(cand), records.run(ref)
     n = len(tokens)
@@ -351,7 +366,8 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
     incomplete = False
     sparse: list[int] = []
     if _full(cand) and _full(ref):
-        m, positions, incomplete, classes, sparse = _full_metrics(store, ref, cand, tokens, noise_positions, rule)
+        m, positions, incomplete, classes, sparse = _full_metrics(store, ref, cand, tokens, noise_positions, rule,
+                                                                  own_top1)
         kind = "full"
     elif _has_topk(cand, n) and _has_topk(ref, n):
         ks = [x for x in (cand.k, ref.k) if x]  # the smaller k of the two; none known: no bound
@@ -427,9 +443,8 @@ def _forced_departure(forced: Run | None, tokens: Sequence[int], store: Store) -
                 break
             if full:
                 _stack(forced.id, list(full.values()))  # rows of one width, or an input error
-            for p in ps:  # a compact row (reduced at the source) knows its top-1 exactly
-                top = int(compact[p].ids[0]) if p in compact else int(np.argmax(full[p]))
-                if top != int(tokens[p]):
+            for p in ps:
+                if _own_top1(full, compact, p) != int(tokens[p]):
                     return p
         else:
             return None
@@ -448,14 +463,17 @@ def compare_free(cand: RunLike, primary: RunLike, *,
                  forced: RunLike | None = None, store: Any = None,
                  roles: Mapping[str, str] | None = None,
                  noise_positions: Collection[int] = (), rule: TieRule = DEFAULT_RULE,
-                 pieces: Sequence[str | None] | None = None) -> FreeComparison:
+                 pieces: Sequence[str | None] | None = None,
+                 forced_top1: Mapping[int, int] | None = None) -> FreeComparison:
     """One free-mode comparison with the primary's recorded output.
 
     Its flip (the divergence point, or differing tool calls on identical tokens) is classified:
     the tie rule on the primary's recorded top-k at that point, ``noise`` when a noise run flips
     or diverges there (``noise_positions``), ``parser`` when the primary's own parser check
     (``primary["parser_check"]``) found a mismatch. ``pieces``: the primary's output pieces (the
-    region of the divergence; default the primary's own)."""
+    region of the divergence; default the primary's own). ``forced_top1``: the forced run's own
+    top-1 at every position, as its forced comparison read them (``compare_forced``'s
+    ``own_top1``); without it (or with a gap) the forced run's rows are read again."""
     roles = roles or {}
     cand, primary = records.run(cand), records.run(primary)
     forced = records.run(forced) if forced is not None else None
@@ -466,7 +484,12 @@ def compare_free(cand: RunLike, primary: RunLike, *,
     cand_x = extract_tool_calls(cand.text or "")
     verdict = compare_tool_calls(ref_x, cand_x)
     forced_ok = forced is not None and forced.status == "ok"
-    departure = _forced_departure(forced, ref_tokens, store) if forced_ok else None
+    if not forced_ok:
+        departure = None
+    elif forced_top1 is not None and _full(forced) and all(p in forced_top1 for p in range(len(ref_tokens))):
+        departure = next((p for p, t in enumerate(ref_tokens) if forced_top1[p] != int(t)), None)
+    else:
+        departure = _forced_departure(forced, ref_tokens, store)
     role = roles.get(cand.backend, cand.role)
     tops = primary.top_logprobs
     pair = None
@@ -560,13 +583,15 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
             floor_res = e
 
     vs_primary: dict[str, ForcedComparison] = {}
+    forced_top1: dict[str, dict[int, int]] = {}  # backend -> its forced run's own top-1 by position
     for b, run in sorted(forced.items()):
         if run.status != "ok" or len(run.token_ids) < n:
             continue
         if ref is not None and b != ref.backend and wanted(b):
             try:
                 out.append(compare_forced(store, run, ref, tokens, pieces=pieces, roles=roles,
-                                          noise_positions=noise_positions, noise_source=noise_source))
+                                          noise_positions=noise_positions, noise_source=noise_source,
+                                          own_top1=forced_top1.setdefault(b, {})))
             except (AnalysisInputError, KeyError, ValueError) as e:
                 out.append(failed(ForcedComparison, run, ref, e))
         is_floor = floor_run is not None and b == floor_run.backend
@@ -613,7 +638,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
             continue
         try:
             out.append(compare_free(run, primary, forced=forced.get(b), store=store, roles=roles,
-                                    noise_positions=free_noise, pieces=pieces))
+                                    noise_positions=free_noise, pieces=pieces, forced_top1=forced_top1.get(b)))
         except (AnalysisInputError, KeyError, ValueError) as e:
             out.append(failed(FreeComparison, run, primary, e))
 

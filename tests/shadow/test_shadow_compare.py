@@ -73,6 +73,37 @@ def turn_runs(store):
     return R, C, T
 
 
+def test_a_turn_reads_a_forced_runs_rows_once_and_its_free_comparison_departs_where_the_rows_say(store, turn_runs,
+                                                                                                  monkeypatch):
+    from tensorverse.shadow.compare import compare_free
+
+    R, C, T = turn_runs
+    reads: list[str] = []
+    read_row = store.read_row
+
+    def counted(run_id, position):
+        reads.append(run_id)
+        return read_row(run_id, position)
+
+    monkeypatch.setattr(store, "read_row", counted)
+    out = compare_turn(store, "T", store_results=False)
+    assert reads.count("cand-f") == N  # its forced comparison's pass only (a second pass stopped at 3)
+    free = next(c for c in out if c.run_id == "cand-r")
+    runs = {r.id: r for r in store.iter_runs("T")}
+    alone = compare_free(runs["cand-r"], runs[primary_run_id("T")], forced=runs["cand-f"], store=store)
+    assert (free.forced_departure, free.confirms_forced) == (alone.forced_departure, alone.confirms_forced) == (3, True)
+    # the forced run's top-1 as its comparison read them is what decides...
+    agree = {p: T[p] for p in range(N)}
+    said = compare_free(runs["cand-r"], runs[primary_run_id("T")], forced=runs["cand-f"], store=store,
+                        forced_top1=agree)
+    assert (said.forced_departure, said.confirms_forced) == (None, False)
+    # ...and a gap in them sends it back to the rows
+    del agree[N - 1]
+    reread = compare_free(runs["cand-r"], runs[primary_run_id("T")], forced=runs["cand-f"], store=store,
+                          forced_top1=agree)
+    assert reread.forced_departure == 3
+
+
 def test_compare_turn_full_topk_free_and_noise(store, turn_runs):
     R, C, T = turn_runs
     out = compare_turn(store, "T")
