@@ -369,3 +369,35 @@ def test_the_parallel_layout_comes_from_the_engine_config_and_unknown_is_minus_o
     zero = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=0, pipeline_parallel_size=1.0))
     assert parallel_layout(zero) == (-1, -1)  # not a positive whole number of ranks
     assert parallel_layout(None) == (-1, -1) and parallel_layout(SimpleNamespace()) == (-1, -1)
+
+
+def test_a_forced_token_outside_the_vocabulary_is_not_forced_and_the_last_id_is(sink):
+    e = Engine()
+    e.add("o", {"tv_force": [V, V - 1, 0]}, max_tokens=3)
+    e.run(4)
+    own = int(marker("o", 0, 1).argmax())  # position 0: V is no token, the row's own argmax is sampled
+    assert e.tokens["o"] == [own, V - 1, 0]
+    assert runtime.stats()["adapter_errors"] == 0
+
+
+def test_a_request_outside_the_logits_batch_is_skipped_and_the_others_still_forced(sink):
+    e = Engine()
+    e.add("p", {"tv_force": [5, 6, 7]}, max_tokens=3)
+    e.add("q", {"tv_force": [8, 9, 10]}, max_tokens=3)
+    e.step()
+    reqs = e.proc.impl._reqs
+    (ip, sp), (iq, sq) = sorted(reqs.items())
+    reqs.clear()
+    reqs.update({iq: sq, ip: sp})  # the one outside the batch comes first
+    logits = torch.zeros(iq, V)  # one row fewer than the batch: index iq == the row count
+    e.proc.apply(logits)
+    assert int(logits[ip].argmax()) == 6  # p's position 1 still forced
+    assert runtime.stats()["adapter_errors"] == 0
+
+
+def test_a_step_without_changes_says_no_request_joined(sink):
+    e = Engine()
+    e.add("j", {"tv_capture": "j"}, max_tokens=3)
+    e.run(4)
+    fs = frames_of(sink, "j")
+    assert [f.engine.joined for f in fs] == [1, 0, 0]  # joined in the first step; nothing after
