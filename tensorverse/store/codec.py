@@ -333,8 +333,7 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
 
     mode = _MODE_BF16 if bf16 else _MODE_PLAIN
     crc_ref = 0
-    table: list[bytes] | None = None
-    payloads: list | None = None
+    planes: tuple[list[bytes], list] | None = None  # (plane table, payloads) once a ref chose them
     if ref is not None:
         rcode, rbits = _as_bits(ref, _DTYPE_NAMES[code], "ref", record)
         if rbits.shape != shape:
@@ -349,17 +348,18 @@ def encode_row(row: np.ndarray, *, ref: np.ndarray | None = None, level: int = 1
         dtable, dpayloads, dsize = _encode_planes(_split(z), level)
         delta_mode = _MODE_DELTA_BF16 if both16 else _MODE_DELTA
         if dsize <= n * max(1, pk.dtype.itemsize // 2):  # clearly cheaper than standalone
-            mode, table, payloads = delta_mode, dtable, dpayloads
+            mode, planes = delta_mode, (dtable, dpayloads)
         else:  # a ref that does not help (another model, another prompt): keep the smaller
             stable, spayloads, ssize = _encode_planes(_split(pk), level)
             if dsize < ssize:
-                mode, table, payloads = delta_mode, dtable, dpayloads
+                mode, planes = delta_mode, (dtable, dpayloads)
             else:
-                table, payloads = stable, spayloads
+                planes = stable, spayloads
         if mode != delta_mode:
             crc_ref = 0
-    if table is None or payloads is None:
-        table, payloads, _ = _encode_planes(_split(pk), level)
+    if planes is None:
+        planes = _encode_planes(_split(pk), level)[:2]
+    table, payloads = planes
 
     head = _HEAD.pack(MAGIC, CODEC_VERSION, code, mode, len(shape), crc_row, crc_ref)
     parts = [head, struct.pack("<%dQ" % len(shape), *shape), bytes((len(table),)), *table,
