@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 from tensorverse.proxy.budget import ShadowBudget
 from tensorverse.proxy.flow import OK, Addon, Flow, worth_logging
 from tensorverse.shadow.runner import ROWS_TIMEOUT_S
-from tensorverse.store.records import Comparison, ComparisonBase, Run, Turn
+from tensorverse.store.records import Comparison, Run, Turn
 
 log = logging.getLogger("tensorverse.proxy.tee")
 
@@ -240,9 +240,9 @@ class ShadowTee(Addon):
             except Exception as e:  # noqa: BLE001
                 log.warning("shadow tee: finishing turn %s failed: %s", turn.id, e)
             else:
-                if self.metrics is not None and isinstance(results, list):
+                if self.metrics is not None:
                     try:  # the comparisons, stored by now
-                        self.metrics.observe_comparisons(r for r in results if isinstance(r, ComparisonBase))
+                        self.metrics.observe_comparisons(results)
                     except Exception:
                         log.exception("shadow tee: metrics of turn %s", turn.id)
         self.counters["turns_done"] += 1

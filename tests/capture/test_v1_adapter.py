@@ -401,3 +401,69 @@ def test_a_step_without_changes_says_no_request_joined(sink):
     e.run(4)
     fs = frames_of(sink, "j")
     assert [f.engine.joined for f in fs] == [1, 0, 0]  # joined in the first step; nothing after
+
+
+def test_a_request_removed_and_replaced_at_its_index_in_one_step_gives_back_its_pending_row(sink):
+    # vLLM reuses a removed request's index for a request added in the same step, and then does
+    # not report the removal: the add itself must retire the old request and its pending row
+    e = Engine()
+    e.add("x", {"tv_capture": "x", "tv_force": [1, 2, 3]}, max_tokens=3, prefill_steps=4)
+    e.step()  # x's first prefill chunk: its row is copied, not yet sampled
+    e.remove("x")
+    e.add("y", None, max_tokens=3)
+    e.step()
+    assert e.batches[-1] == ["y"]  # y took x's index
+    e.run(4)
+    assert frames_of(sink, "x") == []
+    assert e.tokens["y"] == [int(marker("y", p, 1).argmax()) for p in range(3)]  # not x's forcing
+    assert runtime.stats()["rows_discarded"] == 1
+    assert runtime.get_tap().stats()["buffers"] == 1  # the buffer went back to the pool
+
+
+def _batch_update(size, added=(), moved=(), removed=()):
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    return BatchUpdate(batch_size=size, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def test_a_request_overwritten_by_a_move_gives_back_its_pending_row_and_the_mover_keeps_its_own(sink):
+    # vLLM's contract: "added or moved requests may replace existing requests with the same index"
+    from vllm.v1.sample.logits_processor import MoveDirectionality
+
+    proc = CaptureLogitsProcessor(None, CPU, False)
+    out_x: list[int] = []
+    out_y: list[int] = []
+    proc.update_state(_batch_update(2, added=[
+        (0, SamplingParams(extra_args={"tv_capture": "x"}), [1, 2], out_x),
+        (1, SamplingParams(extra_args={"tv_capture": "y"}), [1, 2], out_y)]))
+    proc.apply(torch.stack([marker("x", 0), marker("y", 0)]))  # both rows pending
+    proc.update_state(_batch_update(1, moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert runtime.stats()["rows_discarded"] == 1  # x's row, released once x was overwritten
+    out_y.append(7)  # y's token at position 0 sampled: its row ships at the next update
+    proc.update_state(None)
+    assert [f.position for f in frames_of(sink, "y")] == [0]
+    assert np.array_equal(decode_row(frames_of(sink, "y")[0].blob), marker("y", 0).numpy())
+    assert frames_of(sink, "x") == []
+
+
+def test_an_added_request_without_sampling_params_does_not_hide_the_requests_added_after_it(sink):
+    proc = CaptureLogitsProcessor(None, CPU, False)
+    out: list[int] = []
+    proc.update_state(_batch_update(2, added=[
+        (0, None, [1, 2], []),  # e.g. a pooling request: nothing to capture or force
+        (1, SamplingParams(extra_args={"tv_force": [4]}), [1, 2], out)]))
+    logits = torch.zeros(2, V)
+    proc.apply(logits)
+    assert int(logits[1].argmax()) == 4 and not logits[0].any()
+
+
+def test_a_force_only_request_past_its_last_forced_token_is_no_longer_tracked(sink):
+    e = Engine()
+    e.add("f", {"tv_force": [20, 21]}, max_tokens=6)
+    e.step()
+    e.step()
+    assert e.proc.impl._reqs != {}
+    e.step()  # position 2: nothing left to force or capture, f still decoding
+    assert e.ib.req_ids == ["f"] and e.proc.impl._reqs == {}
+    sentinel = object()  # apply is O(1) again: no tensor work at all
+    assert e.proc.apply(sentinel) is sentinel
