@@ -30,7 +30,7 @@ from benchmarks._targets import finish
 
 from tensorverse.config import parse_config
 from tensorverse.exporters.metrics import REGIONS, Metrics
-from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison
+from tensorverse.store.records import Comparison, ForcedComparison, FreeComparison, Run
 
 BACKENDS = ["flashinfer", "fp8-kv", "nvfp4", "tp2", "secondary"]
 
@@ -102,7 +102,8 @@ def bench_scrape(reps: int) -> float:
         m.observe_comparisons(turn_results(rng, 256))
     for b in BACKENDS:
         for mode in ("forced", "free"):
-            m.observe_runs([{"mode": mode, "backend": b, "status": "ok", "timings": {"total_s": 0.5}}])
+            m.observe_runs([Run(id=f"{b}-{mode}", turn_id="t", backend=b, mode=mode, status="ok",
+                                timings={"total_s": 0.5})])
     for i in range(200):
         m.observe_request("ok", added_latency_s=1e-4 * (1 + i % 50), endpoint="chat.completions")
     stats = {"proxy": {"requests": 1000, "turns": 900}, "recorder": {"recorded": 900},

@@ -1,7 +1,7 @@
 """The proxy at production rates: three shadows at Qwen3's vocabulary behind the real proxy, the
 offered load stepped up to saturation, full capture against evidence at the source in one run.
 
-    python benchmarks/production_load.py [--quick] [--levels 1,2,4,8] [--seconds 15]
+    python benchmarks/production_load.py [--quick] [--secondary] [--levels 1,2,4,8] [--seconds 15]
 
 What runs, each in its own process:
 
@@ -11,10 +11,14 @@ What runs, each in its own process:
 * three shadows: :class:`~tensorverse.testing.fake_engine.FakeEngine` with ``agree_base`` rows at
   151,936 ids (the primary's tokens are their argmax; near ties at a seeded 4 % of positions, where
   a runtime flips or not: with 48-token turns the ties fall at positions 19, 39 and 46, and shadow-2
-  and shadow-3 flip at all three, shadow-1 at none: 2.1 % of a turn's rows are flips), speaking the capture plugin's protocol: forced and free runs with the plugin's
-  ``vllm_xargs``, rows through the real :class:`~tensorverse.capture.tap.Tap` (the reduction at the
-  source included) to the proxy's ``/ingest``;
-* the proxy: ``python -m tensorverse proxy --config FILE``, as a user starts it (``[capture]
+  and shadow-3 flip at all three, shadow-1 at none: 2.1 % of a turn's rows are flips), speaking the
+  capture plugin's protocol: forced and free runs with the plugin's ``vllm_xargs``, rows through
+  the real :class:`~tensorverse.capture.tap.Tap` (the reduction at the source included) to the
+  proxy's ``/ingest``. With ``--secondary``, shadow-1 (the primary's runtime: it flips nowhere) is
+  the line-up's secondary, the reference lane the other shadows' forced runs are compared against
+  too, as in the demo and a typical deployment; by default the line-up has none;
+* the proxy: ``python -m tensorverse proxy --config FILE``
+  (:class:`~tensorverse.testing.proxy_process.ProxyProc`), as a user starts it (``[capture]
   per_minute = 0``: every turn is shadowed, forced and free, on all three shadows; an analysis
   worker process and the ingest worker process);
 * the agents: this process, ``c`` concurrent streams (each checked whole), ``c`` stepped through
@@ -69,12 +73,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._targets import finish  # noqa: E402
 from benchmarks.proxy_overhead import check_stream, cpu_ms, pct, spawn  # noqa: E402
 from tensorverse.ports import free_port  # noqa: E402
-from tests.reliability.harness import ADMIN_TOKEN, ProxyProc, proxy_config  # noqa: E402
+from tensorverse.testing.proxy_process import ProxyProc, proxy_config  # noqa: E402
 
 VOCAB = 151_936
 TOKEN_BASE = 1000  # the primary's token i is TOKEN_BASE + i (FakeUpstream), the shadows' argmax
 PROMPT_IDS = list(range(20_000, 20_300))  # a 300-token prompt
 SHADOWS = ("shadow-1", "shadow-2", "shadow-3")
+ADMIN_TOKEN = "production-load-admin-token"  # the proxy's admin API and /ingest
 
 PRIMARY = """
 import asyncio, functools, json, sys
@@ -263,12 +268,14 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
     engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.engine_step_ms / 1000,
                       work / f"engines-{mode}.log")
     shadows = {n: f"http://127.0.0.1:{p}/v1" for n, p in engines.ports.items()}
-    cfg = proxy_config(primary_url, work / f"store-{mode}", shadows=shadows, admin_port=admin_port,
+    cfg = proxy_config(primary_url, work / f"store-{mode}", admin_token=ADMIN_TOKEN, shadows=shadows, admin_port=admin_port,
                        capture={"sample": 1.0, "per_minute": 0, "modes": ["forced", "free"], "logits": mode},
                        shadow={"queue_size": a.queue, "workers": 4, "analysis_workers": 1},
                        recording={"top_logprobs": 5}, **(sections or {}))
     for sh in cfg["shadows"]:
         sh.update(capture="full", timeout_s=60, concurrency=a.shadow_concurrency)
+        if a.secondary and sh["name"] == SHADOWS[0]:
+            sh["role"] = "secondary"
     proxy = ProxyProc(work / f"proxy-{mode}", cfg).start()
     rows: list[dict[str, Any]] = []
     try:
@@ -411,6 +418,9 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=192,
                     help="output tokens of the long turns run once more at one level (the proxy's CPU per token "
                          "with short and long turns); 0: not run")
+    ap.add_argument("--secondary", action="store_true",
+                    help=f"{SHADOWS[0]} (it flips nowhere: the primary's runtime) is the line-up's secondary, the "
+                         "reference lane the other shadows' forced runs are compared against too, as in the demo")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each, 2 rounds of 4 s")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -448,7 +458,8 @@ def main() -> int:
     heap = [r["anon_kb"] for r in ev["levels"]]
     result = {
         "benchmark": "production_load",
-        "vocab": VOCAB, "shadows": len(SHADOWS), "modes": ["forced", "free"], "levels": levels,
+        "vocab": VOCAB, "shadows": len(SHADOWS), "secondary": SHADOWS[0] if a.secondary else None,
+        "modes": ["forced", "free"], "levels": levels,
         "seconds_per_level": seconds, "tokens_per_turn": a.tokens,
         "shadowed_tokens_per_s_per_core": top_e["shadowed_tokens_per_s_per_core"],
         "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],

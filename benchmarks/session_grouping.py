@@ -88,7 +88,8 @@ class Driver:
         msg = {"role": "assistant", "content": answer.get("content"), "tool_calls": answer.get("tool_calls") or []}
         acc.add_body({"id": "x", "object": "chat.completion", "model": "m",
                       "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
-        f.meta["acc"] = acc
+        f.acc = acc  # the current rule reads the flow's typed field
+        f.meta["acc"] = acc  # the previous rule (BASE) read it from the flow's free-form dict
         asyncio.run(self.sessions.response_done(f))
         return f
 
@@ -103,9 +104,9 @@ def group(sessions_cls, traffic: list[tuple[dict, dict]]) -> dict:
     sids: dict[str, int] = {}
     side = 0
     for f in flows:  # a side request linked after it was recorded is moved in the store: follow it
-        sid = f.meta.get("linked_to", f.session_id)
+        sid = f.linked_to or f.session_id
         sids[sid] = sids.get(sid, 0) + 1
-        side += f.meta.get("turn_kind") == "side"
+        side += f.turn_kind == "side"
     return {"sessions": len(sids), "turns": sum(sids.values()), "side_turns": side,
             "one_turn_sessions": sum(1 for v in sids.values() if v == 1)}
 

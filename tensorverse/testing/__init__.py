@@ -6,6 +6,7 @@ shadows' side, a fake vLLM ``/v1/completions`` with the capture plugin's opt-in,
 loop and the real capture tap; its model is a method: rows that depend on the batch (batch-noise
 tests on CPU, where vLLM-CPU rows never depend on the batch), ``agree_base`` rows at Qwen3's
 vocabulary (the production-load benchmark), or ``fake_vllm.FakeVLLM``'s small model with a
-dictionary and chat templates (the shadow runner, replay, doctor and exporter tests). Nothing in the rest of the
-package imports them (as mitmproxy keeps its helpers in ``mitmproxy.test``).
+dictionary and chat templates (the shadow runner, replay, doctor and exporter tests).
+``proxy_process``: the real proxy in its own process, as a user starts it (the reliability suite,
+the production-load benchmark). Nothing in the rest of the package imports them (as mitmproxy keeps its helpers in ``mitmproxy.test``).
 """

@@ -218,3 +218,23 @@ def test_run_all_reports_a_crash_and_goes_on(tmp_path, monkeypatch):
     assert outs[0].rows == [("(run)", "exit 0, JSON last line", "exit 1, no JSON", "CRASHED")]
     assert outs[1].rows == [("v", "== 3", "3", "met")]
     assert "**CRASHED**" in _run_all.table(outs)
+
+
+def test_the_metrics_benchmark_runs_on_the_records_the_proxy_writes():
+    # it fed the exporter dicts after the write path became typed, and crashed in `make bench`
+    # (no test ran it): run its quick mode whole, the timing target aside (judged by `make bench`)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "metrics.py"), "--quick"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode in (0, 1), r.stderr[-2000:]  # 1: a target missed on a slow machine
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["backends"] == 5 and result["us_per_token"] >= 0 and result["scrape_ms"] > 0
+
+
+def test_the_evidence_at_source_benchmark_finds_the_flips_of_full_capture():
+    # it read the comparisons as dicts after they became typed records, and crashed in `make bench`
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evidence_at_source.py"), "--quick"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, 1), r.stderr[-2000:]  # 1: a target missed (the wire ratio of short turns)
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["identical"] is True and result["turns"] == 2
+    assert 0 < result["wire_ratio"] < 0.05 and result["compact_positions"] > 0

@@ -17,7 +17,7 @@ def test_three_evidence_shadows_behind_the_real_proxy_store_every_row_and_compar
     # holds the whole burst, so no turn is shed however slow the machine (a CI machine shed 9 of 77
     # turns with a queue of 64); shedding itself is tested in tests/proxy/test_tee.py
     a = argparse.Namespace(tokens=48, first_ms=5.0, token_ms=1.0, engine_step_ms=1.0, shadow_concurrency=4,
-                           queue=1024)
+                           queue=1024, secondary=False)
     with PL.primary() as url:
         out = PL.run_mode("evidence", [2], 3.0, a, tmp_path, url, detached=False)
     (level,) = out["levels"]

@@ -4,8 +4,9 @@
   and a `/tokenize` so the shadow runner can fingerprint it) and fake shadows (the shadow tests'
   `FakeVLLM`, plus the faults of `FaultyVLLM`), in a thread of this process (`Fakes.inproc`) or in
   their own process (`Fakes.spawn`, for the soak).
-- `ProxyProc`: ``python -m tensorverse proxy --config FILE`` exactly as a user starts it, on free
-  loopback ports; RSS, ``/stats``, ``/metrics``, its log, SIGTERM and SIGKILL.
+- `ProxyProc` (`tensorverse.testing.proxy_process`): ``python -m tensorverse proxy --config FILE``
+  exactly as a user starts it, on free loopback ports; `proxy_config` here plants the credentials
+  that no artifact may show.
 - `record(scenario, **figures)`: every test writes its figures as JSON under `RESULTS_DIR`
   (``out/reliability/``, or ``$TENSORVERSE_RELIABILITY_RESULTS``); ``benchmarks/reliability.py
   --no-soak`` renders ``benchmarks/RELIABILITY.md`` from them.
@@ -16,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +31,8 @@ from tensorverse.testing.fake_vllm import FakeVLLM  # noqa: E402
 
 from tensorverse.testing.fake_upstream import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
-from tensorverse.ports import free_port  # noqa: E402
+from tensorverse.ports import free_port  # noqa: E402,F401 - H.free_port (test_security)
+from tensorverse.testing.proxy_process import ProxyProc, proxy_config as _proxy_config  # noqa: E402,F401
 
 RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS", ROOT / "out" / "reliability"))
 PY = sys.executable
@@ -184,132 +184,9 @@ class Fakes:
 # -- the proxy process -----------------------------------------------------------------------------
 def proxy_config(primary_url: str, store: Path, *, shadows: dict[str, str] | None = None, port: int | None = None,
                  admin_port: int | None = None, **sections: Any) -> dict[str, Any]:
-    """A configuration (as the TOML/YAML file would hold it) with planted credentials."""
-    cfg: dict[str, Any] = {
-        "proxy": {"listen": f"127.0.0.1:{port or free_port()}"},
-        "admin": {"listen": f"127.0.0.1:{admin_port or free_port()}", "token": ADMIN_TOKEN},
-        "primary": {"url": primary_url, "api_key": PRIMARY_KEY},
-        "store": {"path": str(store)},
-        "shadows": [{"name": n, "url": u, "api_key": SHADOW_KEY, "capture": "topk", "timeout_s": 2,
-                     "concurrency": 4} for n, u in (shadows or {}).items()],
-    }
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
-    return cfg
-
-
-class ProxyProc:
-    """``tensorverse proxy --config FILE`` in its own process (started by `start`)."""
-
-    def __init__(self, workdir: Path, config: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config = config
-        self.config_path = self.workdir / "proxy.yaml"  # JSON is YAML
-        self.config_path.write_text(json.dumps(config, indent=1))
-        self.log_path = self.workdir / f"proxy-{len(list(self.workdir.glob('proxy-*.log')))}.log"
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc: subprocess.Popen | None = None
-        self.url = "http://" + config["proxy"]["listen"]
-        self.admin_url = "http://" + config["admin"]["listen"]
-
-    def start(self, timeout: float = 30.0) -> "ProxyProc":
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([PY, "-m", "tensorverse", "proxy", "--config", str(self.config_path),
-                                      "--log-level", "INFO"], stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=self.workdir, env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.admin_url + "/healthz", timeout=1).status_code == 200 and \
-                        "listening" in self.log():
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"proxy did not start in {timeout} s:\n{self.log()}")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss_kb(self) -> int:
-        return self.memory_kb()["rss"]
-
-    def memory_kb(self) -> dict[str, int]:
-        """Resident memory (KiB) and its parts: ``anon`` (the heap: what a leak grows), ``file``
-        (file pages mapped in: the store's LMDB map, which the kernel can drop), ``shmem``."""
-        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
-        out = {}
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            name = fields.get(line.split(":", 1)[0] + ":")
-            if name:
-                out[name] = int(line.split()[1])
-        if "rss" not in out:
-            raise RuntimeError("no VmRSS")
-        return out
-
-    def stats(self) -> dict[str, Any]:
-        return httpx.get(self.admin_url + "/stats", timeout=10).json()
-
-    def metrics(self) -> str:
-        return httpx.get(self.admin_url + "/metrics", timeout=10).text
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def lost_flows(self) -> int:
-        """Flows the relay lost: a write to a closed client that raised out of the handler, so
-        the turn got no ``response_done``/``error`` hook (the bug fixed in core.py where a client
-        closed right after ``[DONE]``; the tests now expect 0). Counted from the log."""
-        return self.log().count("Cannot write to closing transport")
-
-    def wait_shadows_idle(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Until the shadow queue is empty and every queued turn is done; the final stats."""
-        deadline = time.monotonic() + timeout
-        st = self.stats()
-        while time.monotonic() < deadline:
-            sh = st.get("shadow", {})
-            if sh.get("queue_depth", 0) == 0 and sh.get("turns_done", 0) >= sh.get("queued", 0) \
-                    and st.get("background_tasks", 0) == 0:
-                return st
-            time.sleep(0.2)
-            st = self.stats()
-        raise AssertionError(f"shadows still busy after {timeout} s: {st.get('shadow')}")
-
-    def terminate(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; the exit status."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill9(self) -> int:
-        assert self.proc is not None
-        self.proc.kill()
-        rc = self.proc.wait(10)
-        self._log.close()
-        return rc
-
-    def stop(self) -> None:
-        """Teardown: whatever state it is in, it is gone afterwards."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if getattr(self, "_log", None) is not None and not self._log.closed:
-            self._log.close()
+    """`tensorverse.testing.proxy_process.proxy_config` with the planted credentials."""
+    return _proxy_config(primary_url, store, admin_token=ADMIN_TOKEN, shadows=shadows, port=port,
+                         admin_port=admin_port, primary_key=PRIMARY_KEY, shadow_key=SHADOW_KEY, **sections)
 
 
 def read_store(path: Path) -> dict[str, Any]:
