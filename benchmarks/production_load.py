@@ -268,7 +268,8 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
     engines = Engines(f"http://127.0.0.1:{admin_port}/ingest", ADMIN_TOKEN, a.engine_step_ms / 1000,
                       work / f"engines-{mode}.log")
     shadows = {n: f"http://127.0.0.1:{p}/v1" for n, p in engines.ports.items()}
-    cfg = proxy_config(primary_url, work / f"store-{mode}", admin_token=ADMIN_TOKEN, shadows=shadows, admin_port=admin_port,
+    cfg = proxy_config(primary_url, work / f"store-{mode}", admin_token=ADMIN_TOKEN, shadows=shadows,
+                       admin_port=admin_port,
                        capture={"sample": 1.0, "per_minute": 0, "modes": ["forced", "free"], "logits": mode},
                        shadow={"queue_size": a.queue, "workers": 4, "analysis_workers": 1},
                        recording={"top_logprobs": 5}, **(sections or {}))

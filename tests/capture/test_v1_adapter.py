@@ -10,7 +10,7 @@ import torch
 import vllm  # noqa: F401  (installed by `make setup`)
 
 from vllm import SamplingParams
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, MoveDirectionality
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from tensorverse.capture import optin, runtime
@@ -421,15 +421,11 @@ def test_a_request_removed_and_replaced_at_its_index_in_one_step_gives_back_its_
 
 
 def _batch_update(size, added=(), moved=(), removed=()):
-    from vllm.v1.sample.logits_processor import BatchUpdate
-
     return BatchUpdate(batch_size=size, removed=list(removed), added=list(added), moved=list(moved))
 
 
 def test_a_request_overwritten_by_a_move_gives_back_its_pending_row_and_the_mover_keeps_its_own(sink):
     # vLLM's contract: "added or moved requests may replace existing requests with the same index"
-    from vllm.v1.sample.logits_processor import MoveDirectionality
-
     proc = CaptureLogitsProcessor(None, CPU, False)
     out_x: list[int] = []
     out_y: list[int] = []

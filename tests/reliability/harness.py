@@ -31,8 +31,7 @@ from tensorverse.testing.fake_vllm import FakeVLLM  # noqa: E402
 
 from tensorverse.testing.fake_upstream import FakeUpstream, _reset  # noqa: E402
 from tensorverse.proxy.loop import LoopThread  # noqa: E402
-from tensorverse.ports import free_port  # noqa: E402,F401 - H.free_port (test_security)
-from tensorverse.testing.proxy_process import ProxyProc, proxy_config as _proxy_config  # noqa: E402,F401
+from tensorverse.testing.proxy_process import ProxyProc, proxy_config as _proxy_config  # noqa: E402,F401 - H.ProxyProc
 
 RESULTS_DIR = Path(os.environ.get("TENSORVERSE_RELIABILITY_RESULTS", ROOT / "out" / "reliability"))
 PY = sys.executable

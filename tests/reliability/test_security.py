@@ -17,6 +17,7 @@ from typing import Any
 
 from tests.reliability import audit
 from tests.reliability import harness as H
+from tensorverse.ports import free_port
 import httpx
 import pytest
 
@@ -96,7 +97,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Any:
     arts["data"], arts["sid"] = data, sid
     r = run("export", "html", "--session", sid, "--out", str(tmp / "session.html"), "--store", str(store))
     assert r.returncode == 0, r.stderr
-    port = H.free_port()
+    port = free_port()
     view = subprocess.Popen([sys.executable, "-m", "tensorverse", "view", "--store", str(store), "--port", str(port)],
                             stdout=open(tmp / "viewer.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp, env=env)
     arts["viewer_port"], arts["viewer"] = port, view
@@ -195,11 +196,11 @@ def test_listeners_bind_loopback_by_default(recorded, tmp_path):
     # a proxy whose config names no host for proxy/admin: both on loopback (ports: free ones)
     f = recorded["fakes"]
     cfgd = {"primary": {"url": f.url("primary")}, "store": {"path": str(tmp_path / "st")},
-            "proxy": {"listen": f"127.0.0.1:{H.free_port()}"}, "admin": {"listen": f"127.0.0.1:{H.free_port()}"}}
+            "proxy": {"listen": f"127.0.0.1:{free_port()}"}, "admin": {"listen": f"127.0.0.1:{free_port()}"}}
     default = cfg
     assert (default.proxy.host, default.admin.host) == ("127.0.0.1", "127.0.0.1")
-    p = H.ProxyProc(tmp_path / "p", {**cfgd, "proxy": {"listen": f"{default.proxy.host}:{H.free_port()}"},
-                                     "admin": {"listen": f"{default.admin.host}:{H.free_port()}"}})
+    p = H.ProxyProc(tmp_path / "p", {**cfgd, "proxy": {"listen": f"{default.proxy.host}:{free_port()}"},
+                                     "admin": {"listen": f"{default.admin.host}:{free_port()}"}})
     try:
         p.start()
         for url in (p.url, p.admin_url):
