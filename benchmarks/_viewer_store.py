@@ -52,6 +52,7 @@ import numpy as np
 from benchmarks._logits import round_to_bf16
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
+from tensorverse.store.records import BackendInfo, Run, Session, Turn
 
 __all__ = ["build_long_turn", "LongTurn", "BACKENDS"]
 
@@ -315,13 +316,15 @@ def build_long_turn(path: str | Path, *, tokens: int = 2000, vocab: int = 32768,
     info.free_lengths = {b: len(v) for b, v in free_ids.items()}
 
     with Store.open(path, durable=durable) as store, ThreadPoolExecutor(encoders) as pool:
-        store.put_backend("primary", {"url": "http://primary:8000", "role": "primary", "model": "qwen3"}).result()
-        store.put_backend("secondary", {"url": "http://sec:8000", "role": "secondary", "capture": "full"}).result()
+        store.put_backend("primary", BackendInfo(name="primary", url="http://primary:8000", role="primary",
+                                                 model="qwen3")).result()
+        store.put_backend("secondary", BackendInfo(name="secondary", url="http://sec:8000", role="secondary",
+                                                   capture="full")).result()
         for b, att in (("fa2", "FLASH_ATTN"), ("sdpa", "TORCH_SDPA"), ("fp8", "FLASH_ATTN")):
             settings = {"attention": att, **({"kv_cache_dtype": "fp8"} if b == "fp8" else {})}
-            store.put_backend(b, {"url": f"http://{b}:8000", "role": "shadow", "capture": "full",
-                                  "settings": settings}).result()
-        store.put_session({"id": sid, "created_ns": t0, "tags": {"agent": "netops", "bench": "viewer"}}).result()
+            store.put_backend(b, BackendInfo(name=b, url=f"http://{b}:8000", role="shadow", capture="full",
+                                             settings=settings)).result()
+        store.put_session(Session(id=sid, created_ns=t0, tags={"agent": "netops", "bench": "viewer"})).result()
 
         # the primary: top-k from the reference-shaped rows (no noise), no rows stored
         prim_topk: list = []
@@ -330,25 +333,25 @@ def build_long_turn(path: str | Path, *, tokens: int = 2000, vocab: int = 32768,
             prim_topk += rows.topk(p_ids, s, min(tokens, s + CHUNK), shadow=None, extra=ref_extra)
         reasoning = "".join(think[2:-3])
         text = "".join(content) + "\n\n"
-        store.put_turn({
-            "id": tid, "session_id": sid, "index": 0, "created_ns": t0 + 1,
-            "endpoint": "chat.completions", "backend": "primary", "state": "ok",
-            "request": {"model": "qwen3", "temperature": 0, "messages": [
+        store.put_turn(Turn(
+            id=tid, session_id=sid, index=0, created_ns=t0 + 1,
+            endpoint="chat.completions", backend="primary", state="ok",
+            request={"model": "qwen3", "temperature": 0, "messages": [
                 {"role": "system", "content": "You configure routers. Think, then call tools."},
                 {"role": "user", "content": "Create subinterface 0/0/1.201 for VLAN 201, address it and save."}]},
-            "prompt_token_ids": list(range(1, 180)), "output_token_ids": p_ids, "text": text,
-            "reasoning": reasoning, "tool_calls": _openai_calls(CALLS), "finish_reason": "tool_calls",
-            "choices": [{"index": 0, "text": text, "token_ids": p_ids, "logprobs": [
+            prompt_token_ids=list(range(1, 180)), output_token_ids=p_ids, text=text,
+            reasoning=reasoning, tool_calls=_openai_calls(CALLS), finish_reason="tool_calls",
+            choices=[{"index": 0, "text": text, "token_ids": p_ids, "logprobs": [
                 {"token": p_ids[p], "logprob": prim_topk[p][0][1] if prim_topk[p][0][0] == p_ids[p] else
                  dict(map(tuple, prim_topk[p])).get(p_ids[p], -20.0), "top": prim_topk[p]}
                 for p in range(tokens)]}],
-        }).result()
-        store.put_run({
-            "id": f"{tid}~primary", "turn_id": tid, "session_id": sid, "backend": "primary", "role": "primary",
-            "mode": "recorded", "status": "ok", "capture": "topk", "approximate": True, "method": "recorded",
-            "token_ids": p_ids, "text": text, "top_logprobs": prim_topk, "pieces": primary,
-            "tool_calls": _openai_calls(CALLS), "created_ns": t0 + 2,
-        }).result()
+        )).result()
+        store.put_run(Run(
+            id=f"{tid}~primary", turn_id=tid, session_id=sid, backend="primary", role="primary",
+            mode="recorded", status="ok", capture="topk", approximate=True, method="recorded",
+            token_ids=p_ids, text=text, top_logprobs=prim_topk, pieces=primary,
+            tool_calls=_openai_calls(CALLS), created_ns=t0 + 2,
+        )).result()
 
         pending: list = []
 
@@ -357,15 +360,15 @@ def build_long_turn(path: str | Path, *, tokens: int = 2000, vocab: int = 32768,
 
         def run_record(b: str, mode: str, ids: list[int], pieces: list[str], topk: list,
                        with_rows: bool) -> None:
-            store.put_run({
-                "id": f"{tid}-{b}-{mode}", "turn_id": tid, "session_id": sid, "backend": b,
-                "role": "secondary" if b == "secondary" else "shadow", "mode": mode, "status": "ok",
-                "capture": "full" if with_rows else "topk", "approximate": not with_rows,
-                "method": "forced_decode" if mode == "forced" else "generate",
-                "token_ids": ids, "text": "".join(pieces), "finish_reason": "stop", "top_logprobs": topk,
-                "k": K, "created_ns": t0 + 10 + shadow_no[b], "error": None,
-                "rows": ({"expected": len(ids), "present": len(ids), "complete": True} if with_rows else None),
-            }).result()
+            store.put_run(Run(
+                id=f"{tid}-{b}-{mode}", turn_id=tid, session_id=sid, backend=b,
+                role="secondary" if b == "secondary" else "shadow", mode=mode, status="ok",
+                capture="full" if with_rows else "topk", approximate=not with_rows,
+                method="forced_decode" if mode == "forced" else "generate",
+                token_ids=ids, text="".join(pieces), finish_reason="stop", top_logprobs=topk,
+                k=K, created_ns=t0 + 10 + shadow_no[b], error=None,
+                rows=({"expected": len(ids), "present": len(ids), "complete": True} if with_rows else None),
+            )).result()
 
         free_rows = {"secondary": True, "fa2": True, "sdpa": True, "fp8": False}
         for b in ("secondary", "fa2", "fp8", "sdpa"):

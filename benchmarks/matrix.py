@@ -33,12 +33,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
+sys.path.insert(0, str(ROOT))  # this checkout
 
 from benchmarks._targets import finish  # noqa: E402
-from tests.matrix.matrix_support import base_spec, make_corpus  # noqa: E402
 from tensorverse.matrix.grid import run_matrix  # noqa: E402
 from tensorverse.matrix.spec import parse_spec  # noqa: E402
+from tensorverse.testing.matrix_specs import base_spec, make_corpus  # noqa: E402
 
 
 def breakdown(rep: dict, results: Path) -> dict:

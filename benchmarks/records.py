@@ -74,7 +74,7 @@ def _run(tokens: int, top: int) -> dict:
 def _comparison(tokens: int) -> dict:
     cols = {k: [0.01 * (i % 7) for i in range(tokens)] for k in ("kl", "delta_p", "margin", "entropy")}
     cols.update(top1_agree=[True] * tokens, rank=[0] * tokens, ref_top1=list(range(tokens)), cand_top1=list(range(tokens)))
-    return {"turn_id": "t1", "mode": "forced", "kind": "full", "backend": "fp8", "ref_backend": "secondary",
+    return {"run_id": "r1", "ref_run_id": "r0", "turn_id": "t1", "mode": "forced", "kind": "full", "backend": "fp8", "ref_backend": "secondary",
             "role": "shadow", "ref_role": "secondary", "approximate": False, "noise_floor": False, "n": tokens,
             "positions": None, "incomplete": False, "summary": {"kl": {"mean": 0.01}}, "flips": [3, 9],
             "flip_classes": ["runtime", "tie"], "first_flip": 3, "metrics": cols, "regions": ["content"] * tokens,
@@ -117,10 +117,16 @@ def main() -> int:
                  "typed": records is not None, "load": os.getloadavg()[0]}
     try:
         with Store.open(tmp / "store", durable=False) as store:
-            store.put_session({"id": "s1", "created_ns": 1}).result()
-            store.put_turn(_turn(args.messages, args.tokens, args.top)).result()
-            store.put_run(_run(args.tokens, args.top)).result()
-            store.put_comparison("r1", "r0", _comparison(args.tokens)).result()
+            written = ({"id": "s1", "created_ns": 1}, _turn(args.messages, args.tokens, args.top),
+                       _run(args.tokens, args.top), _comparison(args.tokens))
+            if records is not None:  # the writes take the typed records only
+                written = tuple(cls(**d) for cls, d in zip(
+                    (records.Session, records.Turn, records.Run, records.ForcedComparison), written))
+            session, turn, run, comparison = written
+            store.put_session(session).result()
+            store.put_turn(turn).result()
+            store.put_run(run).result()
+            store.put_comparison("r1", "r0", comparison).result()
             reads = {"turn": lambda: store.get_turn("t1"), "run": lambda: store.get_run("r1"),
                      "comparison": lambda: store.get_comparison("r1", "r0")}
             # the stored dicts: what the reads return before typed records, ``Store.records`` since

@@ -1,10 +1,11 @@
 """Sessions and turns for compacting turnstone conversations, grouped by the previous rule (exact
 prefix only: git revision BASE's ``tensorverse/proxy/sessions.py``) and by the current one.
 
-Runs real turnstone 1.9.0 (``tests/turnstone_kit``: its cached Python 3.13 environment and
-``turnstone_drive.sh``) against the scripted chat server of the test suite, with a small context
+Runs real turnstone 1.9.0 (``tensorverse.testing.turnstone``: its cached Python 3.13 environment
+and ``turnstone_drive.sh``) against the scripted chat server of the test suite, with a small context
 window so that it compacts, records every request and answer in arrival order, then sends the
-same sequence through both `Sessions` addons. Prints a table and, last, one JSON object.
+same sequence through both `Sessions` addons, driven as the proxy drives them
+(``tensorverse.testing.grouping``). Prints a table and, last, one JSON object.
 
     .venv/bin/python benchmarks/session_grouping.py [--runs 2] [--rounds 8] [--base 937e4c2]
 """
@@ -21,10 +22,11 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout, and its tests package
+sys.path.insert(0, str(ROOT))  # this checkout
 
 from benchmarks._targets import finish  # noqa: E402
-from tests.turnstone_kit import scripted, turnstone  # noqa: E402
+from tensorverse.testing.grouping import Driver  # noqa: E402
+from tensorverse.testing.turnstone import agent, scripted  # noqa: E402
 
 
 def record(runs: int, rounds: int, window: int) -> list[tuple[dict, dict]]:
@@ -44,9 +46,9 @@ def record(runs: int, rounds: int, window: int) -> list[tuple[dict, dict]]:
     files = {f"f{k}.txt": "\n".join(f"Gi0/0/{k}.{i} up up uplink to dist-{k}-{i}" for i in range(120)) for k in range(rounds)}
     with tempfile.TemporaryDirectory() as d:
         for n in range(runs):
-            r = turnstone.drive(f"http://127.0.0.1:{port}/v1", "m", f"Read f0.txt to f{rounds - 1}.txt one by one "
-                                f"and say which uplinks are up (run {n}).", Path(d) / f"run{n}", files=files,
-                                context_window=window)
+            r = agent.drive(f"http://127.0.0.1:{port}/v1", "m", f"Read f0.txt to f{rounds - 1}.txt one by one "
+                            f"and say which uplinks are up (run {n}).", Path(d) / f"run{n}", files=files,
+                            context_window=window)
             if r.rc != 0:
                 raise SystemExit(f"turnstone failed ({r.rc}): {r.stdout[-2000:]}")
     asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
@@ -62,40 +64,24 @@ def old_sessions_class(base: str):
     return mod.Sessions
 
 
-class Driver:
-    """Sends requests through a `Sessions` addon as the proxy does: `request_forwarded`, then
-    (after the answer) `response_done` with the answer in the real chat accumulator (the test
-    suite's driver, tests/proxy/test_grouping.py, without a store)."""
+class BaseDriver(Driver):
+    """The shared driver for revision BASE's `Sessions` (loaded from git): it builds that class, and
+    hands it the answer where BASE read it too, the flow's free-form ``meta`` dict (the current
+    rule reads the typed ``flow.acc``)."""
 
     def __init__(self, sessions_cls) -> None:
-        self.clock = [0.0]
-        self.sessions = sessions_cls(None, clock=lambda: self.clock[0])
+        self.sessions_cls = sessions_cls
+        super().__init__()
 
-    def turn(self, messages: list[dict], answer: dict, *, tools: list | None = None):
-        import orjson
-        from multidict import CIMultiDict, CIMultiDictProxy
+    def new_sessions(self, store, **kw):
+        return self.sessions_cls(store, **kw)
 
-        from tensorverse.proxy.accumulate import ACCUMULATORS
-        from tensorverse.proxy.flow import Flow
-        from tensorverse.proxy.protocol import CHAT
-
-        body = {"model": "m", "messages": messages, **({"tools": tools} if tools else {})}
-        f = Flow("POST", "/v1/chat/completions", "", CIMultiDictProxy(CIMultiDict()), orjson.dumps(body), kind=CHAT)
-        self.clock[0] += 1
-        self.sessions.request_forwarded(f)
-        f.status = 200
-        acc = ACCUMULATORS[CHAT]()
-        msg = {"role": "assistant", "content": answer.get("content"), "tool_calls": answer.get("tool_calls") or []}
-        acc.add_body({"id": "x", "object": "chat.completion", "model": "m",
-                      "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
-        f.acc = acc  # the current rule reads the flow's typed field
-        f.meta["acc"] = acc  # the previous rule (BASE) read it from the flow's free-form dict
-        asyncio.run(self.sessions.response_done(f))
-        return f
+    def answer(self, f, acc) -> None:
+        super().answer(f, acc)
+        f.meta["acc"] = acc
 
 
-def group(sessions_cls, traffic: list[tuple[dict, dict]]) -> dict:
-    d = Driver(sessions_cls)
+def group(d: Driver, traffic: list[tuple[dict, dict]]) -> dict:
     flows = []
     for body, a in traffic:
         ans = {"role": "assistant", "content": a.get("content"),
@@ -119,10 +105,8 @@ def main() -> int:
     ap.add_argument("--base", default="937e4c2")
     args = ap.parse_args()
     traffic = record(args.runs, args.rounds, args.window)
-    from tensorverse.proxy.sessions import Sessions
-
     compactions = sum(1 for b, _ in traffic if not b.get("tools") and "Compactor" in str(b["messages"][0]["content"]))
-    before, after = group(old_sessions_class(args.base), traffic), group(Sessions, traffic)
+    before, after = group(BaseDriver(old_sessions_class(args.base)), traffic), group(Driver(), traffic)
     print(f"{args.runs} turnstone conversation(s), {len(traffic)} requests, {compactions} compaction summary request(s)")
     print(f"{'rule':<8} {'sessions':>8} {'turns':>6} {'side':>5} {'1-turn sessions':>16}")
     for name, r in (("before", before), ("after", after)):

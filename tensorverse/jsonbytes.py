@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+import msgspec
 import orjson
 
 _LEVELS = 1100  # more than orjson reads: any value it decoded fits
@@ -44,6 +45,8 @@ class RawJSON:
 def _embed(value: Any) -> Any:
     if value.__class__ is RawJSON:
         return orjson.Fragment(value.text)
+    if isinstance(value, msgspec.Struct):  # a typed record inside another (a compaction's runs)
+        return msgspec.structs.asdict(value)
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 

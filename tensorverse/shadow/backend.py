@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from tensorverse.store.records import BackendInfo
+
 __all__ = ["Backend", "ROLES", "CAPTURE_MODES"]
 
 ROLES = ("primary", "shadow", "secondary", "reference")
@@ -88,20 +90,12 @@ class Backend:
         return h
 
     # -- records --------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> BackendInfo:
         """What the store keeps about this backend: never the key, never the headers' values."""
-        return {
-            "name": self.name,
-            "url": self.url,
-            "model": self.model,
-            "role": self.role,
-            "timeout_s": self.timeout_s,
-            "capture": self.capture,
-            "concurrency": self.concurrency,
-            "logprobs": self.logprobs,
-            "captured_logprobs": self.captured_logprobs,
-            "has_api_key": bool(self.api_key),
-        }
+        return BackendInfo(name=self.name, url=self.url, model=self.model, role=self.role,
+                           timeout_s=self.timeout_s, capture=self.capture, concurrency=self.concurrency,
+                           logprobs=self.logprobs, captured_logprobs=self.captured_logprobs,
+                           has_api_key=bool(self.api_key))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Backend":

@@ -133,7 +133,7 @@ class TurnCompacted(AnalysisInputError):
 def _refuse_compacted(store: Store, turn_id: str | None) -> None:
     rec = store.compaction(turn_id) if turn_id and hasattr(store, "compaction") else None
     if rec is not None:
-        why = "pruned by [retention]" if rec.get("rows_pruned") else "compacted"
+        why = "pruned by [retention]" if rec.rows_pruned else "compacted"
         raise TurnCompacted(f"turn {turn_id}: its rows were {why}; its stored comparisons are the exact "
                             "ones (computed from the full rows) and are not recomputed")
 

@@ -136,7 +136,7 @@ class ShadowRunner:
         return self._primary
 
     def _primary_from_store(self, name: str | None) -> Backend | None:
-        """The primary as the proxy registered it (``put_backend(name, {"url": ...})``)."""
+        """The primary as the proxy registered it (``put_backend(name, BackendInfo(name=name, url=...))``)."""
         if not name or not hasattr(self.store, "get_backend"):
             return None
         try:
@@ -167,17 +167,16 @@ class ShadowRunner:
         info = backend.info()
         if backend.role == "primary":  # keep what the proxy stored about its primary
             try:
-                stored = msgspec.structs.asdict(self.store.get_backend(backend.name))
-                info = {**stored, **{k: v for k, v in info.items() if v is not None}}
+                stored = self.store.get_backend(backend.name)
+                info = msgspec.structs.replace(stored, **{k: v for k, v in msgspec.structs.asdict(info).items()
+                                                          if v is not None})
             except Exception:  # noqa: BLE001
                 pass
         if fp and fp.get("available"):
-            info["tokenizer"] = {k: fp.get(k) for k in ("fingerprint", "vocab_size",
-                                                        "template_fingerprint")}
+            info.tokenizer = {k: fp.get(k) for k in ("fingerprint", "vocab_size", "template_fingerprint")}
         caps = self.cache.get_caps(backend)
         if caps is not None and caps.probed:
-            info["capabilities"] = {"forcing": caps.forcing, "capture": caps.capture,
-                                    "detail": caps.detail}
+            info.capabilities = {"forcing": caps.forcing, "capture": caps.capture, "detail": caps.detail}
         if await self._put("put_backend", backend.name, info):
             self._registered.add(backend.name)
 

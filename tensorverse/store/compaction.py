@@ -46,7 +46,7 @@ import numpy as np
 from tensorverse.analysis.metrics import widen_bf16
 from tensorverse.store.codec import blob_info, decode_row, encode_row
 from tensorverse.store.compact import compact_row, encode_compact
-from tensorverse.store.records import Comparison, Run
+from tensorverse.store.records import CompactedRun, Compaction, Comparison, Run
 from tensorverse.store.store import CompactionConflict, RowChange
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ class CompactionPlan:
     (``result`` says what it would do; a skipped turn has no record and no changes)."""
 
     result: CompactionResult
-    record: dict[str, Any] | None = None
+    record: Compaction | None = None
     changes: tuple[RowChange, ...] = ()
 
 
@@ -344,16 +344,14 @@ def plan_compaction(store: Store, turn_id: str, policy: EvidencePolicy, *, now_n
         n_full += len(full) - len(deltas)
         n_delta += len(deltas)
         n_compact += len(compacted)
-        runs_out[r.id] = {"backend": r.backend, "mode": r.mode, "full": full, "delta": deltas,
-                          "delta_ref": ref_run.id if deltas and ref_run is not None else None,
-                          "compact": len(compacted), "topk": policy.topk}
-    record = {
-        "turn_id": turn_id, "at_ns": now_ns, "policy": asdict(policy), "reference_run": reference,
-        "runs": runs_out,
-        "reasons": {str(p): sorted(w) for p, w in sorted(plan.forced.items())},
-        "free_reasons": {rid: {str(p): sorted(w) for p, w in sorted(d.items())} for rid, d in plan.free.items()},
-        "bytes_before": before, "bytes_after": after,
-    }
+        runs_out[r.id] = CompactedRun(backend=r.backend, mode=r.mode, full=full, delta=deltas,
+                                      delta_ref=ref_run.id if deltas and ref_run is not None else None,
+                                      compact=len(compacted), topk=policy.topk)
+    record = Compaction(
+        turn_id=turn_id, at_ns=now_ns, policy=asdict(policy), reference_run=reference, runs=runs_out,
+        reasons={str(p): sorted(w) for p, w in sorted(plan.forced.items())},
+        free_reasons={rid: {str(p): sorted(w) for p, w in sorted(d.items())} for rid, d in plan.free.items()},
+        bytes_before=before, bytes_after=after)
     result = CompactionResult(turn_id, "compacted", "", n_full, n_delta, n_compact, before, after)
     return CompactionPlan(result, record, tuple(changes))
 
@@ -390,11 +388,3 @@ def compact_store(store: Store, policy: EvidencePolicy, *, now_ns: int | None = 
     if any(r.status == "compacted" for r in out) and not dry_run:
         store.note_space_freed()
     return out
-
-
-def reasons_of(record: Mapping[str, Any], run_id: str, position: int) -> list[str]:
-    """Why ``position`` of ``run_id`` was kept in full by the compaction ``record`` ([] if not)."""
-    run = (record.get("runs") or {}).get(run_id) or {}
-    if run.get("mode") == "free":
-        return list(((record.get("free_reasons") or {}).get(run_id) or {}).get(str(position), []))
-    return list((record.get("reasons") or {}).get(str(position), []))

@@ -12,7 +12,7 @@ import orjson
 from tensorverse.store import records, schema
 from tensorverse.store.base import _PAGE, RecordNotFound, StoreBase, _loads
 from tensorverse.store.engine_state import EngineState
-from tensorverse.store.records import BackendInfo, Comparison, Run, Session, Turn
+from tensorverse.store.records import BackendInfo, Compaction, Comparison, Run, Session, Turn
 from tensorverse.store.turns import read_turn
 
 
@@ -167,14 +167,14 @@ class StoreReads(StoreBase):
         with self._read() as txn:
             return txn.get(schema.row_key(run_id, position), db=self._dbs[schema.ROWS_COMPACT])
 
-    def compaction(self, turn_id: str) -> dict | None:
+    def compaction(self, turn_id: str) -> Compaction | None:
         """What compaction kept of a turn and why (`tensorverse.store.compaction`), or None when
         the turn's rows are as captured."""
         if schema.COMPACTED not in self._dbs:
             return None
         with self._read() as txn:
             raw = txn.get(schema.check_id(turn_id, "turn"), db=self._dbs[schema.COMPACTED])
-        return None if raw is None else _loads(raw)
+        return None if raw is None else records.compaction(_loads(raw))
 
     def read_row(self, run_id: str, position: int) -> bytes:
         with self._read() as txn:

@@ -32,7 +32,7 @@ from tensorverse.refusal import Refusal
 
 __all__ = ["Record", "Session", "Turn", "Run", "Comparison", "ComparisonBase", "ForcedComparison", "FreeComparison",
            "comparison_type", "BackendInfo", "RecordError", "session", "turn", "run",
-           "comparison", "backend", "decode", "at_default", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
+           "comparison", "backend", "compaction", "Compaction", "CompactedRun", "decode", "at_default", "unknown_fields", "checked", "KINDS", "RECORD_TYPES", "record_type", "RECORDED", "FORCED", "FREE"]
 
 # modes of a run
 RECORDED = "recorded"  # the primary's own answer, as the shadow runner stores it
@@ -42,8 +42,9 @@ FREE = "free"
 
 class RecordError(Refusal):
     """A record that does not fit its type. ``reason``: ``type`` (a field of the wrong type, or a
-    required one missing), ``untyped`` (a write with fields its type does not declare),
-    ``kind`` (a record stored as another kind), ``mode`` (a comparison of an unknown mode)."""
+    required one missing), ``untyped`` (a stored record with fields its type does not declare:
+    what `unknown_fields` finds), ``kind`` (a write of anything but its typed record: a dict, or a
+    record of another kind), ``mode`` (a comparison of an unknown mode)."""
 
     REASONS = ("type", "untyped", "kind", "mode")
 
@@ -270,6 +271,47 @@ class BackendInfo(Record, kw_only=True):
     capabilities: dict[str, Any] | None = None  # forcing, capture, detail (probed)
 
 
+class CompactedRun(Record, kw_only=True):
+    """What compaction kept of one run of a turn: the positions kept in full (``full``), those
+    re-encoded as deltas against ``delta_ref``'s rows (``delta``), how many became compact rows,
+    and their top-k."""
+
+    backend: str | None = None
+    mode: str | None = None
+    full: list[int] = []
+    delta: list[int] = []
+    delta_ref: str | None = None
+    compact: int = 0
+    topk: int | None = None
+
+
+class Compaction(Record, kw_only=True):
+    """What compaction kept of a turn and why (`tensorverse.store.compaction`; the store's
+    ``compacted`` table, one per turn): per run, the positions kept; per position, why
+    (``reasons`` for the forced runs, ``free_reasons`` by free run id; positions as strings,
+    JSON's keys); the row bytes before and after. Retention, deleting a session's rows, writes
+    one for each of its turns, with ``rows_pruned`` (when)."""
+
+    turn_id: str
+    at_ns: int = 0
+    policy: dict[str, Any] = {}  # the `[retention]` evidence policy it ran with
+    reference_run: str | None = None
+    runs: dict[str, CompactedRun] = {}
+    reasons: dict[str, list[str]] = {}
+    free_reasons: dict[str, dict[str, list[str]]] = {}
+    bytes_before: int = 0
+    bytes_after: int = 0
+    rows_pruned: int | None = None
+
+    def reasons_at(self, run_id: str, position: int) -> list[str]:
+        """Why ``position`` of ``run_id`` was kept in full ([] if it was not; a run the record
+        does not list reads as a forced one)."""
+        run = self.runs.get(run_id)
+        if run is not None and run.mode == FREE:
+            return list(self.free_reasons.get(run_id, {}).get(str(position), []))
+        return list(self.reasons.get(str(position), []))
+
+
 #: the store's kinds of record (``Store.records(kind)``)
 KINDS = ("session", "turn", "run", "comparison", "backend")
 RECORD_TYPES: dict[str, type[Record]] = {"session": Session, "turn": Turn, "run": Run, "backend": BackendInfo}
@@ -319,6 +361,10 @@ def backend(record: Mapping[str, Any] | BackendInfo) -> BackendInfo:
     return decode(record, BackendInfo)
 
 
+def compaction(record: Mapping[str, Any] | Compaction) -> Compaction:
+    return decode(record, Compaction)
+
+
 @functools.cache
 def _defaults(cls: type[Record]) -> dict[str, Any]:
     """``{field: its declared default}`` for the fields of ``cls`` that have one, read once a
@@ -340,24 +386,24 @@ def unknown_fields(record: Mapping[str, Any], cls: type[Record]) -> list[str]:
     return sorted(set(record) - set(cls.__struct_fields__))
 
 
-def checked(record: Mapping[str, Any] | Record, cls: type[Record]) -> dict[str, Any]:
+def checked(record: Record, cls: type[Record], defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The dict a write stores for ``record``, checked against ``cls`` on the caller's thread,
-    before the write is queued: every field declared (:class:`RecordError` naming the ones that
-    are not) and of its type. A typed record is stored with every field (its defaults written
-    out, as a reader of the dict would fill them in); a dict is stored as given once it passes.
-    So a field added without its type fails the write that adds it, in production as in the
-    tests, instead of reaching the store."""
-    if isinstance(record, Record):
-        if not isinstance(record, cls):
-            raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}", "kind")
-        # every field (the records omit their defaults when encoded), values as they are:
-        # builtins, or JSON text kept unparsed (`tensorverse.jsonbytes.RawJSON`: parts of the
-        # upstream's answer in a recorded turn), which the store's encoder writes as it is
-        out: dict[str, Any] = msgspec.structs.asdict(record)
-        return out
-    extra = unknown_fields(record, cls)
-    if extra:
-        rid = record.get("id") or record.get("name") or record.get("run_id")
-        raise RecordError(f"{cls.__name__.lower()} {rid!r}: untyped fields {extra}", "untyped")
-    decode(record, cls)
-    return dict(record)
+    before the write is queued. Writes take typed records only: anything else, a dict included,
+    is refused (:class:`RecordError`, ``kind``), as is a record of another type. The dict holds
+    every field (the defaults written out, as a reader would fill them in); a field of
+    ``defaults`` that ``record`` holds at its declared default takes the value given there (a
+    write's time: ``created_ns`` 0 means "not set", never 1970). Every value is then checked
+    against its type (``type``): a struct's constructor does not check types, so a wrong one
+    fails the write that makes it instead of the reader that meets it."""
+    if not isinstance(record, cls):
+        raise RecordError(f"a {type(record).__name__} stored as a {cls.__name__}: "
+                          f"writes take the typed records of tensorverse.store.records", "kind")
+    # every field (the records omit their defaults when encoded), values as they are:
+    # builtins, or JSON text kept unparsed (`tensorverse.jsonbytes.RawJSON`: parts of the
+    # upstream's answer in a recorded turn), which the store's encoder writes as it is
+    out: dict[str, Any] = msgspec.structs.asdict(record)
+    if defaults:
+        for name in at_default(record, defaults):
+            out[name] = defaults[name]
+    decode(out, cls)
+    return out

@@ -18,6 +18,7 @@ import numpy as np
 from tensorverse.store import RecordNotFound
 from tensorverse.store.codec import CodecError, blob_info, decode_row
 from tensorverse.store.compact import CompactRow, decode_compact
+from tensorverse.store.records import Compaction
 
 if TYPE_CHECKING:
     from tensorverse.store.store import Store
@@ -54,9 +55,9 @@ class StoredRows:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._compaction: dict[str, dict | None] = {}
+        self._compaction: dict[str, Compaction | None] = {}
 
-    def compaction_of(self, run_id: str) -> dict | None:
+    def compaction_of(self, run_id: str) -> Compaction | None:
         """The compaction record of the run's turn (None: not compacted)."""
         if run_id not in self._compaction:
             rec = None
@@ -70,11 +71,13 @@ class StoredRows:
 
     def pruned(self, run_id: str) -> bool:
         """Whether retention deleted the rows of the run's session."""
-        return bool((self.compaction_of(run_id) or {}).get("rows_pruned"))
+        rec = self.compaction_of(run_id)
+        return rec is not None and bool(rec.rows_pruned)
 
     def delta_ref(self, run_id: str) -> str | None:
         rec = self.compaction_of(run_id)
-        return ((rec or {}).get("runs") or {}).get(run_id, {}).get("delta_ref") if rec else None
+        run = rec.runs.get(run_id) if rec is not None else None
+        return run.delta_ref if run is not None else None
 
     def compact(self, run_id: str, position: int) -> CompactRow | None:
         reader = getattr(self.store, "read_compact_row", None)

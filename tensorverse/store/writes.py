@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import lmdb
+import msgspec
 import orjson
 
 from tensorverse.store import records, schema
@@ -25,50 +26,35 @@ from tensorverse.store.engine_state import EngineState
 from tensorverse.store.writer import StoreFullError
 
 
-def _with_id(record: Mapping[str, Any] | records.Record, cls: type[records.Record],
-             defaults: dict[str, Any]) -> dict[str, Any]:
-    """``record`` over ``defaults``, with a new id when it has none (none is made for a record
-    that has one), checked against its type (:func:`~tensorverse.store.records.checked`). A field
-    of ``defaults`` is filled in where a dict lacks it, and where a typed record left it at its
-    declared default (``created_ns`` 0: a typed record holds every field, so its default is how
-    it says "not set"; a write's time is never 1970)."""
-    if isinstance(record, records.Record):
-        unset = records.at_default(record, defaults)
-        record = {k: v for k, v in records.checked(record, cls).items() if k not in unset}
-    out = {**defaults, **record}
-    if "id" not in out:
-        out["id"] = schema.new_id()
-    return records.checked(out, cls)
-
-
 class StoreWrites(StoreBase):
     """The writes of :class:`~tensorverse.store.store.Store` (the module docstring)."""
 
-    def put_backend(self, name: str, info: Mapping[str, Any] | records.BackendInfo) -> Future:
+    def put_backend(self, name: str, info: records.BackendInfo) -> Future:
+        """Create or replace backend ``name`` (``info``'s own ``name`` is set to it)."""
         if isinstance(info, records.BackendInfo):
-            info = records.checked(info, records.BackendInfo)
-        info = records.checked({**info, "name": name}, records.BackendInfo)
-        return self._put_json(schema.BACKENDS, schema.check_id(name, "backend"), info)
+            info = msgspec.structs.replace(info, name=name)
+        stored = records.checked(info, records.BackendInfo)
+        return self._put_json(schema.BACKENDS, schema.check_id(name, "backend"), stored)
 
-    def put_session(self, session: Mapping[str, Any] | records.Session) -> Future:
-        """Create or replace a session; `id` and `created_ns` are filled in if missing. Replacing
+    def put_session(self, session: records.Session) -> Future:
+        """Create or replace a session; ``created_ns`` is the write's time if not set. Replacing
         keeps what the store maintains itself: the turn counters, the hand edits and the creation
         time (the proxy may submit the same new session's record twice: once with a conversation's
         first turn, once with a side request of it that finished first)."""
-        session = _with_id(session, records.Session, {"created_ns": time.time_ns(), "tags": {}})
-        sid = session["id"]
+        stored = records.checked(session, records.Session, {"created_ns": time.time_ns()})
+        sid = stored["id"]
         skey = schema.check_id(sid, "session")
-        blob = _dumps(session)
+        blob = _dumps(stored)
 
         def op(txn: lmdb.Transaction) -> None:
             raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
             if raw is None:
                 txn.put(skey, blob, db=self._dbs[schema.SESSIONS])
-                txn.put(schema.session_time_key(session["created_ns"], sid), b"", db=self._dbs[schema.SESSIONS_BY_TIME])
+                txn.put(schema.session_time_key(stored["created_ns"], sid), b"", db=self._dbs[schema.SESSIONS_BY_TIME])
                 return
             old = orjson.loads(raw)
             kept = {k: old[k] for k in _STORE_KEPT if k in old}
-            txn.put(skey, _dumps({**session, **kept}), db=self._dbs[schema.SESSIONS])
+            txn.put(skey, _dumps({**stored, **kept}), db=self._dbs[schema.SESSIONS])
 
         fut = self.submit(op)
         fut.add_done_callback(lambda f: self._note_refused_session(sid, f))
@@ -82,7 +68,7 @@ class StoreWrites(StoreBase):
             while len(self._refused_sessions) > 10_000:
                 self._refused_sessions.popitem(last=False)
 
-    def put_turn(self, turn: Mapping[str, Any] | records.Turn) -> Future:
+    def put_turn(self, turn: records.Turn) -> Future:
         """Store a turn of a session (`session_id`, `index`) and bump the session's counters.
 
         The session must exist (created by `put_session`) — checked in the same transaction.
@@ -91,11 +77,11 @@ class StoreWrites(StoreBase):
         Counters: ``turns`` (one past the highest index), ``side_turns`` (turns of ``kind``
         ``side``), ``tool_call_turns`` (other turns whose answer calls a tool).
         """
-        turn = _with_id(turn, records.Turn, {"created_ns": time.time_ns()})
-        tid, sid, index = turn["id"], turn["session_id"], int(turn["index"])
+        stored = records.checked(turn, records.Turn, {"created_ns": time.time_ns()})
+        tid, sid, index = stored["id"], stored["session_id"], int(stored["index"])
         tkey = schema.check_id(tid, "turn")
         skey = schema.check_id(sid, "session")
-        blob = _dumps(turn)
+        blob = _dumps(stored)
 
         def op(txn: lmdb.Transaction) -> str:
             raw = txn.get(skey, db=self._dbs[schema.SESSIONS])
@@ -107,15 +93,15 @@ class StoreWrites(StoreBase):
             data = blob
             held = txn.get(schema.turn_index_key(sid, index), db=self._dbs[schema.TURNS_BY_SESSION])
             if held is not None and held != tkey:
-                moved = {**turn, "index": max(int(session.get("turns", 0)), index + 1)}
+                moved = {**stored, "index": max(int(session.get("turns", 0)), index + 1)}
                 moved["index_requested"] = index
                 data = _dumps(moved)
                 idx = moved["index"]
             else:
                 idx = index
             session["turns"] = max(int(session.get("turns", 0)), idx + 1)
-            _count(session, turn, +1)
-            session["updated_ns"] = turn["created_ns"]
+            _count(session, stored, +1)
+            session["updated_ns"] = stored["created_ns"]
             txn.put(skey, _dumps(session), db=self._dbs[schema.SESSIONS])
             txn.put(tkey, _compress(data), db=self._dbs[schema.TURNS])
             txn.put(schema.turn_index_key(sid, idx), tkey, db=self._dbs[schema.TURNS_BY_SESSION])
@@ -124,14 +110,14 @@ class StoreWrites(StoreBase):
         return self.submit(op)
 
 
-    def put_run(self, run: Mapping[str, Any] | records.Run) -> Future:
-        """Store or update a run (turn x backend x mode). Its id is the capture id."""
-        run = _with_id(run, records.Run, {"created_ns": time.time_ns()})
+    def put_run(self, run: records.Run) -> Future:
+        """Store or update a run (turn x backend x mode). Its id is the capture id;
+        ``created_ns`` is the write's time if not set."""
+        stored = records.checked(run, records.Run, {"created_ns": time.time_ns()})
+        rkey = schema.check_id(stored["id"], "run")
         return self._put_json(
-            schema.RUNS,
-            schema.check_id(run["id"], "run"),
-            run,
-            (schema.RUNS_BY_TURN, schema.child_prefix(run["turn_id"], "turn") + schema.check_id(run["id"], "run"), b""),
+            schema.RUNS, rkey, stored,
+            (schema.RUNS_BY_TURN, schema.child_prefix(stored["turn_id"], "turn") + rkey, b""),
         )
 
     def write_rows(self, run_id: str,
@@ -171,7 +157,7 @@ class StoreWrites(StoreBase):
         fut.add_done_callback(announce)
         return fut
 
-    def apply_compaction(self, turn_id: str, record: dict, changes: Sequence[RowChange]) -> Future:
+    def apply_compaction(self, turn_id: str, record: records.Compaction, changes: Sequence[RowChange]) -> Future:
         """Compact one turn's rows in one transaction (`tensorverse.store.compaction`): each
         change replaces a full row by its compact form (``compact``) or by a re-encoding of the
         same row (``full``: a delta against its reference), provided the stored blob is still
@@ -181,7 +167,7 @@ class StoreWrites(StoreBase):
         of row blobs removed minus those written."""
         tkey = schema.check_id(turn_id, "turn")
         keyed = [(schema.row_key(c.run_id, c.position), c) for c in changes]
-        blob = _dumps(record)
+        blob = _dumps(records.checked(record, records.Compaction))
 
         def op(txn: lmdb.Transaction) -> int:
             rows, compact = self._dbs[schema.ROWS], self._dbs[schema.ROWS_COMPACT]
@@ -207,10 +193,12 @@ class StoreWrites(StoreBase):
 
         return self.submit(op)
 
-    def put_comparison(self, run_id: str, ref_run_id: str,
-                       result: Mapping[str, Any] | records.Comparison) -> Future:
-        cls = records.comparison_type(result)  # forced or free, by its mode
-        if isinstance(result, records.ComparisonBase):
-            result = records.checked(result, cls)
-        record = records.checked({**result, "run_id": run_id, "ref_run_id": ref_run_id}, cls)
+    def put_comparison(self, run_id: str, ref_run_id: str, result: records.Comparison) -> Future:
+        """Store the comparison of run ``run_id`` against ``ref_run_id`` (``result``'s own
+        ``run_id`` and ``ref_run_id`` are set to them): a forced or a free one, by its type."""
+        if not isinstance(result, records.ComparisonBase):
+            raise records.RecordError(f"a {type(result).__name__} stored as a comparison: writes take "
+                                      f"the typed records of tensorverse.store.records", "kind")
+        result = msgspec.structs.replace(result, run_id=run_id, ref_run_id=ref_run_id)
+        record = records.checked(result, records.comparison_type(result))
         return self._put_json(schema.COMPARISONS, schema.comparison_key(run_id, ref_run_id), record)

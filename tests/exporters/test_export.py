@@ -13,7 +13,7 @@ from tests.exporters.exporters_support import ROOT, store_comparisons  # type: i
 from tensorverse.cli import main
 from tensorverse.exporters.export import SCHEMA, ExportError, export_store, parse_since
 from tensorverse.store.records import Turn
-from tensorverse.testing.records import tsession
+from tensorverse.testing.records import trun, tsession
 
 
 @pytest.fixture
@@ -173,9 +173,8 @@ def test_engine_states_in_parquet(tmp_path):
         store.put_turn(Turn(id="t", session_id="s", index=0, prompt_token_ids=[9], output_token_ids=tokens)).result()
         runs = {}
         for rid, batch in (("ref", 1), ("cand", 8)):
-            run = {"id": rid, "turn_id": "t", "session_id": "s", "backend": rid, "mode": "forced",
-                   "status": "ok", "capture": "full", "token_ids": tokens,
-                   "rows": {"expected": 3, "present": 3, "complete": True}}
+            run = trun(rid, "t", rid, "forced", session_id="s", status="ok", capture="full", token_ids=tokens,
+                       rows={"expected": 3, "present": 3, "complete": True})
             store.put_run(run).result()
             runs[rid] = run
             rows = [(p, encode_row(rng.standard_normal(16).astype(np.float32)),

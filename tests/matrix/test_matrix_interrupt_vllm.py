@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 
 pytestmark = pytest.mark.vllm
 

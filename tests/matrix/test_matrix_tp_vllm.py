@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 
 pytestmark = pytest.mark.vllm

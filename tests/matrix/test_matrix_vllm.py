@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 from tensorverse.rig.servers import cpu_has_fp8_kv_cache
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 from tensorverse.matrix.cluster_progress import ClusterProgress, PointState
 from tensorverse.cluster.options import RAY_MISSING, ExecutorOptions, parse_resources

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.matrix.matrix_support import base_spec, make_corpus, to_toml
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(2400)]  # the fixture runs ~8 server starts
@@ -294,7 +294,7 @@ def test_replay_on_ray_equals_local(rig_extra, tmp_path):
     server = rig_extra.get("bf16")
     backends = ["--backend", f"a={server.url}#{server.model}", "--backend", f"b={server.url}#{server.model}"]
     # one request per backend in flight: batches of at most 2 compute as a batch of 1 on every CPU
-    # measured (tests/matrix/matrix_support.py), so the two replays compare exactly
+    # measured (tensorverse/testing/matrix_specs.py), so the two replays compare exactly
     common = ["replay", str(corpus), *backends, "--capture", "topk", "--no-tokenizer-check", "--json",
               "--concurrency", "1"]
     assert cli_main([*common, "--out", str(tmp_path / "local.json")]) == 0

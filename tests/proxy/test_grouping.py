@@ -1,10 +1,9 @@
 """Session grouping (`tensorverse.proxy.grouping`, `tensorverse.proxy.sessions`): the rule as
 pure functions, and the `Sessions` addon driven turn by turn with real flows and the real chat
-accumulator (what the proxy calls it with)."""
+accumulator (what the proxy calls it with: `tensorverse.testing.grouping.Driver`)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import random
 
@@ -14,54 +13,14 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from tensorverse.proxy import grouping as G
-from tensorverse.proxy.flow import Flow
-from tensorverse.proxy.accumulate import ACCUMULATORS
-from tensorverse.proxy.protocol import CHAT
-from tensorverse.proxy.recorder import Recorder
-from tensorverse.proxy.sessions import Sessions
+from tensorverse.testing.grouping import TOOLS, Driver
 
 SYSTEM = {"role": "system", "content": "You are a network automation agent."}
-TOOLS = [{"type": "function", "function": {"name": "show", "parameters": {"type": "object"}}}]
 
 
 def call(name: str, args: dict, cid: str = "call_1") -> dict:
     return {"role": "assistant", "content": None,
             "tool_calls": [{"id": cid, "type": "function", "function": {"name": name, "arguments": orjson.dumps(args).decode()}}]}
-
-
-class Driver:
-    """Sends requests through a `Sessions` addon as the proxy does: `request_forwarded`, then
-    (after the answer) `response_done` with the answer in the real chat accumulator."""
-
-    def __init__(self, store=None, **kw) -> None:
-        self.clock = [0.0]
-        self.sessions = Sessions(store, clock=lambda: self.clock[0], **kw)
-        self.recorder = Recorder(store) if store is not None else None  # next in line, as in the proxy
-
-    def start(self, messages, *, tools=TOOLS, headers=None, body_extra=None) -> Flow:
-        body = {"model": "m", "messages": messages, **({"tools": tools} if tools else {}), **(body_extra or {})}
-        f = Flow("POST", "/v1/chat/completions", "", CIMultiDictProxy(CIMultiDict(headers or {})),
-                 orjson.dumps(body), kind=CHAT)
-        self.clock[0] += 1
-        self.sessions.request_forwarded(f)
-        return f
-
-    def finish(self, f: Flow, answer: dict) -> None:
-        f.status = 200
-        acc = ACCUMULATORS[CHAT]()
-        msg = {"role": "assistant", "content": answer.get("content"), "tool_calls": answer.get("tool_calls") or []}
-        acc.add_body({"id": "x", "object": "chat.completion", "model": "m",
-                      "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]})
-        f.acc = acc
-        asyncio.run(self.sessions.response_done(f))
-        if self.recorder is not None:
-            asyncio.run(self.recorder.response_done(f))
-            f.turn_future.result(timeout=10)  # raises what the store refused
-
-    def turn(self, messages, answer, **kw) -> Flow:
-        f = self.start(messages, **kw)
-        self.finish(f, answer)
-        return f
 
 
 def conversation(tag: str, n: int) -> list[tuple[list[dict], dict]]:

@@ -75,7 +75,7 @@ def test_the_proxy_compacts_compared_turns_and_says_so(fake, make_proxy, settle)
         text = c.get(proxy.admin_url + "/metrics").text
         m = _samples(text)
     rid = t.run_ids[("candidate", "forced")]
-    kept = set(proxy.store.compaction("old-turn")["runs"][rid]["full"])
+    kept = set(proxy.store.compaction("old-turn").runs[rid].full)
     lost = next(p for p in range(24) if p not in kept)
     try:
         StoredRows(proxy.store).row(rid, lost)

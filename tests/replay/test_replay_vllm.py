@@ -37,11 +37,12 @@ def _post(url: str, body: dict) -> dict:
 
 def record(rig, path: Path) -> None:
     from tensorverse.store import Store
+    from tensorverse.store.records import BackendInfo, Session, Turn
 
     p = rig.primary
     root = p.url.removesuffix("/v1")
     with Store.open(path, durable=False) as st:
-        st.put_backend("primary", {"url": p.url, "model": p.model}).result()
+        st.put_backend("primary", BackendInfo(name="primary", url=p.url, model=p.model)).result()
         for i, ask in enumerate(ASKS):
             msgs = [{"role": "system", "content": "You are a network automation agent. Devices: core-sw1, edge-rtr2."},
                     {"role": "user", "content": ask}]
@@ -49,13 +50,13 @@ def record(rig, path: Path) -> None:
             ch = _post(p.url + "/completions", {"model": p.model, "prompt": prompt, "max_tokens": N_TOKENS,
                                                 "temperature": 0, "return_token_ids": True})["choices"][0]
             sid = f"sess-{i}"
-            st.put_session({"id": sid}).result()
-            st.put_turn({"id": f"turn-{i}", "session_id": sid, "index": 0, "state": "ok",
-                         "endpoint": "chat.completions", "backend": "primary", "model": p.model,
-                         "request": {"model": p.model, "messages": msgs, "temperature": 0,
-                                     "max_tokens": N_TOKENS},
-                         "prompt_token_ids": prompt, "output_token_ids": ch["token_ids"],
-                         "text": ch["text"], "tool_calls": [], "finish_reason": ch["finish_reason"]}).result()
+            st.put_session(Session(id=sid)).result()
+            st.put_turn(Turn(id=f"turn-{i}", session_id=sid, index=0, state="ok",
+                             endpoint="chat.completions", backend="primary", model=p.model,
+                             request={"model": p.model, "messages": msgs, "temperature": 0,
+                                      "max_tokens": N_TOKENS},
+                             prompt_token_ids=prompt, output_token_ids=ch["token_ids"],
+                             text=ch["text"], tool_calls=[], finish_reason=ch["finish_reason"])).result()
 
 
 def test_scrub_and_replay_on_the_rig(rig, tmp_path, capsys):

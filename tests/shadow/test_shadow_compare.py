@@ -9,7 +9,7 @@ import pytest
 from tensorverse.shadow.compare import compare_runs, compare_turn, select_reference
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.store.codec import encode_row
-from tensorverse.store.records import ForcedComparison, FreeComparison
+from tensorverse.store.records import ForcedComparison, FreeComparison, Run
 
 V = 50
 N = 6
@@ -67,7 +67,7 @@ def turn_runs(store):
         run_record("other-f", "other", "shadow", "forced", [], status="refused", error="refused: ..."),
     ]
     for r in runs:
-        store.put_run(r).result()
+        store.put_run(Run(**r)).result()
     put_rows(store, "sec-f", R)
     put_rows(store, "cand-f", C)
     return R, C, T
@@ -152,7 +152,7 @@ def test_incomplete_rows_compare_the_common_positions(store, turn_runs):
     R, C, T = turn_runs
     partial = run_record("cand2-f", "cand2", "shadow", "forced", T, top=topk(C),
                          rows={"expected": N, "present": N - 1, "complete": False})
-    store.put_run(partial).result()
+    store.put_run(Run(**partial)).result()
     put_rows(store, "cand2-f", C, skip=(4,))
     out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("cand2-f", "sec-f")]
@@ -174,7 +174,7 @@ def test_reference_falls_back_to_reference_role_then_primary(store, turn_runs):
 
 def test_topk_comparison_when_one_side_has_no_rows(store, turn_runs):
     R, C, T = turn_runs
-    store.put_run(run_record("tk-f", "tk", "shadow", "forced", T, capture="topk", top=topk(C))).result()
+    store.put_run(Run(**run_record("tk-f", "tk", "shadow", "forced", T, capture="topk", top=topk(C)))).result()
     out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("tk-f", "sec-f")]
     assert c.kind == "topk" and c.approximate is True and c.flips == [3]
@@ -182,8 +182,8 @@ def test_topk_comparison_when_one_side_has_no_rows(store, turn_runs):
 
 def test_width_mismatch_is_an_error_result_not_an_exception(store, turn_runs):
     R, C, T = turn_runs
-    store.put_run(run_record("w-f", "wide", "shadow", "forced", T, top=topk(C),
-                             rows={"expected": N, "present": N, "complete": True})).result()
+    store.put_run(Run(**run_record("w-f", "wide", "shadow", "forced", T, top=topk(C),
+                                   rows={"expected": N, "present": N, "complete": True}))).result()
     put_rows(store, "w-f", np.pad(C, ((0, 0), (0, 3)), constant_values=-5.0))
     out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T", store_results=False)}
     c = out[("w-f", "sec-f")]
@@ -193,7 +193,7 @@ def test_width_mismatch_is_an_error_result_not_an_exception(store, turn_runs):
 def test_no_primary_run_is_an_input_error(store):
     from tensorverse.analysis.metrics import AnalysisInputError
 
-    store.put_run(run_record("x", "a", "shadow", "forced", [1])).result()
+    store.put_run(Run(**run_record("x", "a", "shadow", "forced", [1]))).result()
     with pytest.raises(AnalysisInputError):
         compare_turn(store, "T")
 
@@ -247,7 +247,7 @@ def test_flip_classes_in_stored_comparisons(store):
         run_record("cand-r", "cand", "shadow", "free", T, text=CAND_TEXT),  # same ids, other calls
     ]
     for r in runs:
-        store.put_run(r).result()
+        store.put_run(Run(**r)).result()
     put_rows(store, "sec-f", S)
     put_rows(store, "cand-f", C)
     out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T")}
@@ -291,7 +291,7 @@ def test_free_run_diverging_where_the_secondarys_free_run_diverges_is_noise(stor
         run_record("early-r", "early", "shadow", "free", T[:2] + [off(T[2], 3), 3, 3, 3], text=REF_TEXT),
     ]
     for r in runs:
-        store.put_run(r).result()
+        store.put_run(Run(**r)).result()
     for rid in ("sec-f", "cand-f", "early-f"):
         put_rows(store, rid, R)
     out = {(c.run_id, c.ref_run_id): c for c in compare_turn(store, "T")}
@@ -795,7 +795,7 @@ def test_compare_runs_error_results_skipped_runs_roles_and_noise(store, turn_run
         run_record("aaa-r", "aaa", "shadow", "free", [], status="failed", error="connect"),
     ]
     for r in extra:
-        store.put_run(r).result()
+        store.put_run(Run(**r)).result()
     store.write_rows("mix-f", [(0, encode_row(C[0])), (1, encode_row(C[1, :10]))]
                      + [(p, encode_row(C[p])) for p in range(2, N)]).result()
     for rid in ("empty-f", "notk-f", "bad-f", "zed-f"):
@@ -1006,7 +1006,7 @@ def test_evidence_chosen_at_the_source_gives_the_flips_classes_and_margins_of_fu
                                  text=REF_TEXT, pieces=PIECES),
                       run_record("sec-f", "sec", "secondary", "forced", T, top=topk(S)),
                       run_record("cand-f", "cand", "shadow", "forced", T, top=topk(C))]:
-                st.put_run(r).result()
+                st.put_run(Run(**r)).result()
             if form == "full":
                 put_rows(st, "sec-f", S)
                 put_rows(st, "cand-f", C)
@@ -1062,7 +1062,7 @@ def test_compact_rows_classify_like_full_rows_under_any_tie_rule_and_without_a_n
     for form in ("full", "source"):
         with Store.open(tmp_path / form) as st:
             for r in runs.values():
-                st.put_run(r).result()
+                st.put_run(Run(**r)).result()
             for rid, x in (("sec-f", S), ("cand-f", C)):
                 if form == "full":
                     put_rows(st, rid, x)
@@ -1148,7 +1148,7 @@ def test_a_compact_side_keeping_ids_outside_the_full_sides_top_k_meets_their_exa
         runs = {"sec-f": run_record("sec-f", "sec", "secondary", "forced", T),
                 "cand-f": run_record("cand-f", "cand", "shadow", "forced", T)}
         for r in runs.values():
-            st.put_run(r).result()
+            st.put_run(Run(**r)).result()
         kept_ref = put(st, "sec-f", R, {1: "float32", 3: "bfloat16", 4: "float32"})
         kept_cand = put(st, "cand-f", C, {2: "float32"})
         out = compare_forced(st, runs["cand-f"], runs["sec-f"], T)
@@ -1203,7 +1203,7 @@ def test_the_forced_tokens_rank_against_a_compact_row_is_exact_or_says_it_is_a_l
         runs = {"sec-f": run_record("sec-f", "sec", "secondary", "forced", T),
                 "cand-f": run_record("cand-f", "cand", "shadow", "forced", T)}
         for r in runs.values():
-            st.put_run(r).result()
+            st.put_run(Run(**r)).result()
         st.write_rows("sec-f", [(p, encode_row(R[p])) for p in range(N) if p != 1]
                       + [(1, compact(R, 1, 20), None, True)]).result()
         st.write_rows("cand-f", [(p, encode_row(C[p])) for p in range(N) if p != 2]

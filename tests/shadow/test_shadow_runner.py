@@ -21,7 +21,7 @@ from tensorverse.shadow.completions import (
 from tensorverse.shadow.runs import primary_run_id
 from tensorverse.shadow.turn import TurnInput
 from tensorverse.store.codec import decode_row
-from tensorverse.store.records import Run
+from tensorverse.store.records import BackendInfo, Run
 
 PROMPT = [5, 6, 7, 8]
 
@@ -444,7 +444,7 @@ def test_turn_shadowed_backend_by_backend_like_the_proxy_tee(store):
         cand = await FakeVLLM(store=store, flip_at={3: 11}).start()
         try:
             turn = make_turn(prim, tid="tee")
-            store.put_backend("prim", {"url": prim.url, "role": "primary"}).result()
+            store.put_backend("prim", BackendInfo(name="prim", url=prim.url, role="primary")).result()
             b_sec = Backend("sec", sec.url, role="secondary", logprobs=5)
             b_cand = Backend("cand", cand.url, logprobs=5)
             SHARED_CACHE.clear()

@@ -23,10 +23,10 @@ from tensorverse.store.codec import CodecError, blob_info, decode_row, encode_ro
 from tensorverse.store.compact import compact_row, decode_compact, encode_compact
 from tensorverse.store.compaction import (EvidencePolicy, RowFacts, compact_store, compact_turn, plan_evidence,
                                           sampled)
-from tensorverse.store.records import comparison, run
+from tensorverse.store.records import CompactedRun, Compaction, RecordError, comparison, run
 from tensorverse.store.stored_rows import RowCompacted, StoredRows
 from tensorverse.testing.shadow_workload import write_turn
-from tensorverse.testing.records import trun, tsession, tturn
+from tensorverse.testing.records import store_session, tcomparison, tfree_comparison, trun, tsession, tturn
 
 V = 4096
 N = 48
@@ -124,23 +124,23 @@ def test_compaction_keeps_evidence_exact_and_compacts_the_rest(store):
     for t in turns:
         rec = store.compaction(t.turn_id)
         ref_id = t.run_ids[("secondary", "forced")]
-        assert rec["reference_run"] == ref_id
+        assert rec.reference_run == ref_id
         for p in t.flips:  # every flip full on both sides, bit for bit
-            assert "flip" in rec["reasons"][str(p)]
+            assert "flip" in rec.reasons[str(p)]
             for backend in ("secondary", "twin", "candidate"):
                 rid = t.run_ids[(backend, "forced")]
                 assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
-        twin = rec["runs"][t.run_ids[("twin", "forced")]]
-        assert twin["delta"] == twin["full"] and twin["delta_ref"] == ref_id  # bit-identical: all deltas
+        twin = rec.runs[t.run_ids[("twin", "forced")]]
+        assert twin.delta == twin.full and twin.delta_ref == ref_id  # bit-identical: all deltas
         for (_backend, mode), rid in t.run_ids.items():
-            info = rec["runs"][rid]
-            kept = set(info["full"])
-            assert info["compact"] == N - len(kept) if mode == "forced" else True
+            info = rec.runs[rid]
+            kept = set(info.full)
+            assert info.compact == N - len(kept) if mode == "forced" else True
             for p, x in originals[rid].items():
                 if p in kept:
                     assert src.form(rid, p) == "full"
                     assert src.row(rid, p).tobytes() == x.tobytes()
-                    assert (p in info["delta"]) == blob_info(store.read_row(rid, p))["needs_ref"]
+                    assert (p in info.delta) == blob_info(store.read_row(rid, p))["needs_ref"]
                 else:
                     with pytest.raises(RowCompacted) as e:
                         src.row(rid, p)
@@ -166,7 +166,7 @@ def test_compaction_skips_pinned_recent_and_uncompared_turns(store):
     store.put_run(trun("late", "t1", "candidate", "forced", capture="full", token_ids=turns[1].tokens,
                        created_ns=1)).result()  # an older try: not evidence
     assert compact_turn(store, "t1", POLICY).status == "compacted"
-    assert store.compaction("t1")["runs"]["late"]["full"] == []
+    assert store.compaction("t1").runs["late"].full == []
     assert [r.turn_id for r in compact_store(store, POLICY) if r.status == "compacted"] == []  # t0 pinned
     assert store.compaction("t0") is None
 
@@ -286,12 +286,12 @@ def test_format_4_store_migrates_to_5_and_its_turn_compacts(tmp_path):
 
         assert compact_turn(st, tid, POLICY).status == "compacted"
         rec = st.compaction(tid)
-        assert {"flip", "divergence"} <= set(rec["reasons"]["2"])
-        assert "divergence" in rec["free_reasons"]["r4-cand-free"]["2"]
+        assert {"flip", "divergence"} <= set(rec.reasons["2"])
+        assert "divergence" in rec.free_reasons["r4-cand-free"]["2"]
         src_rows = StoredRows(st)
         for rid, xs in written.items():
-            kept = rec["runs"][rid]["full"]
-            assert 2 in kept and rec["runs"][rid]["compact"] == 4 - len(kept) > 0
+            kept = rec.runs[rid].full
+            assert 2 in kept and rec.runs[rid].compact == 4 - len(kept) > 0
             for p, x in enumerate(xs):
                 if p in kept:
                     assert src_rows.row(rid, p).tobytes() == x.tobytes(), (rid, p)
@@ -340,7 +340,7 @@ def test_kill_9_while_compacting_leaves_whole_turns(tmp_path):
                 if rec is None:
                     assert not compact
                 else:
-                    assert full == set(rec["runs"][rid]["full"])
+                    assert full == set(rec.runs[rid].full)
                 for p in full:
                     assert src.row(rid, p).tobytes() == originals[rid][p].tobytes()
     assert 2 <= done < 8
@@ -368,7 +368,7 @@ def test_viewer_and_export_read_a_compacted_store(store, tmp_path):
     fb, fa = before["forced"], after["forced"]
     assert fa["available"] and fa["reference"] == "secondary"
     assert fa["lanes"]["candidate"]["flips"] == fb["lanes"]["candidate"]["flips"] == t.flips
-    kept = set(store.compaction("t0")["runs"][t.run_ids[("candidate", "forced")]]["full"])
+    kept = set(store.compaction("t0").runs[t.run_ids[("candidate", "forced")]].full)
     for p in range(N):  # numbers everywhere: exact where kept, from the kept top-k elsewhere
         assert fa["lanes"]["candidate"]["kl"][p] is not None
         if p in kept:
@@ -594,29 +594,27 @@ def test_the_record_and_result_exactly(store):
     now = time.time_ns()
     r = compact_turn(store, "t0", POLICY, now_ns=now)
     rec = store.compaction("t0")
-    assert set(rec) == {"turn_id", "at_ns", "policy", "reference_run", "runs", "reasons", "free_reasons",
-                        "bytes_before", "bytes_after"}
-    assert rec["turn_id"] == "t0" and rec["at_ns"] == now and rec["policy"] == asdict(POLICY)
+    assert isinstance(rec, Compaction) and rec.rows_pruned is None  # compacted, not pruned
+    assert rec.turn_id == "t0" and rec.at_ns == now and rec.policy == asdict(POLICY)
     assert r.turn_id == "t0" and r.status == "compacted" and r.why == ""
-    assert r.bytes_before == rec["bytes_before"] == sum(sum(s.values()) for s in sizes.values())
+    assert r.bytes_before == rec.bytes_before == sum(sum(s.values()) for s in sizes.values())
     after = sum(len(b) for rid in t.run_ids.values() for _, b in store.read_rows(rid)) + \
         sum(len(b) for rid in t.run_ids.values() for _, b in store.read_compact_rows(rid))
-    assert r.bytes_after == rec["bytes_after"] == after
-    assert r.rows_delta == sum(len(x["delta"]) for x in rec["runs"].values())
-    assert r.rows_full == sum(len(x["full"]) - len(x["delta"]) for x in rec["runs"].values())
-    assert r.rows_compact == sum(x["compact"] for x in rec["runs"].values()) == \
+    assert r.bytes_after == rec.bytes_after == after
+    assert r.rows_delta == sum(len(x.delta) for x in rec.runs.values())
+    assert r.rows_full == sum(len(x.full) - len(x.delta) for x in rec.runs.values())
+    assert r.rows_compact == sum(x.compact for x in rec.runs.values()) == \
         sum(len(store.read_compact_rows(rid)) for rid in t.run_ids.values())
     assert r.rows_full + r.rows_delta + r.rows_compact == 6 * N
     for (backend, mode), rid in t.run_ids.items():
-        x = rec["runs"][rid]
-        assert set(x) == {"backend", "mode", "full", "delta", "delta_ref", "compact", "topk"}
-        assert (x["backend"], x["mode"], x["topk"]) == (backend, mode, 20)
-        assert x["full"] == sorted(x["full"]) and set(x["delta"]) <= set(x["full"])
-        assert (x["delta_ref"] is None) == (not x["delta"])
-        assert x["compact"] == N - len(x["full"])
+        x = rec.runs[rid]
+        assert (x.backend, x.mode, x.topk) == (backend, mode, 20)
+        assert x.full == sorted(x.full) and set(x.delta) <= set(x.full)
+        assert (x.delta_ref is None) == (not x.delta)
+        assert x.compact == N - len(x.full)
     free = t.run_ids[("candidate", "free")]
-    assert rec["free_reasons"][free][str(t.flips[0])] == ["divergence"] or "divergence" in \
-        rec["free_reasons"][free][str(t.flips[0])]
+    assert rec.free_reasons[free][str(t.flips[0])] == ["divergence"] or "divergence" in \
+        rec.free_reasons[free][str(t.flips[0])]
     run_tokens = store.get_run(free).token_ids
     src = StoredRows(store)
     for p, _ in store.read_compact_rows(free):  # the run's own token and the primary's, kept
@@ -628,7 +626,7 @@ def test_no_deltas_when_the_policy_says_so_and_deltas_are_not_recompacted(store)
     turns, originals = workload(store, turns=2)
     r = compact_turn(store, "t0", replace(POLICY, delta=False))
     assert r.status == "compacted" and r.rows_delta == 0
-    assert all(x["delta"] == [] and x["delta_ref"] is None for x in store.compaction("t0")["runs"].values())
+    assert all(x.delta == [] and x.delta_ref is None for x in store.compaction("t0").runs.values())
     t1 = turns[1]
     twin, ref = t1.run_ids[("twin", "forced")], t1.run_ids[("secondary", "forced")]
     store.write_rows(twin, [(0, encode_row(originals[twin][0], ref=originals[ref][0]))]).result()
@@ -637,22 +635,33 @@ def test_no_deltas_when_the_policy_says_so_and_deltas_are_not_recompacted(store)
 
 # -- the record's reasons by mode, compact rows' dtypes, ties and messages, the plan's edges -------
 
-def test_reasons_of_reads_the_record_by_mode():
-    from tensorverse.store.compaction import reasons_of
-
-    rec = {"runs": {"f": {"mode": "forced"}, "r": {"mode": "free"}},
-           "reasons": {"3": ["close", "flip"], "7": ["sample"]},
-           "free_reasons": {"r": {"3": ["divergence"], "9": ["close"]}}}
-    assert reasons_of(rec, "f", 3) == ["close", "flip"] and reasons_of(rec, "f", 7) == ["sample"]
-    assert reasons_of(rec, "f", 9) == [] and reasons_of(rec, "zz", 7) == ["sample"]  # unknown: forced
-    assert reasons_of(rec, "r", 3) == ["divergence"] and reasons_of(rec, "r", 9) == ["close"]
-    assert reasons_of(rec, "r", 7) == []
-    assert reasons_of({"runs": {"r": {"mode": "free"}}}, "r", 3) == []
-    assert reasons_of({"runs": {"r": {"mode": "free"}}, "free_reasons": {"q": {"3": ["x"]}}}, "r", 3) == []
-    assert reasons_of({}, "f", 3) == [] and reasons_of({"runs": None, "reasons": None}, "f", 3) == []
-    got = reasons_of(rec, "f", 3)
+def test_a_compaction_record_gives_the_reasons_of_a_position_by_its_runs_mode():
+    rec = Compaction(turn_id="t", runs={"f": CompactedRun(mode="forced"), "r": CompactedRun(mode="free")},
+                     reasons={"3": ["close", "flip"], "7": ["sample"]},
+                     free_reasons={"r": {"3": ["divergence"], "9": ["close"]}})
+    assert rec.reasons_at("f", 3) == ["close", "flip"] and rec.reasons_at("f", 7) == ["sample"]
+    assert rec.reasons_at("f", 9) == [] and rec.reasons_at("zz", 7) == ["sample"]  # unknown: forced
+    assert rec.reasons_at("r", 3) == ["divergence"] and rec.reasons_at("r", 9) == ["close"]
+    assert rec.reasons_at("r", 7) == []
+    assert Compaction(turn_id="t", runs={"r": CompactedRun(mode="free")}).reasons_at("r", 3) == []
+    assert Compaction(turn_id="t", runs={"r": CompactedRun(mode="free")},
+                      free_reasons={"q": {"3": ["x"]}}).reasons_at("r", 3) == []
+    assert Compaction(turn_id="t").reasons_at("f", 3) == []
+    got = rec.reasons_at("f", 3)
     got.append("mine")  # a copy, not the record's list
-    assert rec["reasons"]["3"] == ["close", "flip"]
+    assert rec.reasons["3"] == ["close", "flip"]
+
+
+def test_a_compaction_record_is_stored_typed_and_read_back_equal(store):
+    store_session(store, "s", runs=(("primary", "forced"),), rows=0)
+    rec = Compaction(turn_id="s-t0", at_ns=5, reference_run="s-t0-primary",
+                     runs={"s-t0-primary": CompactedRun(backend="primary", mode="forced", full=[1], compact=2, topk=20)},
+                     reasons={"1": ["flip"]}, bytes_before=300, bytes_after=100)
+    store.apply_compaction("s-t0", rec, []).result()
+    assert store.compaction("s-t0") == rec
+    with pytest.raises(RecordError) as e:  # a dict is refused, as by every write
+        store.apply_compaction("s-t0", {"turn_id": "s-t0"}, [])
+    assert e.value.reason == "kind"
 
 
 def test_compact_row_lookups_and_lse_edges():
@@ -901,7 +910,7 @@ def _hand_turn(store, *, corrupt: bool = False) -> None:
     bad[len(bad) // 2] ^= 0x10
     store.write_rows("th.ref", [(0, bytes(bad) if corrupt else blob), (1, blob), (2, blob)]).result()
     store.write_rows("th.cand", [(0, blob), (1, blob)]).result()
-    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "full", "status": "ok"}).result()
+    store.put_comparison("th.cand", "th.ref", tcomparison("th.cand", "th.ref", kind="full")).result()
 
 
 # the hand turn's policies: nothing is evidence / every position is a close call (gap 1 < 2 nats)
@@ -931,11 +940,9 @@ def test_compact_turn_float16_rows_topk_and_extras_at_the_ends_of_the_token_list
         assert (c.k, c.vocab, c.dtype, c.fingerprint) == (4, 8, "float16", blob_info(blobs[key])["crc32"])
         assert c.ids.tolist() == want_ids[key], key
     rec = store.compaction("th")
-    assert rec["reference_run"] == "th.ref" and rec["reasons"] == {} and rec["free_reasons"] == {}
-    assert rec["runs"] == {"th.ref": {"backend": "sec", "mode": "forced", "full": [], "delta": [], "delta_ref": None,
-                                      "compact": 3, "topk": 4},
-                           "th.cand": {"backend": "cand", "mode": "forced", "full": [], "delta": [],
-                                       "delta_ref": None, "compact": 2, "topk": 4}}
+    assert rec.reference_run == "th.ref" and rec.reasons == {} and rec.free_reasons == {}
+    assert rec.runs == {"th.ref": CompactedRun(backend="sec", mode="forced", compact=3, topk=4),
+                        "th.cand": CompactedRun(backend="cand", mode="forced", compact=2, topk=4)}
 
 
 def test_compact_turn_names_a_corrupt_row(store):
@@ -950,9 +957,9 @@ def test_compact_turn_close_calls_are_the_runs_rows(store):
     _hand_turn(store)
     r = compact_turn(store, "th", HAND_CLOSE)
     rec = store.compaction("th")
-    assert rec["reasons"] == {"0": ["close"], "1": ["close"]} and rec["free_reasons"] == {}
-    assert rec["runs"]["th.ref"]["full"] == [0, 1] and rec["runs"]["th.ref"]["compact"] == 1
-    assert rec["runs"]["th.cand"]["full"] == [0, 1] and rec["runs"]["th.cand"]["compact"] == 0
+    assert rec.reasons == {"0": ["close"], "1": ["close"]} and rec.free_reasons == {}
+    assert rec.runs["th.ref"].full == [0, 1] and rec.runs["th.ref"].compact == 1
+    assert rec.runs["th.cand"].full == [0, 1] and rec.runs["th.cand"].compact == 0
     assert (r.rows_full + r.rows_delta, r.rows_compact) == (4, 1)
 
 
@@ -961,8 +968,8 @@ def test_compact_turn_samples_by_the_turn_id(store):
     _hand_turn(store)
     compact_turn(store, "th", replace(HAND, sample=0.6))
     rec = store.compaction("th")
-    assert rec["reasons"] == {"1": ["sample"]}
-    assert rec["runs"]["th.ref"]["full"] == [1] and rec["runs"]["th.cand"]["full"] == [1]
+    assert rec.reasons == {"1": ["sample"]}
+    assert rec.runs["th.ref"].full == [1] and rec.runs["th.cand"].full == [1]
 
 
 def test_compact_turn_without_a_full_reference_and_a_two_dimensional_row(store):
@@ -971,11 +978,11 @@ def test_compact_turn_without_a_full_reference_and_a_two_dimensional_row(store):
 
     _hand_turn(store)
     store.write_rows("th.ref", [(1, encode_row(np.arange(8, dtype=np.float16).reshape(1, 8)))]).result()
-    store.put_comparison("th.cand", "th.ref", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
-    store.put_comparison("th.ref", "th.rec", {"mode": "forced", "kind": "topk", "status": "ok"}).result()
+    store.put_comparison("th.cand", "th.ref", tcomparison("th.cand", "th.ref", kind="topk")).result()
+    store.put_comparison("th.ref", "th.rec", tcomparison("th.ref", "th.rec", kind="topk")).result()
     r = compact_turn(store, "th", HAND)
     assert (r.status, r.rows_full, r.rows_delta, r.rows_compact) == ("compacted", 0, 0, 5)
-    assert store.compaction("th")["reference_run"] is None
+    assert store.compaction("th").reference_run is None
     c = decode_compact(dict(store.read_compact_rows("th.ref"))[1])
     assert (c.vocab, c.k, c.ids.tolist()) == (8, 4, [7, 6, 5, 4, 2])
 
@@ -990,8 +997,8 @@ def test_compact_turn_an_older_retry_of_a_backend_is_compacted_whole_and_a_tie_g
     assert (r.status, r.rows_full + r.rows_delta, r.rows_compact) == ("compacted", 4, 3)
     compact_turn(store, "th", pol)
     rec = store.compaction("th")
-    assert rec["runs"]["th.cand0"]["full"] == [] and rec["runs"]["th.cand0"]["compact"] == 2
-    assert rec["runs"]["th.cand"]["full"] == [0, 1]
+    assert rec.runs["th.cand0"].full == [] and rec.runs["th.cand0"].compact == 2
+    assert rec.runs["th.cand"].full == [0, 1]
 
 
 def test_compact_turn_a_retry_as_old_as_the_compared_run_is_the_latest(store):
@@ -1008,8 +1015,8 @@ def test_compact_turn_no_delta_against_a_row_of_another_shape(store):
     _hand_turn(store)
     store.write_rows("th.cand", [(0, encode_row(np.arange(9, dtype=np.float16)))]).result()  # 9 ids, not 8
     assert compact_turn(store, "th", HAND_CLOSE).status == "compacted"
-    cand = store.compaction("th")["runs"]["th.cand"]
-    assert cand["full"] == [0, 1] and 0 not in cand["delta"]
+    cand = store.compaction("th").runs["th.cand"]
+    assert cand.full == [0, 1] and 0 not in cand.delta
     assert decode_row(store.read_row("th.cand", 0)).tolist() == list(range(9))
 
 
@@ -1089,13 +1096,12 @@ def test_compact_turn_a_free_close_call_not_kept_in_the_forced_run_stays_full(st
     free0, free1 = _f16_blob(close), _f16_blob(F16_ARANGE8)
     store.put_run(trun("th.free", "th", "cand", "free", token_ids=[1, 2])).result()
     store.write_rows("th.free", [(0, free0), (1, free1)]).result()
-    store.put_comparison("th.free", "th.rec", {"mode": "free", "kind": "full", "status": "ok"}).result()
+    store.put_comparison("th.free", "th.rec", tfree_comparison("th.free", "th.rec", kind="full")).result()
     r = compact_turn(store, "th", replace(HAND, close_nats=0.75, close_share=1.0))
     rec = store.compaction("th")
-    assert rec["reasons"] == {} and rec["free_reasons"] == {"th.free": {"0": ["close"]}}
-    assert rec["runs"]["th.free"] == {"backend": "cand", "mode": "free", "full": [0], "delta": [],
-                                      "delta_ref": None, "compact": 1, "topk": 4}
-    assert rec["runs"]["th.cand"]["full"] == [] and rec["runs"]["th.cand"]["compact"] == 2
+    assert rec.reasons == {} and rec.free_reasons == {"th.free": {"0": ["close"]}}
+    assert rec.runs["th.free"] == CompactedRun(backend="cand", mode="free", full=[0], compact=1, topk=4)
+    assert rec.runs["th.cand"].full == [] and rec.runs["th.cand"].compact == 2
     assert store.read_row("th.free", 0) == free0 and not blob_info(store.read_row("th.free", 0))["needs_ref"]
     assert (r.rows_full, r.rows_delta, r.rows_compact) == (1, 0, 6)
 
@@ -1115,8 +1121,8 @@ def test_compact_turn_a_delta_as_long_as_the_stored_row_is_not_taken(store):
     store.write_rows("th.ref", [(0, _f16_blob(ref))]).result()
     store.write_rows("th.cand", [(0, cand0)]).result()
     r = compact_turn(store, "th", HAND_CLOSE)
-    cand = store.compaction("th")["runs"]["th.cand"]
-    assert (cand["full"], cand["delta"], cand["delta_ref"]) == ([0, 1], [1], "th.ref")
+    cand = store.compaction("th").runs["th.cand"]
+    assert (cand.full, cand.delta, cand.delta_ref) == ([0, 1], [1], "th.ref")
     assert store.read_row("th.cand", 0) == cand0
     assert blob_info(store.read_row("th.cand", 1))["needs_ref"]
     assert (r.rows_full, r.rows_delta) == (3, 1)
@@ -1137,8 +1143,8 @@ def test_compact_turn_a_delta_longer_than_the_stored_row_is_not_taken(store):
     store.write_rows("th.ref", [(0, encode_row(ref))]).result()
     store.write_rows("th.cand", [(0, cand0)]).result()
     compact_turn(store, "th", HAND_CLOSE)
-    cand = store.compaction("th")["runs"]["th.cand"]
-    assert (cand["full"], cand["delta"], cand["delta_ref"]) == ([0, 1], [1], "th.ref")
+    cand = store.compaction("th").runs["th.cand"]
+    assert (cand.full, cand.delta, cand.delta_ref) == ([0, 1], [1], "th.ref")
     assert store.read_row("th.cand", 0) == cand0
 
 

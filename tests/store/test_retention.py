@@ -87,7 +87,7 @@ def test_prune_by_bytes_drops_the_oldest_rows_then_the_oldest_sessions(store):
     assert _alive(store) == [f"s{k}" for k in range(6)]  # every session's records stay
     rid = "s0-t0-fp8-forced"
     assert store.read_rows(rid) == [] and store.get_run(rid).backend == "fp8"
-    assert store.compaction("s0-t0")["rows_pruned"] > 0
+    assert store.compaction("s0-t0").rows_pruned > 0
     with pytest.raises(RowPruned, match="pruned by"):
         StoredRows(store).row(rid, 0)
     assert len(store.read_rows("s3-t0-fp8-forced")) == 8  # younger sessions untouched

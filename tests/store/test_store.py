@@ -21,6 +21,7 @@ import pytest
 
 from tensorverse.store import RecordNotFound, Store, StoreFullError, StoreNotReadyError, StoreVersionError
 from tensorverse.store import schema as S
+from tensorverse.store.records import BackendInfo, ForcedComparison, Run, Session, Turn
 from tensorverse.testing.records import store_session
 
 
@@ -28,16 +29,18 @@ def _session_with_turn(store: Store, sid: str, created_ns: int, turns: int = 1) 
     return store_session(store, sid, created_ns=created_ns, turns=turns, compare=("fp32", "primary"))
 
 
-def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(tmp_path: Path) -> None:
-    from tensorverse.store.records import RecordError, Run, Session, Turn
+def test_a_dict_or_a_wrong_type_write_fails_and_stores_nothing(tmp_path: Path) -> None:
+    from tensorverse.store.records import RecordError
 
     with Store.open(tmp_path / "s") as store:
         store.put_session(Session(id="s", created_ns=5, tags={"agent": "x"})).result()
-        bad = [(lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0, "colour": "red"}), "untyped"),
-               (lambda: store.put_turn({"id": "t", "session_id": "s", "index": "zero"}), "type"),
-               (lambda: store.put_run({"id": "r", "turn_id": "t", "backend": "b"}), "type"),  # no mode
-               (lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}), "untyped"),
-               (lambda: store.put_backend("b", {"url": 3}), "type"),
+        bad = [(lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0}), "kind"),  # writes take records
+               (lambda: store.put_turn(Turn(id="t", session_id="s", index="zero")), "type"),
+               (lambda: store.put_run(Run(id="r", turn_id="t", backend="b", mode=None)), "type"),  # no mode
+               (lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}), "kind"),
+               (lambda: store.put_backend("b", BackendInfo(name="b", url=3)), "type"),
+               (lambda: store.put_backend("b", {"url": "http://x/v1"}), "kind"),
+               (lambda: store.put_session({"id": "s2"}), "kind"),
                (lambda: store.put_session(Turn(id="s")), "kind"),  # a turn is not a session
                # a Struct checks no types when built: its write does
                (lambda: store.put_run(Run(id="r", turn_id="t", backend="b", mode="forced", token_ids=["x"])), "type")]
@@ -46,7 +49,8 @@ def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(
                 put()  # raised on the caller's thread, before anything is queued
             assert e.value.reason == reason, e.value
         assert list(store.iter_turns("s")) == [] and store.get_session("s").turns == 0
-        assert list(store.iter_backends()) == []
+        assert list(store.iter_backends()) == [] and [x["id"] for x in store.records("session")] == ["s"]
+        assert list(store.records("run")) == [] and list(store.records("comparison")) == []
         # a typed record is stored with every field, defaults written out as a reader fills them in
         store.put_turn(Turn(id="t", session_id="s", index=0, created_ns=6)).result()
         store.put_run(Run(id="r", turn_id="t", backend="b", mode="forced", created_ns=7)).result()
@@ -61,11 +65,9 @@ def test_a_write_with_an_untyped_field_or_a_wrong_type_fails_and_stores_nothing(
 
 
 def test_a_typed_record_without_a_creation_time_gets_the_time_of_its_write(tmp_path: Path) -> None:
-    """As a dict without ``created_ns`` does: a typed record holds every field, and its default (0)
-    was stored as the creation time (replay's sessions and turns were stored as from 1970, the
+    """A typed record holds every field, and its default (0) of ``created_ns`` was stored as the
+    creation time (replay's sessions and turns were stored as from 1970, the
     oldest of any store for retention by age and the viewer's order)."""
-    from tensorverse.store.records import Run, Session, Turn
-
     with Store.open(tmp_path / "s") as store:
         before = time.time_ns()
         store.put_session(Session(id="s", tags={"case": "1"})).result()
@@ -82,19 +84,25 @@ def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_p
     from tensorverse.store import records
     from tensorverse.testing.records import tcomparison, tfree_comparison
 
+    with pytest.raises(TypeError):  # a field of the other mode: no such record can be built
+        tfree_comparison("r", "q", verdict="match", flips=[1])
+    with pytest.raises(TypeError):
+        tcomparison("r", "q", verdict="match")
     with Store.open(tmp_path / "s") as store:
         for put, reason in (
-                (lambda: store.put_comparison("r", "q", {"mode": "free", "verdict": "match", "flips": [1]}), "untyped"),
-                (lambda: store.put_comparison("r", "q", {"mode": "forced", "verdict": "match"}), "untyped"),
-                (lambda: store.put_comparison("r", "q", {"mode": "sideways"}), "mode"),
+                (lambda: store.put_comparison("r", "q", {"mode": "free", "verdict": "match", "flips": [1]}), "kind"),
+                (lambda: store.put_comparison("r", "q", {"mode": "forced", "verdict": "match"}), "kind"),
+                (lambda: store.put_comparison("r", "q", records.ComparisonBase(run_id="r", ref_run_id="q",
+                                                                               mode="sideways")), "mode"),
                 (lambda: store.put_comparison("r", "q", tfree_comparison("r", "q", mode="forced")), "type")):
             with pytest.raises(records.RecordError) as e:
-                put()  # a field of the other mode, or no such mode: refused before it is queued
+                put()  # a dict, or no such mode: refused before it is queued
             assert e.value.reason == reason, e.value
         assert store.comparison_keys("t") == [] and list(store.records("comparison")) == []
         store.put_comparison("f", "p", tcomparison("f", "p", flips=[2], n=5)).result()
         store.put_comparison("g", "p", tfree_comparison("g", "p", verdict="wrong_tool", first_flip=3)).result()
-        store.put_comparison("h", "p", {"n": 4}).result()  # no mode: forced, as records before free ones
+        # no mode: forced, as the records stored before free ones (written as they were, past put_comparison)
+        store._put_json(S.COMPARISONS, S.comparison_key("h", "p"), {"run_id": "h", "ref_run_id": "p", "n": 4}).result()
         forced, free, old = (store.get_comparison(r, "p") for r in "fgh")
     assert type(forced) is records.ForcedComparison and (forced.mode, forced.flips, forced.n) == ("forced", [2], 5)
     assert type(free) is records.FreeComparison and (free.mode, free.verdict, free.first_flip) == ("free", "wrong_tool", 3)
@@ -104,7 +112,7 @@ def test_forced_and_free_comparisons_are_separate_types_told_apart_by_mode(tmp_p
 
 def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
-        store.put_backend("fp32", {"url": "http://127.0.0.1:1/v1", "role": "shadow"}).result()
+        store.put_backend("fp32", BackendInfo(name="fp32", url="http://127.0.0.1:1/v1", role="shadow")).result()
         tids = _session_with_turn(store, "sess-a", 2_000, turns=3)
         _session_with_turn(store, "sess-b", 1_000)
 
@@ -129,19 +137,19 @@ def test_records_round_trip_and_indexes(tmp_path: Path) -> None:
 def test_turn_needs_its_session(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
         with pytest.raises(RecordNotFound, match="session missing does not exist"):
-            store.put_turn({"session_id": "missing", "index": 0}).result()
+            store.put_turn(Turn(id="t", session_id="missing", index=0)).result()
         with pytest.raises(ValueError, match="invalid run id"):
             store.write_rows("bad\x00id", [(0, b"x")])
 
 
 def test_bad_operation_does_not_sink_its_batch(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "ok", "created_ns": 1}).result()
+        store.put_session(Session(id="ok", created_ns=1)).result()
         # Submitted back to back, these are committed as one group; the bad one must not
         # take the good ones down with it.
-        futs = [store.put_turn({"id": f"t{i}", "session_id": "ok", "index": i}) for i in range(20)]
-        bad = store.put_turn({"session_id": "missing", "index": 0})
-        futs += [store.put_turn({"id": f"u{i}", "session_id": "ok", "index": 20 + i}) for i in range(20)]
+        futs = [store.put_turn(Turn(id=f"t{i}", session_id="ok", index=i)) for i in range(20)]
+        bad = store.put_turn(Turn(id="m", session_id="missing", index=0))
+        futs += [store.put_turn(Turn(id=f"u{i}", session_id="ok", index=20 + i)) for i in range(20)]
         assert all(f.result() for f in futs)
         with pytest.raises(RecordNotFound):
             bad.result()
@@ -150,8 +158,8 @@ def test_bad_operation_does_not_sink_its_batch(tmp_path: Path) -> None:
 
 def test_asyncio_callers_await_commits(tmp_path: Path) -> None:
     async def main(store: Store) -> list[str]:
-        await asyncio.wrap_future(store.put_session({"id": "s", "created_ns": 5}))
-        futs = [asyncio.wrap_future(store.put_turn({"id": f"t{i}", "session_id": "s", "index": i})) for i in range(50)]
+        await asyncio.wrap_future(store.put_session(Session(id="s", created_ns=5)))
+        futs = [asyncio.wrap_future(store.put_turn(Turn(id=f"t{i}", session_id="s", index=i))) for i in range(50)]
         return await asyncio.gather(*futs)
 
     with Store.open(tmp_path / "s") as store:
@@ -162,7 +170,7 @@ def test_asyncio_callers_await_commits(tmp_path: Path) -> None:
 def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
         for i in range(700):
-            store.put_session({"id": f"s{i:04d}", "created_ns": 10 + i})
+            store.put_session(Session(id=f"s{i:04d}", created_ns=10 + i))
         store.write_rows("r", [(p, b"%d" % p) for p in range(600)]).result()
         assert [s.id for s in store.iter_sessions()] == [f"s{i:04d}" for i in range(700)]
         assert [p for p, _ in store.read_rows("r")] == list(range(600))
@@ -240,7 +248,7 @@ def test_size_cap_stops_writes_and_keeps_reads(tmp_path: Path, caplog: pytest.Lo
     blob = os.urandom(100_000)
     cap = 2 << 20
     with Store.open(tmp_path / "s", map_size=1 << 20, max_size=cap) as store:
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_session(Session(id="s", created_ns=1)).result()
         written = 0
         with caplog.at_level("ERROR", logger="tensorverse.store"):
             for i in range(100):
@@ -263,7 +271,7 @@ def test_size_cap_stops_writes_and_keeps_reads(tmp_path: Path, caplog: pytest.Lo
 
 def test_file_modes_are_private(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s"}).result()
+        store.put_session(Session(id="s")).result()
     assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o700
     for name in ("data.mdb", "lock.mdb"):
         assert stat.S_IMODE((tmp_path / "s" / name).stat().st_mode) == 0o600
@@ -273,12 +281,12 @@ def test_readonly_open_and_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(FileNotFoundError):
         Store.open(tmp_path / "none", readonly=True)
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 3}).result()
+        store.put_session(Session(id="s", created_ns=3)).result()
         assert store.format_version == S.FORMAT_VERSION
     with Store.open(tmp_path / "s", readonly=True) as ro:
         assert ro.get_session("s").id == "s"
         with pytest.raises(PermissionError):
-            ro.put_session({"id": "x"})
+            ro.put_session(Session(id="x"))
 
     # A store written by a newer Tensorverse is refused with a clear message.
     env = lmdb.open(str(tmp_path / "s"), max_dbs=16)
@@ -300,7 +308,7 @@ def test_readonly_open_of_a_store_being_created_waits_for_its_writer(tmp_path: P
     def writer() -> None:
         time.sleep(0.3)
         with Store.open(path) as w:
-            w.put_session({"id": "s", "created_ns": 3}).result()
+            w.put_session(Session(id="s", created_ns=3)).result()
             time.sleep(0.5)
 
     t = threading.Thread(target=writer)
@@ -329,7 +337,7 @@ def test_readonly_open_of_a_store_never_created_is_refused_as_not_ready(tmp_path
 
 def test_migration_runs_once_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 3, "tags": {"env": "prod"}}).result()
+        store.put_session(Session(id="s", created_ns=3, tags={"env": "prod"})).result()
 
     calls: list[int] = []
     now = S.FORMAT_VERSION
@@ -431,8 +439,7 @@ def test_format_1_store_migrates_and_its_plain_json_turn_reads_with_its_logprobs
     env.close()
 
 
-@pytest.mark.parametrize("typed", [False, True], ids=["dict", "typed"])  # typed: as the recorder writes it
-def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path, typed: bool) -> None:
+def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path) -> None:
     from tensorverse.jsonbytes import RawJSON
     from tensorverse.store import records
 
@@ -442,11 +449,11 @@ def test_turn_with_upstream_logprobs_reads_in_the_canonical_shape(tmp_path: Path
                 None, {"content": []}, {"content": [{"token": "x", "logprob": -2.0, "top_logprobs": []}]}]
     canonical = [{"token": 7, "logprob": -0.25, "top": [[7, -0.25], ["b", -1.5]]},
                  {"token": "x", "logprob": -2.0, "top": []}]
-    turn = {"id": "t", "session_id": "s", "index": 0, "choices": [
-        {"index": 0, "logprobs": None, "upstream_logprobs": RawJSON(json.dumps(upstream).encode())}]}
+    turn = records.Turn(id="t", session_id="s", index=0, choices=[  # as the recorder writes it
+        {"index": 0, "logprobs": None, "upstream_logprobs": RawJSON(json.dumps(upstream).encode())}])
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 3}).result()
-        store.put_turn(records.Turn(**turn) if typed else turn).result()
+        store.put_session(Session(id="s", created_ns=3)).result()
+        store.put_turn(turn).result()
         for got in (store.get_turn("t"), next(store.iter_turns("s"))):
             assert got.choices == [{"index": 0, "logprobs": canonical}]
     # stored as a zstd frame of the JSON, not the JSON itself
@@ -464,15 +471,16 @@ _CHILD = textwrap.dedent(
     """
     import os, sys, time
     from tensorverse.store import Store
+    from tensorverse.store.records import Run, Session
     store = Store.open(sys.argv[1], map_size=1 << 20)
-    store.put_session({"id": "s", "created_ns": 1}).result()
+    store.put_session(Session(id="s", created_ns=1)).result()
     i = 0
     while True:
         # a record = a turn with its rows, each row carrying its record number
         rid = "run-%06d" % i
         store.write_rows(rid, [(p, (b"%06d:" % i) * 5000) for p in range(4)]).result()
-        store.put_run({"id": rid, "turn_id": "t", "backend": "b", "mode": "forced",
-                       "positions": [0, 1, 2, 3]}).result()
+        store.put_run(Run(id=rid, turn_id="t", backend="b", mode="forced",
+                          positions=[0, 1, 2, 3])).result()
         print(i, flush=True)
         i += 1
     """
@@ -508,7 +516,7 @@ def test_sigkill_mid_stream_leaves_only_whole_records(tmp_path: Path) -> None:
         rows_only = {k.split(b"\x00")[0] for k in _row_keys(store)}
         for rid in rows_only:  # rows written, run record not yet: still 4 whole rows
             assert len(store.read_rows(rid.decode())) == 4
-        store.put_session({"id": "after", "created_ns": 2}).result()  # writable again
+        store.put_session(Session(id="after", created_ns=2)).result()  # writable again
 
 
 def _row_keys(store: Store) -> list[bytes]:
@@ -545,13 +553,15 @@ def test_turn_stamp_changes_with_everything_below_the_turn(tmp_path: Path) -> No
         assert store.turn_stamp("missing") is None
         store.write_rows(f"{tid}-fp32", [(9, b"row")]).result()
         assert store.turn_stamp(tid) == first  # rows are not part of a view's inputs
-        store.put_run({"id": f"{tid}-fp32", "turn_id": tid, "backend": "fp32", "mode": "free"}).result()
+        store.put_run(Run(id=f"{tid}-fp32", turn_id=tid, backend="fp32", mode="free")).result()
         second = store.turn_stamp(tid)
         assert second != first  # a run replaced in place
-        store.put_comparison(f"{tid}-fp32", f"{tid}-primary", {"summary": {"kl_mean": 0.2}}).result()
+        store.put_comparison(f"{tid}-fp32", f"{tid}-primary",
+                             ForcedComparison(run_id=f"{tid}-fp32", ref_run_id=f"{tid}-primary",
+                                              summary={"kl_mean": 0.2})).result()
         third = store.turn_stamp(tid)
         assert third != second
-        store.put_backend("fp16", {"url": "http://x/v1"}).result()
+        store.put_backend("fp16", BackendInfo(name="fp16", url="http://x/v1")).result()
         assert store.turn_stamp(tid) != third
 
 
@@ -636,9 +646,9 @@ def test_engine_state_is_replaced_and_deleted_with_its_row(tmp_path: Path) -> No
     st = EngineState(runner=RUNNER_V2, step=1, batch_size=2, row=0, joined=2, context_tokens=40,
                      prefill_reqs=2)
     with Store.open(tmp_path / "s") as store:
-        store.put_session({"id": "s", "created_ns": 5}).result()
-        store.put_turn({"id": "t", "session_id": "s", "index": 0}).result()
-        store.put_run({"id": "r", "turn_id": "t", "session_id": "s", "backend": "b", "mode": "forced"}).result()
+        store.put_session(Session(id="s", created_ns=5)).result()
+        store.put_turn(Turn(id="t", session_id="s", index=0)).result()
+        store.put_run(Run(id="r", turn_id="t", session_id="s", backend="b", mode="forced")).result()
         store.write_rows("r", [(0, b"x", st), (1, b"y", st)]).result()
         store.write_rows("r", [(1, b"y2")]).result()  # rewritten without a state: it has none
         assert store.read_engine_states("r") == {0: st}

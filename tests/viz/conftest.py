@@ -33,7 +33,7 @@ import pytest
 
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
-from tensorverse.store.records import Turn
+from tensorverse.store.records import BackendInfo, Turn
 from tensorverse.testing.records import trun, tsession
 
 V = 160  # a small vocabulary keeps the tests fast; the codec and metrics do not care
@@ -132,12 +132,12 @@ def _run(store: Store, rid: str, tid: str, backend: str, mode: str, pieces: list
     """A run record as tensorverse.shadow.runner writes it (the API's top-k comes with rows too)."""
     if topk is None and rows is not None:
         topk = [topk_pairs(r) for r in rows]
-    rec = {"id": rid, "turn_id": tid, "backend": backend, "role": role, "mode": mode,
-           "status": status, "capture": "full" if rows is not None else "topk",
-           "approximate": rows is None, "method": "forced_decode" if mode == "forced" else "generate",
-           "token_ids": VOCAB.encode(pieces), "text": "".join(pieces), "finish_reason": "stop",
-           "top_logprobs": topk, "k": 5, "created_ns": created_ns, "error": None,
-           "rows": None if rows is None else {"expected": len(rows), "present": len(rows), "complete": True}}
+    rec = trun(rid, tid, backend, mode, role=role,
+               status=status, capture="full" if rows is not None else "topk",
+               approximate=rows is None, method="forced_decode" if mode == "forced" else "generate",
+               token_ids=VOCAB.encode(pieces), text="".join(pieces), finish_reason="stop",
+               top_logprobs=topk, k=5, created_ns=created_ns, error=None,
+               rows=None if rows is None else {"expected": len(rows), "present": len(rows), "complete": True})
     store.put_run(rec).result()
     if rows is not None:
         store.write_rows(rid, [(p, encode_row(r)) for p, r in enumerate(rows)]).result()
@@ -188,11 +188,13 @@ def build_store(path) -> Built:
     b = Built(path=path)
     t0 = 1_760_000_000_000_000_000
     with Store.open(path) as store:
-        store.put_backend("primary", {"url": "http://primary:8000", "role": "primary", "model": "qwen3"}).result()
-        store.put_backend("secondary", {"url": "http://sec:8000", "role": "secondary", "capture": "full"}).result()
-        store.put_backend("fa2", {"url": "http://fa2:8000", "role": "shadow", "capture": "full",
-                                  "settings": {"attention": "FLASH_ATTN"}}).result()
-        store.put_backend("fp8", {"url": "http://fp8:8000", "role": "shadow", "capture": "full"}).result()
+        store.put_backend("primary", BackendInfo(name="primary", url="http://primary:8000", role="primary",
+                                                 model="qwen3")).result()
+        store.put_backend("secondary", BackendInfo(name="secondary", url="http://sec:8000", role="secondary",
+                                                   capture="full")).result()
+        store.put_backend("fa2", BackendInfo(name="fa2", url="http://fa2:8000", role="shadow", capture="full",
+                                             settings={"attention": "FLASH_ATTN"})).result()
+        store.put_backend("fp8", BackendInfo(name="fp8", url="http://fp8:8000", role="shadow", capture="full")).result()
 
         # fillers, oldest first
         for i in range(7):

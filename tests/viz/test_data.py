@@ -11,7 +11,7 @@ from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
 from tensorverse.viz.data import NotFound, ViewData
 from tensorverse.store.records import Turn
-from tensorverse.testing.records import trun, tsession
+from tensorverse.testing.records import tcomparison, trun, tsession
 
 
 
@@ -261,19 +261,18 @@ def test_replaced_run_and_new_comparison_rebuild(tmp_path, vz):
     with Store.open(built.path) as store, Store.open(built.path, readonly=True) as ro:
         view = ViewData(ro)
         ids = vz.VOCAB.encode(["Hello", "!", " Bye"])
-        run = {"id": "swap", "turn_id": "s-00-t0", "backend": "late", "mode": "free",
-               "token_ids": ids, "status": "error", "error": "boom", "created_ns": 5}
+        run = trun("swap", "s-00-t0", "late", "free", token_ids=ids, status="error", error="boom", created_ns=5)
         store.put_run(run).result()
         first = view.turn_view("s-00-t0")
         brief = view.session_view("s-00")["turns"][0]["backends"]["late"]
         assert brief["status"] == "error"
-        store.put_run({**run, "status": "ok", "error": None}).result()
+        store.put_run(msgspec.structs.replace(run, status="ok", error=None)).result()
         second = view.turn_view("s-00-t0")
         assert second is not first
         assert [b["position"] for b in second["free"]["branch_points"]] == [2]
         assert view.session_view("s-00")["turns"][0]["backends"]["late"]["status"] == "ok"
         assert view.turn_view("s-00-t0") is second
-        store.put_comparison("swap", "s-00-t0~primary", {"mode": "forced", "status": "ok"}).result()
+        store.put_comparison("swap", "s-00-t0~primary", tcomparison("swap", "s-00-t0~primary", status="ok")).result()
         assert view.turn_view("s-00-t0") is not second
 
 

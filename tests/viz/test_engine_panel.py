@@ -9,6 +9,8 @@ import pytest
 from tensorverse.store import Store
 from tensorverse.store.codec import encode_row
 from tensorverse.store.engine_state import RUNNER_V1, EngineState
+from tensorverse.store.records import BackendInfo
+from tensorverse.testing.records import tsession
 from tensorverse.viz.data import ViewData
 from tests.viz.viewer_thread import ARGS, CHROMIUM, serve_viewer
 
@@ -19,10 +21,11 @@ def build(path, vz) -> list[int]:
     base_logits, jitter = vz.base_logits, vz.jitter
     ids = vz.VOCAB.encode(HELLO)
     with Store.open(path) as store:
-        store.put_backend("primary", {"url": "http://p", "role": "primary"}).result()
-        store.put_backend("secondary", {"url": "http://s", "role": "secondary", "capture": "full"}).result()
-        store.put_backend("batchy", {"url": "http://b", "role": "shadow", "capture": "full"}).result()
-        store.put_session({"id": "s", "created_ns": 1}).result()
+        store.put_backend("primary", BackendInfo(name="primary", url="http://p", role="primary")).result()
+        store.put_backend("secondary", BackendInfo(name="secondary", url="http://s", role="secondary",
+                                                   capture="full")).result()
+        store.put_backend("batchy", BackendInfo(name="batchy", url="http://b", role="shadow", capture="full")).result()
+        store.put_session(tsession("s", created_ns=1)).result()
         _turn(store, "s", "t", 0, HELLO, prompt=[{"role": "user", "content": "hi"}], created_ns=1)
         for rid, backend, batch in (("r-sec", "secondary", 1), ("r-b", "batchy", 8)):
             rows = [jitter(base_logits(ids, p), backend, p) for p in range(len(ids))]

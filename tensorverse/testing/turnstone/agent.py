@@ -1,6 +1,7 @@
-"""turnstone (PyPI 1.9.0, Python >= 3.13) for tests (`tests/proxy/test_turnstone.py`): its environment, cached like the vLLM rig,
-and one non-interactive session driven by ``turnstone_drive.sh`` (its header lists the safety
-layers: every approval-gated tool is denied)."""
+"""The turnstone agent (PyPI 1.9.0, Python >= 3.13) for tests and benchmarks (`tests/proxy/test_turnstone.py`,
+``benchmarks/session_grouping.py``): its environment, cached like the vLLM rig, and one
+non-interactive session driven by ``turnstone_drive.sh`` (its header lists the safety layers:
+every approval-gated tool is denied)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 VERSION = "1.9.0"
 #: the team's driver (shared/tools/turnstone_drive.sh), kept beside this file so that a clean
@@ -24,12 +23,12 @@ def venv() -> Path:
     path = root / f"turnstone-{VERSION}"
     if not (path / "bin" / "turnstone").exists():
         if not DRIVE.exists():
-            pytest.fail(f"turnstone driver missing: {DRIVE} (set TENSORVERSE_TURNSTONE_DRIVE)")
+            raise RuntimeError(f"turnstone driver missing: {DRIVE} (set TENSORVERSE_TURNSTONE_DRIVE)")
         root.mkdir(parents=True, exist_ok=True)
         r = subprocess.run(["bash", str(DRIVE), "--setup"], env={**os.environ, "TS_VENV": str(path)},
                            capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
-            pytest.fail(f"turnstone setup failed ({r.returncode}): {r.stderr[-2000:]}")
+            raise RuntimeError(f"turnstone setup failed ({r.returncode}): {r.stderr[-2000:]}")
     return path
 
 

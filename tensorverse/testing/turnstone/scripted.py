@@ -1,7 +1,7 @@
-"""A scripted OpenAI chat server for real agent clients (turnstone) in fast tests: it streams
-the Chat Completions wire format as vLLM does, deterministically, so that an agent runs a long,
-compacting conversation without a model. The agent, its history handling, its compaction and
-its side requests are the real ones; only the answers are scripted:
+"""A scripted OpenAI chat server for real agent clients (turnstone) in fast tests and the session
+grouping benchmark: it streams the Chat Completions wire format as vLLM does, deterministically,
+so that an agent runs a long, compacting conversation without a model. The agent, its history
+handling, its compaction and its side requests are the real ones; only the answers are scripted:
 
 * the first ``rounds`` requests with tools of a conversation (told apart by their system
   prompt, which carries a per-conversation token in turnstone): a ``read_file`` call of
@@ -90,4 +90,4 @@ async def start(server: ScriptedChat) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
