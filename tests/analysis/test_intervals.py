@@ -199,3 +199,39 @@ def test_a_replicate_that_draws_no_position_of_a_side_is_left_out():
     assert cluster_bootstrap_difference(*args, replicates=1, seed=0) == Interval(0.0, 0.0, 0.0, 2, 1)
     assert cluster_bootstrap_difference(*args, replicates=1, seed=3) == Interval(0.0, None, None, 2, 1)
     assert cluster_bootstrap_difference(*args) == Interval(0.0, 0.0, 0.0, 2, 1)
+
+
+def test_each_path_of_the_cluster_bootstrap_counts_its_clusters_and_positions():
+    assert cluster_bootstrap([3], [10]) == Interval(0.3, None, None, 1, 10)  # one cluster: no interval
+    assert cluster_bootstrap([1] * 4, [5] * 4) == Interval(0.2, 0.2, 0.2, 4, 20)  # every cluster alike
+    two = cluster_bootstrap([0, 2], [4, 4])  # two clusters are enough for an interval
+    assert (two.estimate, two.clusters, two.positions) == (0.25, 2, 8) and two.low == 0.0 and two.high == 0.5
+
+
+def test_a_cluster_without_positions_counts_as_nothing_in_a_replicate():
+    # a replicate that drew only the cluster without positions has rate 0 (nothing flipped), not
+    # a division by zero: a quarter of the replicates draw it twice
+    assert cluster_bootstrap([0, 1], [0, 5]) == Interval(0.2, 0.0, 0.2, 2, 5)
+
+
+def test_inputs_of_any_float_type_are_summed_in_float64():
+    num32 = np.full(10, 0.1, dtype=np.float32)  # float32's own sum of these is off by ~1e-7
+    den32 = np.full(10, 0.3, dtype=np.float32)
+    want = math.fsum(num32.astype(np.float64)) / math.fsum(den32.astype(np.float64))
+    assert float(num32.sum()) != math.fsum(num32.astype(np.float64))  # the premise
+    assert float(den32.sum()) != math.fsum(den32.astype(np.float64))
+    assert cluster_bootstrap(num32, den32).estimate == pytest.approx(want, rel=1e-12)
+    base = np.full(10, 0.2, dtype=np.float32)
+    want_diff = want - math.fsum(base.astype(np.float64)) / math.fsum(den32.astype(np.float64) * 2)
+    got = cluster_bootstrap_difference(num32, den32, base, den32 * np.float32(2))
+    assert got.estimate == pytest.approx(want_diff, rel=1e-9)
+    uneven = np.array([0.3, 0.7] * 5, dtype=np.float32)  # not proportional: the two-ratio path
+    want_uneven = want - math.fsum(base.astype(np.float64)) / math.fsum(uneven.astype(np.float64))
+    assert cluster_bootstrap_difference(num32, den32, base, uneven).estimate == pytest.approx(want_uneven, rel=1e-12)
+
+
+def test_counts_of_unequal_lengths_or_not_one_dimensional_are_refused():
+    with pytest.raises(ValueError):
+        cluster_bootstrap([1], [5, 6])  # one numerator: the refusal comes before the one-cluster answer
+    with pytest.raises(ValueError):
+        cluster_bootstrap([[1, 2]], [[5, 6]])  # alike, but two-dimensional
