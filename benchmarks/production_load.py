@@ -308,6 +308,9 @@ def run_mode(mode: str, levels: list[int], seconds: float, a: argparse.Namespace
                    "rows": ing1.get("rows", 0) - ing0.get("rows", 0),
                    "rows_compact": ing1.get("rows_compact", 0) - ing0.get("rows_compact", 0),
                    "ingest_batches": ing1.get("batches", 0) - ing0.get("batches", 0),  # POSTs taken
+                   # sessions the grouping keeps in memory (every agent turn here is a new one;
+                   # at most [sessions] max_tracked): one of the heap's bounded parts
+                   "tracked_sessions": (s1.get("sessions") or {}).get("tracked_sessions"),
                    **{f"{k}_kb": v for k, v in proxy.memory_kb().items()}}
             row["wire_bytes_per_shadowed_token"] = round(row["wire_bytes"] / tokens, 1) if tokens else None
             rows.append(row)
@@ -423,6 +426,9 @@ def main() -> int:
                     help=f"{SHADOWS[0]} (it flips nowhere: the primary's runtime) is the line-up's secondary, the "
                          "reference lane the other shadows' forced runs are compared against too, as in the demo")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 for 6 s each, 2 rounds of 4 s")
+    ap.add_argument("--evidence-only", action="store_true",
+                    help="no full-capture run and no long turns: evidence at the source through the levels "
+                         "(with many levels at one concurrency, the proxy's heap level by level: the plateau run)")
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
     seconds = a.seconds
@@ -432,17 +438,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tv-prodload-") as tmp:
         work = Path(tmp)
         with primary() as primary_url:
-            full = run_mode("full", levels, seconds, a, work, primary_url)
+            full = None if a.evidence_only else run_mode("full", levels, seconds, a, work, primary_url)
             ev = run_mode("evidence", levels, seconds, a, work, primary_url)
             long_c = 2 if 2 in levels else levels[0]
             long = None
-            if a.long_tokens and a.long_tokens != a.tokens:
+            if a.long_tokens and a.long_tokens != a.tokens and not a.evidence_only:
                 a_long = argparse.Namespace(**{**vars(a), "tokens": a.long_tokens})
                 (work / "long").mkdir()
                 long = run_mode("evidence", [long_c], seconds, a_long, work / "long", primary_url, detached=False)
     relay_ms = (ev["detached"] or {}).get("relay_cpu_ms_per_turn")
     net_of_unshadowed(ev["levels"], relay_ms)
-    net_of_unshadowed(full["levels"], relay_ms)
+    if full is not None:
+        net_of_unshadowed(full["levels"], relay_ms)
     if long is not None:
         net_of_unshadowed(long["levels"], relay_ms)
     lengths = None
@@ -450,10 +457,12 @@ def main() -> int:
         lengths = turn_length(next(r for r in ev["levels"] if r["concurrency"] == long_c), long["levels"][0])
         print(f"lengths  c={long_c:<3d} {lengths['cpu_ms_per_shadowed_token']} CPU-ms per shadowed token at "
               f"{lengths['tokens_per_turn']} tokens a turn", file=sys.stderr, flush=True)
-    top_e, top_f = ev["levels"][-1], full["levels"][-1]
-    lost_e, lost_f = lost_silently(ev["taps"], ev["ingest"]), lost_silently(full["taps"], full["ingest"])
+    top_e = ev["levels"][-1]
+    top_f = full["levels"][-1] if full is not None else {}  # --evidence-only: no full-capture figures
+    lost_e = lost_silently(ev["taps"], ev["ingest"])
+    lost_f = lost_silently(full["taps"], full["ingest"]) if full is not None else {"lost_silently": 0}
     det = ev["detached"] or {}
-    errors = sum(r["errors"] for r in ev["levels"] + full["levels"] + (long["levels"] if long else [])) \
+    errors = sum(r["errors"] for r in ev["levels"] + (full["levels"] if full else []) + (long["levels"] if long else [])) \
         + det.get("errors", 0)
     lost_l = lost_silently(long["taps"], long["ingest"]) if long else {"lost_silently": 0}
     heap = [r["anon_kb"] for r in ev["levels"]]
@@ -463,14 +472,14 @@ def main() -> int:
         "modes": ["forced", "free"], "levels": levels,
         "seconds_per_level": seconds, "tokens_per_turn": a.tokens,
         "shadowed_tokens_per_s_per_core": top_e["shadowed_tokens_per_s_per_core"],
-        "full_shadowed_tokens_per_s_per_core": top_f["shadowed_tokens_per_s_per_core"],
+        "full_shadowed_tokens_per_s_per_core": top_f.get("shadowed_tokens_per_s_per_core"),
         "gross_shadowed_tokens_per_s_per_core": top_e["gross_shadowed_tokens_per_s_per_core"],
         "relay_cpu_ms_per_turn": relay_ms,
         "turn_length": lengths,
         "wire_bytes_per_shadowed_token": top_e["wire_bytes_per_shadowed_token"],
-        "full_wire_bytes_per_shadowed_token": top_f["wire_bytes_per_shadowed_token"],
+        "full_wire_bytes_per_shadowed_token": top_f.get("wire_bytes_per_shadowed_token"),
         "wire_ratio": round(top_e["wire_bytes_per_shadowed_token"] / top_f["wire_bytes_per_shadowed_token"], 5)
-        if top_e["wire_bytes_per_shadowed_token"] and top_f["wire_bytes_per_shadowed_token"] else None,
+        if top_e["wire_bytes_per_shadowed_token"] and top_f.get("wire_bytes_per_shadowed_token") else None,
         "primary_ttft_p99_ms": det.get("attached_ttft_p99_ms"), "detached_ttft_p99_ms": det.get("detached_ttft_p99_ms"),
         "primary_ttft_p99_ratio": round(det["attached_ttft_p99_ms"] / det["detached_ttft_p99_ms"], 3)
         if det.get("detached_ttft_p99_ms") else None,
@@ -480,11 +489,13 @@ def main() -> int:
                                         for r in sorted({k for t in ev["taps"].values()
                                                          for k in (t.get("rows_evidence") or {})})},
         "shed_turns": sum(r["shed_turns"] for r in ev["levels"]),
-        "flipped_comparisons": {"evidence": ev["flipped_comparisons"], "full": full["flipped_comparisons"]},
+        "flipped_comparisons": {"evidence": ev["flipped_comparisons"],
+                                "full": full["flipped_comparisons"] if full is not None else None},
         "heap_growth_ratio": round(heap[-1] / heap[0], 3) if len(heap) > 1 else 1.0,
         "heap_mib": [round(h / 1024, 1) for h in heap],
+        "tracked_sessions": [r.get("tracked_sessions") for r in ev["levels"]],
         "errors": errors,
-        "per_level": {"evidence": ev["levels"], "full": full["levels"], "detached": det,
+        "per_level": {"evidence": ev["levels"], "full": full["levels"] if full is not None else None, "detached": det,
                       "long": long["levels"] if long is not None else None},
         "seconds": round(time.monotonic() - t_start, 1),
     }

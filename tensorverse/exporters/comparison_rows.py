@@ -90,7 +90,7 @@ class StoreRows:
     each comparison is decoded once and kept; a later read only decodes comparisons stored since,
     found from the store's indexes (turn ids, comparison keys) without reading the records again.
     A turn moved to another session keeps its rows under its new session id; a deleted one
-    (retention) is dropped."""
+    (retention) is dropped. Turns without comparisons (not shadowed, or shed) hold nothing."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -103,13 +103,15 @@ class StoreRows:
         seen: set[str] = set()
         for s in st.iter_sessions():
             for tid in st.turn_ids(s.id):
-                seen.add(tid)
-                if tid not in self._created:
-                    self._created[tid] = st.get_turn(tid).created_ns
-                cache = self._rows.setdefault(tid, {})
                 keys = st.comparison_keys(tid)
+                if not keys:  # not shadowed (or shed): nothing kept for it
+                    continue
+                seen.add(tid)
+                cache = self._rows.setdefault(tid, {})
                 for key in keys:
                     if key not in cache:
+                        if tid not in self._created:
+                            self._created[tid] = st.get_turn(tid).created_ns
                         cache[key] = row_of(st.get_comparison(*key), tid, s.id,
                                             self._created[tid])
                 for key in set(cache) - set(keys):

@@ -329,12 +329,14 @@ def record_type(kind: str, record: Mapping[str, Any]) -> type[Record]:
 R = TypeVar("R", bound=Record)
 
 
-def decode(record: Mapping[str, Any] | R, cls: type[R]) -> R:
-    """``record`` (a stored dict) as ``cls``; a record already of that type is returned as is."""
+def decode(record: Mapping[str, Any] | R, cls: type[R], *, strict: bool = False) -> R:
+    """``record`` (a stored dict) as ``cls``; a record already of that type is returned as is.
+    A read is lax (``strict`` False): a number or a flag a writer stored as text reads as its
+    value; a write's check is strict (:func:`checked`)."""
     if isinstance(record, cls):
         return record
     try:
-        return msgspec.convert(record, cls, strict=False)
+        return msgspec.convert(record, cls, strict=strict)
     except msgspec.ValidationError as e:
         rid = record.get("id") if isinstance(record, Mapping) else None
         raise RecordError(f"{cls.__name__.lower()} {rid!r}: {e}", "type") from None
@@ -405,5 +407,5 @@ def checked(record: Record, cls: type[Record], defaults: Mapping[str, Any] | Non
     if defaults:
         for name in at_default(record, defaults):
             out[name] = defaults[name]
-    decode(out, cls)
+    decode(out, cls, strict=True)  # a number given as text is a wrong type here
     return out

@@ -127,3 +127,18 @@ def test_store_rows_decode_each_comparison_once_and_follow_the_store(tmp_path, m
         assert sorted(map(key, rows)) == sorted(map(key, from_store(st)))
         st.delete_session("sess1").result()  # retention removed the first session
         assert sorted(map(key, sr.rows())) == sorted(map(key, from_store(st))) and len(sr.rows()) == 12
+        assert sorted(sr._rows) == sorted(sr._created) == sorted({r.turn_id for r in sr.rows()})
+
+
+def test_store_rows_keep_nothing_for_turns_without_comparisons(tmp_path):
+    """A proxy relays far more turns than it shadows (the tee sheds past its capacity): the
+    verdict's rows hold the compared turns only, so its memory grows with the comparisons."""
+    from tensorverse.exporters.comparison_rows import StoreRows
+    from tensorverse.testing.records import store_session
+
+    with Store.open(tmp_path / "s", durable=False) as st:
+        store_session(st, "shadowed", turns=2, rows=0, compare=("fp32", "primary"))
+        store_session(st, "shed", turns=50, rows=0)  # recorded, never compared
+        sr = StoreRows(st)
+        assert {r.turn_id for r in sr.rows()} == {"shadowed-t0", "shadowed-t1"}
+        assert sorted(sr._rows) == sorted(sr._created) == ["shadowed-t0", "shadowed-t1"]

@@ -36,6 +36,7 @@ def test_a_dict_or_a_wrong_type_write_fails_and_stores_nothing(tmp_path: Path) -
         store.put_session(Session(id="s", created_ns=5, tags={"agent": "x"})).result()
         bad = [(lambda: store.put_turn({"id": "t", "session_id": "s", "index": 0}), "kind"),  # writes take records
                (lambda: store.put_turn(Turn(id="t", session_id="s", index="zero")), "type"),
+               (lambda: store.put_turn(Turn(id="t", session_id="s", index="3")), "type"),  # a number as text
                (lambda: store.put_run(Run(id="r", turn_id="t", backend="b", mode=None)), "type"),  # no mode
                (lambda: store.put_comparison("r", "q", {"kl_mean": 0.1}), "kind"),
                (lambda: store.put_backend("b", BackendInfo(name="b", url=3)), "type"),
@@ -62,6 +63,14 @@ def test_a_dict_or_a_wrong_type_write_fails_and_stores_nothing(tmp_path: Path) -
         assert msgspec.structs.replace(store.get_session("s"), updated_ns=None) == Session(**want)
         (stored,) = store.records("session")  # every field written out, as stored
         assert stored | {"updated_ns": None} == want
+
+
+def test_a_number_a_writer_stored_as_text_still_reads_as_its_value(tmp_path: Path) -> None:
+    """Reads are lax where writes are strict: a record an older writer stored with a number or a
+    flag as text reads as the value (the write path refuses it since records are typed)."""
+    with Store.open(tmp_path / "s") as store:
+        store._put_json(S.SESSIONS, b"s", {"id": "s", "created_ns": "5", "pinned": "true"}).result()
+        assert store.get_session("s") == Session(id="s", created_ns=5, pinned=True)
 
 
 def test_a_typed_record_without_a_creation_time_gets_the_time_of_its_write(tmp_path: Path) -> None:
