@@ -143,13 +143,9 @@ class FakeEngine:
         return f"http://127.0.0.1:{self.port}/v1"
 
     async def start(self, port: int = 0) -> "FakeEngine":
-        from aiohttp import web
+        from tensorverse.testing.serve import serve
 
-        self._runner = web.AppRunner(self._app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve(self._app, port, handler_cancellation=True)
         self._task = asyncio.create_task(self._engine())
         return self
 

@@ -31,6 +31,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tensorverse.testing.serve import serve
+
 PROMPT_IDS = [151644, 872, 198, 6023, 151645]
 
 
@@ -117,11 +119,8 @@ class FakeUpstream:
         return app
 
     async def start(self, port: int = 0) -> "FakeUpstream":
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port, backlog=1024)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve(self.app(), port, backlog=1024, handler_cancellation=True,
+                                              access_log=None)
         return self
 
     async def close(self) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from tensorverse.testing.serve import serve
+
 HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
@@ -67,11 +69,7 @@ class RecordingHop:
                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=900))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve(app, access_log=None)
         return self
 
     async def close(self) -> None:

@@ -19,6 +19,8 @@ import time
 import orjson
 from aiohttp import web
 
+from tensorverse.testing.serve import serve
+
 
 class ScriptedChat:
     def __init__(self, rounds: int = 8) -> None:
@@ -86,8 +88,4 @@ class ScriptedChat:
 
 
 async def start(server: ScriptedChat) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return await serve(server.app(), access_log=None)
