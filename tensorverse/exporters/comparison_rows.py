@@ -101,26 +101,21 @@ class StoreRows:
         st = self.store
         out: list[ComparisonRow] = []
         seen: set[str] = set()
-        for s in st.iter_sessions():
-            for tid in st.turn_ids(s.id):
-                keys = st.comparison_keys(tid)
-                if not keys:  # not shadowed (or shed): nothing kept for it
-                    continue
-                seen.add(tid)
-                cache = self._rows.setdefault(tid, {})
-                for key in keys:
-                    if key not in cache:
-                        if tid not in self._created:
-                            self._created[tid] = st.get_turn(tid).created_ns
-                        cache[key] = row_of(st.get_comparison(*key), tid, s.id,
-                                            self._created[tid])
-                for key in set(cache) - set(keys):
-                    del cache[key]
-                for key in keys:
-                    row = cache[key]
-                    if row.session_id != s.id:  # moved by a merge or split
-                        row = cache[key] = msgspec.structs.replace(row, session_id=s.id)
-                    out.append(row)
+        for sid, tid, keys in st.comparison_index():  # turns with comparisons, from the indexes
+            seen.add(tid)
+            cache = self._rows.setdefault(tid, {})
+            for key in keys:
+                if key not in cache:
+                    if tid not in self._created:
+                        self._created[tid] = st.get_turn(tid).created_ns
+                    cache[key] = row_of(st.get_comparison(*key), tid, sid, self._created[tid])
+            for key in set(cache) - set(keys):
+                del cache[key]
+            for key in keys:
+                row = cache[key]
+                if row.session_id != sid:  # moved by a merge or split
+                    row = cache[key] = msgspec.structs.replace(row, session_id=sid)
+                out.append(row)
         for tid in set(self._rows) - seen:
             self._rows.pop(tid, None)
             self._created.pop(tid, None)

@@ -681,3 +681,26 @@ def test_the_record_factories_write_whole_valid_sessions(tmp_path: Path) -> None
     assert trun(status="failed").ok is False and tcomparison(flips=[2]).flips == [2]
     with pytest.raises(TypeError):
         tturn(colour="red")
+
+
+def test_the_comparison_index_lists_compared_turns_by_session_time_across_pages(tmp_path: Path) -> None:
+    """What the verdict's refresh walks: every turn with comparisons, under its current session,
+    sessions oldest first, turns in index order, from the indexes alone; a session gone is gone,
+    and a store of more sessions than one read transaction's page is walked whole."""
+    from tensorverse.store.base import _PAGE
+    from tensorverse.testing.records import T0
+
+    with Store.open(tmp_path / "s", durable=False) as store:
+        n = _PAGE + 44  # more than one page of sessions
+        for i in range(n):  # created newest first: the index orders them by time, not by write
+            store_session(store, f"s{i:03d}", created_ns=T0 + (n - i) * 10, turns=2, rows=0,
+                          compare=("fp32", "primary") if i % 3 == 0 else None)
+        store_session(store, "quiet", turns=3, rows=0)  # recorded, never compared
+        want = [(f"s{i:03d}", f"s{i:03d}-t{k}", [(f"s{i:03d}-t{k}-fp32", f"s{i:03d}-t{k}-primary")])
+                for i in reversed(range(n)) if i % 3 == 0 for k in range(2)]
+        assert list(store.comparison_index()) == want
+        store.delete_session("s000").result()
+        store.move_turn("s003-t1", "s006").result()  # a turn moved by hand: listed under its new session
+        got = list(store.comparison_index())
+        assert [t for _, t, _ in got if t.startswith("s000")] == []
+        assert ("s006", "s003-t1") in [(s, t) for s, t, _ in got] and len(got) == len(want) - 2
