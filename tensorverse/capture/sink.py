@@ -20,6 +20,14 @@ Configured by environment variables on the vLLM server (never by a request):
     Bearer token for the HTTP sink (``Authorization: Bearer <token>``). Never logged.
 ``TENSORVERSE_CAPTURE_TIMEOUT``
     Seconds for the HTTP connect/read timeout (default 5).
+``TENSORVERSE_CAPTURE_LINGER_MS``
+    While rows keep arriving, the longest a batch waits for more before it ships (default 200;
+    a batch also ships at 1,024 rows or 8 MiB, and the tap ships what it holds once no row has
+    arrived for 50 ms). Every batch costs the recorder a request and a durable commit whatever
+    its size: on the production-load benchmark a batch cost the proxy about 1.2 CPU-ms, and
+    200 ms batches gave about a quarter more shadowed tokens per proxy core than 50 ms ones
+    (``benchmarks/RESULTS.md``). The price is that, under load, rows reach the store up to
+    this much later (shadow analysis waits for them; the agent never does).
 """
 
 from __future__ import annotations
@@ -39,13 +47,15 @@ if TYPE_CHECKING:
     from tensorverse.store import Store
 
 __all__ = ["Sink", "SinkError", "HttpSink", "StoreSink", "MemorySink", "sink_from_env",
-           "ENV_SINK", "ENV_TOKEN", "ENV_TIMEOUT", "STATS_HEADER"]
+           "ENV_SINK", "ENV_TOKEN", "ENV_TIMEOUT", "ENV_LINGER", "DEFAULT_LINGER_MS", "STATS_HEADER"]
 
 log = logging.getLogger("tensorverse.capture")
 
 ENV_SINK = "TENSORVERSE_CAPTURE_SINK"
 ENV_TOKEN = "TENSORVERSE_CAPTURE_TOKEN"
 ENV_TIMEOUT = "TENSORVERSE_CAPTURE_TIMEOUT"
+ENV_LINGER = "TENSORVERSE_CAPTURE_LINGER_MS"
+DEFAULT_LINGER_MS = 200
 #: JSON counters of the capturing process (origin, rows_captured, rows_dropped, ...) sent with
 #: every HTTP batch, so the recorder can export drops it would otherwise never see.
 STATS_HEADER = "X-Tensorverse-Capture-Stats"
@@ -67,7 +77,7 @@ class Sink:
     stats_provider: Callable[[], dict] | None = None
 
     def __init__(self, *, max_batch_bytes: int = 8 << 20, max_batch_frames: int = 1024,
-                 linger_s: float = 0.05, retry_min_s: float = 0.5, retry_max_s: float = 10.0,
+                 linger_s: float = DEFAULT_LINGER_MS / 1000, retry_min_s: float = 0.5, retry_max_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_batch_bytes = max_batch_bytes
         self.max_batch_frames = max_batch_frames
@@ -259,19 +269,33 @@ class StoreSink(Sink):
                 pass
 
 
+def _linger_s(value: str | None) -> float:
+    """``TENSORVERSE_CAPTURE_LINGER_MS`` in seconds (unset or empty: the default)."""
+    if value is None or not value.strip():
+        return DEFAULT_LINGER_MS / 1000
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"{ENV_LINGER}={value!r}: expected milliseconds, e.g. 200") from None
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"{ENV_LINGER}={value!r}: expected a finite number of milliseconds >= 0")
+    return ms / 1000
+
+
 def sink_from_env(env: Mapping[str, str] | None = None) -> Sink | None:
     """The sink named by ``TENSORVERSE_CAPTURE_SINK``, or None when it is unset."""
     env = os.environ if env is None else env
     spec = (env.get(ENV_SINK) or "").strip()
     if not spec:
         return None
+    linger_s = _linger_s(env.get(ENV_LINGER))
     if spec.startswith(("http://", "https://")):
         timeout = float(env.get(ENV_TIMEOUT) or 5.0)
-        return HttpSink(spec, env.get(ENV_TOKEN) or None, timeout=timeout)
+        return HttpSink(spec, env.get(ENV_TOKEN) or None, timeout=timeout, linger_s=linger_s)
     if spec.startswith("dir:"):
         path = spec[4:]
         if not path:
             raise ValueError(f"{ENV_SINK}=dir: needs a path")
-        return StoreSink(os.path.expanduser(path))
+        return StoreSink(os.path.expanduser(path), linger_s=linger_s)
     raise ValueError(f"{ENV_SINK}={spec!r}: expected http(s)://host:port/path or dir:/path/to/store")
 

