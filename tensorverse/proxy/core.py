@@ -38,6 +38,7 @@ from tensorverse.proxy import http
 from tensorverse.proxy.flow import ABORTED, ERROR, OK, PENDING, UPSTREAM_ERROR, Addon, Flow, overrides
 from tensorverse.proxy.protocol import endpoint_kind, error_body
 from tensorverse.proxy.sse import SSEParser, SSESplitter, first_event_end
+from tensorverse.proxy import upstream as upstream_module  # its UPSTREAM_KEEPALIVE_S, read at start
 from tensorverse.proxy.upstream import RelayedResponse, UpstreamPool
 
 
@@ -186,7 +187,8 @@ class ProxyCore:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def _on_startup(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                        keepalive_timeout=upstream_module.UPSTREAM_KEEPALIVE_S)
         self._client = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
@@ -200,7 +202,8 @@ class ProxyCore:
         if self._lean:
             host, port = self._upstream_hostport
             self._pool = UpstreamPool(host, port, connect_timeout_s=self.connect_timeout_s,
-                                      read_timeout_s=self.read_timeout_s)
+                                      read_timeout_s=self.read_timeout_s,
+                                      keepalive_s=upstream_module.UPSTREAM_KEEPALIVE_S)
         for a in self.addons:
             await a.start()
 

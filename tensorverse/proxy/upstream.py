@@ -342,11 +342,19 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
 
+#: How long a pooled upstream connection may stay idle before the proxy closes it: below vLLM's
+#: keep-alive (uvicorn's ``timeout_keep_alive``, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), so the
+#: proxy, not the server, closes an idle connection, and a request is never written into a socket
+#: the server is closing at that moment (the client would get a 502). Both of the core's clients
+#: use it: this pool and aiohttp's (https, a connection limit, the non-LLM paths).
+UPSTREAM_KEEPALIVE_S = 4.0
+
+
 class UpstreamPool:
     """Keep-alive connections to one ``host:port`` and requests over them."""
 
     def __init__(self, host: str, port: int, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 0.0,
-                 keepalive_s: float = 4.0, max_idle: int = 1024) -> None:
+                 keepalive_s: float = UPSTREAM_KEEPALIVE_S, max_idle: int = 1024) -> None:
         self.host = host
         self.port = port
         self.connect_timeout_s = connect_timeout_s

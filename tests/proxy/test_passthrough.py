@@ -337,3 +337,65 @@ def test_concurrent_streams(fake, make_proxy, loop, settle, turns):
     assert not errors
     settle(proxy)
     assert len(turns(proxy)) == 30
+
+
+class _CountingUpstream:
+    """A keep-alive HTTP/1.1 upstream that answers every request with a small JSON body and counts
+    the TCP connections it accepted (a connection the client reuses is counted once)."""
+
+    BODY = b'{"object": "list", "data": []}'
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                _, buf = buf.split(b"\r\n\r\n", 1)  # GET: no body
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_idle_upstream_connections_are_closed_by_the_proxy_before_vllm_closes_them(make_proxy, monkeypatch):
+    """vLLM's server closes a keep-alive connection idle for 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``);
+    a client that reuses one at that moment writes its request into a closing socket and gets an
+    error. So the proxy closes idle upstream connections first, on the paths aiohttp's client
+    relays (here `/v1/models`) as on the LLM paths: a request after the keep-alive opens a new
+    connection. (aiohttp's client had its own 30 s.)"""
+    from tensorverse.proxy import upstream
+
+    assert upstream.UPSTREAM_KEEPALIVE_S < 5
+    monkeypatch.setattr(upstream, "UPSTREAM_KEEPALIVE_S", 0.3)  # read when the proxy starts
+    up = _CountingUpstream()
+    try:
+        proxy = make_proxy(up.url)
+        with httpx.Client(timeout=10) as c:
+            assert c.get(proxy.url + "/v1/models").json() == {"object": "list", "data": []}
+            assert c.get(proxy.url + "/v1/models").status_code == 200
+            assert up.connections == 1  # back to back: the pooled connection is reused
+            time.sleep(1.0)  # past the keep-alive (aiohttp closes idle connections on a timer)
+            assert c.get(proxy.url + "/v1/models").status_code == 200
+        assert up.connections == 2
+    finally:
+        up.close()

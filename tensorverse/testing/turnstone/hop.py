@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from tensorverse.proxy.upstream import UPSTREAM_KEEPALIVE_S
 from tensorverse.testing.serve import serve
 
 HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
@@ -65,7 +66,10 @@ class RecordingHop:
             return resp
 
     async def start(self) -> "RecordingHop":
-        self._session = aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        # idle connections closed before vLLM closes them (see UPSTREAM_KEEPALIVE_S): aiohttp's own
+        # 15 s let the hop write a request into a connection vLLM was closing (a CI run's 500)
+        connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=900))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
