@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -232,6 +233,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.ready_s: float | None = None
+        self.ipc_dir: str | None = None  # the server's own VLLM_RPC_BASE_PATH, removed once it stopped
 
     @property
     def url(self) -> str:
@@ -250,14 +252,24 @@ class ServerProcess:
             return self
         la = self.launch
         la.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = build_env(la.settings, la.sink)
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # vLLM's ZMQ sockets go to the temporary directory and stay there when the server is
+            # killed (thousands in /tmp after a test suite): give each server its own, removed at reap
+            self._remove_ipc_dir()
+            self.ipc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="tv-vllm-ipc-")
         with open(la.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
             log.flush()
             main = threading.current_thread() is threading.main_thread()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=build_env(la.settings, la.sink),
-                                         start_new_session=True,
-                                         preexec_fn=set_pdeathsig if main else None)
+            try:
+                self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True,
+                                             preexec_fn=set_pdeathsig if main else None)
+            except BaseException:
+                self._remove_ipc_dir()
+                raise
         self.started_at = time.monotonic()
         return self
 
@@ -313,6 +325,12 @@ class ServerProcess:
         """Wait for the group until ``deadline`` (monotonic), then SIGKILL what is left."""
         if self.proc is not None:
             reap_group(self.proc, deadline)
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def log_tail(self, lines: int = 40) -> str:
         """The log's last lines, without health polls and the route listing."""

@@ -3,6 +3,9 @@ command line and environment through it, so the same configuration starts the sa
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from tensorverse.matrix.launcher import Launch, ServerProcess
@@ -85,3 +88,52 @@ def test_a_point_with_more_ranks_than_cores_is_refused_with_the_count():
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ValueError):
             parallel_ranks({"--tensor-parallel-size": bad})
+
+
+def _fake_vllm(tmp_path):
+    """An executable that stands for the server's Python: it leaves a socket-like file in
+    ``$VLLM_RPC_BASE_PATH``, as vLLM's ZMQ sockets do, and runs until it is stopped."""
+    exe = tmp_path / "python"
+    exe.write_text('#!/bin/sh\ntouch "$VLLM_RPC_BASE_PATH/ipc-socket"\nexec sleep 60\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def _started(tmp_path, name):
+    s = ServerProcess(Launch(model="m", served_name="m", settings={}, log_path=tmp_path / f"{name}.log",
+                             python=_fake_vllm(tmp_path)))
+    s.start()
+    deadline = time.monotonic() + 10
+    while s.ipc_dir is not None and not (Path(s.ipc_dir) / "ipc-socket").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return s
+
+
+def test_each_server_keeps_its_ipc_sockets_in_a_directory_of_its_own_removed_when_it_stops(tmp_path, monkeypatch):
+    """vLLM leaves its ZMQ sockets in the temporary directory when it is killed; each server
+    started here gets a private ``VLLM_RPC_BASE_PATH`` instead, removed once it has stopped."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    a, b = _started(tmp_path, "a"), _started(tmp_path, "b")
+    try:
+        dirs = [Path(a.ipc_dir), Path(b.ipc_dir)]
+        assert dirs[0] != dirs[1] and all((d / "ipc-socket").exists() for d in dirs)
+    finally:
+        a.stop(grace_s=2)
+        b.stop(grace_s=2)
+    assert a.ipc_dir is None and not any(d.exists() for d in dirs)
+
+
+def test_a_vllm_rpc_base_path_the_user_set_is_kept(tmp_path, monkeypatch):
+    mine = tmp_path / "my-ipc"
+    mine.mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
+    s = _started(tmp_path, "c")
+    try:
+        assert s.ipc_dir is None
+        deadline = time.monotonic() + 10
+        while not (mine / "ipc-socket").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (mine / "ipc-socket").exists()
+    finally:
+        s.stop(grace_s=2)
+    assert (mine / "ipc-socket").exists()  # not ours to remove
