@@ -32,7 +32,12 @@ lint: setup
 ## (--durations), so the next engineer sees where the time goes. PYTEST_WORKERS=0 runs it serially.
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --no-loadscope-reorder)
+## The suite writes about 3.4 GB of temporary files (vLLM-CPU servers, stores, logs): on a fuller
+## disk every server test fails twenty minutes in with "No space left on device", so say it first.
+MIN_FREE_GIB ?= 5
 test: setup setup-system lint
+	@$(PY) -c 'import shutil, sys, tempfile; d = tempfile.gettempdir(); f = shutil.disk_usage(d).free / 2**30; \
+	  sys.exit(f"{f:.1f} GiB free under {d}: make test needs about $(MIN_FREE_GIB) GiB (MIN_FREE_GIB)") if f < $(MIN_FREE_GIB) else None'
 	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 ## Minutes, not the whole suite: no vLLM rig, no browser, no Prometheus, no soak, no turnstone, no Ray cluster.
