@@ -69,7 +69,8 @@ class RecordingHop:
         # idle connections closed before vLLM closes them (see UPSTREAM_KEEPALIVE_S): aiohttp's own
         # 15 s let the hop write a request into a connection vLLM was closing (a CI run's 500)
         connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              skip_auto_headers=("Accept-Encoding", "User-Agent"),
                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=900))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
