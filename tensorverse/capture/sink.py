@@ -35,6 +35,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import time
 import urllib.parse
@@ -277,7 +278,7 @@ def _linger_s(value: str | None) -> float:
         ms = float(value)
     except ValueError:
         raise ValueError(f"{ENV_LINGER}={value!r}: expected milliseconds, e.g. 200") from None
-    if not ms >= 0 or ms == float("inf"):
+    if not (math.isfinite(ms) and ms >= 0):
         raise ValueError(f"{ENV_LINGER}={value!r}: expected a finite number of milliseconds >= 0")
     return ms / 1000
 

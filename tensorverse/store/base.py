@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import lmdb
 
@@ -139,22 +139,26 @@ class StoreBase:
         for key in [k for k, _ in self._scan(txn, db, prefix)]:
             txn.delete(key, db=self._dbs[db])
 
-    def _paged(self, db: bytes, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Scan a prefix in short read transactions, so no reader outlives a page."""
+    def _paged(self, db: bytes, prefix: bytes,
+               expand: Callable[[lmdb.Transaction, bytes, bytes], Iterable[Any]] | None = None) -> Iterator[Any]:
+        """Scan a prefix in short read transactions, so no reader outlives a page. Yields each
+        entry's ``(key, value)``, or with ``expand`` what ``expand(txn, key, value)`` gives for
+        it, read in the page's own transaction (a page is ``_PAGE`` entries of ``db``)."""
         start: bytes | None = None
         while True:
+            entries = 0
+            page: list[Any] = []
             with self._read() as txn:
-                page = []
                 for key, value in self._scan(txn, db, prefix, start):
                     if start is not None and key == start:
                         continue
-                    page.append((key, value))
-                    if len(page) >= _PAGE:
+                    start, entries = key, entries + 1
+                    page.extend(expand(txn, key, value) if expand is not None else ((key, value),))
+                    if entries >= _PAGE:
                         break
             yield from page
-            if len(page) < _PAGE:
+            if entries < _PAGE:
                 return
-            start = page[-1][0]
 
     def _get_json(self, db: bytes, key: bytes, what: str) -> dict:
         with self._read() as txn:

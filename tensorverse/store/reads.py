@@ -107,30 +107,19 @@ class StoreReads(StoreBase):
         read), one read transaction per page of sessions. The verdict's refresh walks the whole
         store with it (`tensorverse.exporters.comparison_rows.StoreRows`); a transaction per
         session and per turn had cost it most of its time."""
-        last: bytes | None = None
-        while True:
-            page: list[tuple[str, str, list[tuple[str, str]]]] = []
-            sessions = 0
-            with self._read() as txn:
-                cur = txn.cursor(db=self._dbs[schema.SESSIONS_BY_TIME])
-                if cur.set_range(last or schema.session_time_bound(0)):
-                    for key in cur.iternext(keys=True, values=False):
-                        if key == last:
-                            continue
-                        last = key
-                        sessions += 1
-                        skey = key[8:]
-                        if txn.get(skey, db=self._dbs[schema.SESSIONS]) is not None:
-                            sid = skey.decode()
-                            for _, tkey in self._scan(txn, schema.TURNS_BY_SESSION, skey + schema.SEP):
-                                keys = self._comparison_keys(txn, tkey)
-                                if keys:
-                                    page.append((sid, tkey.decode(), keys))
-                        if sessions >= _PAGE:
-                            break
-            yield from page
-            if sessions < _PAGE:
-                return
+        return self._paged(schema.SESSIONS_BY_TIME, b"", self._compared_turns)
+
+    def _compared_turns(self, txn: lmdb.Transaction, time_key: bytes, _: bytes) -> list[tuple[str, str, list[tuple[str, str]]]]:
+        """The compared turns of the session a time-index key names (none once it is deleted)."""
+        skey = time_key[8:]
+        if txn.get(skey, db=self._dbs[schema.SESSIONS]) is None:
+            return []
+        sid, out = skey.decode(), []
+        for _, tkey in self._scan(txn, schema.TURNS_BY_SESSION, skey + schema.SEP):
+            keys = self._comparison_keys(txn, tkey)
+            if keys:
+                out.append((sid, tkey.decode(), keys))
+        return out
 
     def iter_runs(self, turn_id: str) -> Iterator[Run]:
         prefix = schema.child_prefix(turn_id, "turn")

@@ -99,12 +99,14 @@ def _fake_vllm(tmp_path):
     return str(exe)
 
 
-def _started(tmp_path, name):
+def _started(tmp_path, name, ipc_dir=None):
+    """A server of the stand-in, once its socket file is in ``ipc_dir`` (default: its own)."""
     s = ServerProcess(Launch(model="m", served_name="m", settings={}, log_path=tmp_path / f"{name}.log",
                              python=_fake_vllm(tmp_path)))
     s.start()
+    where = Path(ipc_dir or s.ipc_dir)
     deadline = time.monotonic() + 10
-    while s.ipc_dir is not None and not (Path(s.ipc_dir) / "ipc-socket").exists() and time.monotonic() < deadline:
+    while not (where / "ipc-socket").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return s
 
@@ -127,12 +129,9 @@ def test_a_vllm_rpc_base_path_the_user_set_is_kept(tmp_path, monkeypatch):
     mine = tmp_path / "my-ipc"
     mine.mkdir()
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
-    s = _started(tmp_path, "c")
+    s = _started(tmp_path, "c", ipc_dir=mine)
     try:
         assert s.ipc_dir is None
-        deadline = time.monotonic() + 10
-        while not (mine / "ipc-socket").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert (mine / "ipc-socket").exists()
     finally:
         s.stop(grace_s=2)
