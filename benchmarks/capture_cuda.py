@@ -22,9 +22,22 @@ What it does, on one GPU:
    exactness: every row's decision and compact form from the GPU reduction equal those from the
    same rows reduced on the CPU (ids and logits bit for bit, log-sum-exp within 1e-13 relative).
 
+5. Rows reduced where they live (`Tap(reduce_on_device=True)`, `TENSORVERSE_CAPTURE_REDUCE=device`,
+   off by default until this check has passed on a GPU): rows of every evidence decision
+   (compact, flip, close call, ties past the window, non-finite, requested) through the device
+   path and through the host path, masked after the copies as the engine does: the same frames
+   (compact forms equal but for the fingerprint, which the device path leaves 0; full rows bit
+   for bit), and no synchronisation in the engine-side calls; then the decode-like loop of point
+   3 at batch 32 with every row asking for its compact form, host path against device path.
+
 The last line is one JSON object: `exact`, `sync_free`, `overhead_ratio_b1`, `overhead_ratio_b32`
 (capture on / off step time), `rows_dropped_b32`, `reduce_device_ms_b64`, `reduce_total_ms_b64`,
-`reduce_us_per_row`, `reduce_exact`.
+`reduce_us_per_row`, `reduce_exact`, `device_path_exact`, `device_path_sync_free`,
+`evidence_step_ms_host_b32`, `evidence_step_ms_device_b32`, `evidence_rows_dropped_host_b32`,
+`evidence_rows_dropped_device_b32`.
+
+The checks run on any device (``_device_path("cpu")``: the test suite runs them on the host,
+so that a typo never costs a lent GPU's minutes); only ``main`` requires CUDA.
 """
 
 from __future__ import annotations
@@ -145,6 +158,100 @@ def _reduction(device: str, steps: int, batch: int = 64) -> dict:
             "reduce_us_per_row": round(total_ms * 1000 / batch, 2), "reduce_exact": exact}
 
 
+def _evidence_rows(device: str, vocab: int = VOCAB) -> tuple[torch.Tensor, list]:
+    """Rows and specs covering every evidence decision (see point 5)."""
+    from tensorverse.capture.optin import EvidenceSpec
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, vocab, generator=g) * 2).to(torch.bfloat16).float()
+    x[0, 11] = 30.0  # forced 11, clear: compact
+    x[1, 40] = 30.0  # free, clear: compact (another k)
+    x[2, 12] = 30.0  # forced 13, this runtime prefers 12: a flip
+    x[3, 50], x[3, 51] = 30.0, 29.99  # a close call
+    x[4] = 0.0  # a clear top-1, then ties past the window
+    x[4, 60] = 30.0
+    x[5, 3] = float("nan")
+    x[6, 14] = 30.0  # requested
+    specs = [EvidenceSpec(20, 0.1, 11, False), EvidenceSpec(5, 0.1, -1, False), EvidenceSpec(20, 0.1, 13, False),
+             EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False),
+             EvidenceSpec(20, 0.1, 14, True)]
+    return x.to(device), specs
+
+
+def _device_path(device: str, vocab: int = VOCAB) -> tuple[bool, bool]:
+    """Point 5's check: (the same frames on both paths, no sync in the device path's engine-side
+    calls). The sync check needs CUDA; elsewhere it is True by construction."""
+    from tensorverse.store.compact import decode_compact
+
+    def ship(on_device: bool) -> tuple[dict, bool]:
+        logits, specs = _evidence_rows(device, vocab)
+        sink = MemorySink()
+        tap = Tap(sink, max_rows=16, reduce_on_device=on_device)
+        free = True
+        cuda = device == "cuda"
+        if cuda and on_device:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            slots = [tap.copy_row(logits, r, evidence=specs[r]) for r in range(len(specs))]
+            tap.mark_copied(slots)
+            force_tokens(logits, [0, 2, 6], [11, 13, 14])
+            for r, sl in enumerate(slots):
+                tap.submit(sl, "ev", r, None, specs[r])
+        except RuntimeError as e:
+            print(f"synchronisation on the device path: {e}", file=sys.stderr)
+            free = False
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        tap.flush(30)
+        tap.close()
+        return {f.position: f for f in sink.frames}, free
+
+    want, _ = ship(False)
+    got, sync_free = ship(True)
+    same = sorted(got) == sorted(want) == list(range(7))
+    for p in sorted(want):
+        if not same:
+            break
+        a, b = got[p], want[p]
+        if a.compact != b.compact:
+            same = False
+        elif a.compact:
+            x, y = decode_compact(a.blob), decode_compact(b.blob)
+            same = ((x.vocab, x.dtype, x.k, x.lse, x.fingerprint) == (y.vocab, y.dtype, y.k, y.lse, 0)
+                    and x.ids.tolist() == y.ids.tolist() and x.logits.tobytes() == y.logits.tobytes())
+        else:
+            same = a.blob == b.blob
+    return same, sync_free
+
+
+def _evidence_step_ms(batch: int, steps: int, on_device: bool) -> tuple[float, int]:
+    """Point 3's loop with every row asking for its compact form (free decoding, k = 20)."""
+    from tensorverse.capture.optin import EvidenceSpec
+
+    w = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    h = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    tap = Tap(MemorySink(), max_rows=256, reduce_on_device=on_device)
+    spec = EvidenceSpec(20, 0.1, -1, False)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(steps + 10):
+        if i == 10:
+            start.record()
+        logits = (h @ w.T).float()
+        slots = [tap.copy_row(logits, r, evidence=spec) for r in range(batch)]
+        tap.mark_copied(slots)
+        for r, sl in enumerate(slots):
+            if sl is not None:
+                tap.submit(sl, f"e{batch}", i * batch + r, None, spec)
+        logits.argmax(dim=-1)
+    end.record()
+    end.synchronize()
+    tap.flush(60)
+    dropped = tap.stats()["rows_dropped"]
+    tap.close()
+    return start.elapsed_time(end) / steps, dropped
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
@@ -163,8 +270,14 @@ def main() -> int:
         result[f"overhead_ratio_b{batch}"] = round(on / off, 4)
         result[f"rows_dropped_b{batch}"] = dropped
     result.update(_reduction("cuda", args.steps))
+    result["device_path_exact"], result["device_path_sync_free"] = _device_path("cuda")
+    for name, on_device in (("host", False), ("device", True)):
+        ms, dropped = _evidence_step_ms(32, args.steps, on_device)
+        result[f"evidence_step_ms_{name}_b32"] = round(ms, 4)
+        result[f"evidence_rows_dropped_{name}_b32"] = dropped
     print(json.dumps(result))
-    return 0 if exact and sync_free and result["reduce_exact"] else 1
+    ok = exact and sync_free and result["reduce_exact"]
+    return 0 if ok and result["device_path_exact"] and result["device_path_sync_free"] else 1
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ float64 and may differ from the store's numpy sum in the last bits (a relative d
 1e-13 is checked in the tests). Flips, margins, ranks within the top ``k`` and flip classes do not
 depend on it.
 
-Where the reduction runs today: on the tap's encoder thread, over the host copy of the row (the
-same copy full capture makes). The functions are device-agnostic; running :func:`reduce_rows` on
-the GPU before the copy (so that only kept rows cross PCIe) is measured by
-``benchmarks/capture_cuda.py`` where a device is lent, and not yet wired into the tap.
+Where the reduction runs: by default on the tap's encoder thread, over the host copy of the row
+(the same copy full capture makes). With ``TENSORVERSE_CAPTURE_REDUCE=device`` the tap keeps the
+row on the engine's device and reduces each step's rows there in one batch
+(:func:`reduce_on_device`), so that only the small results cross to the host, and a whole row
+only when it is evidence (:mod:`tensorverse.capture.tap`, docs/capture.md).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ import torch
 from tensorverse.capture.optin import EvidenceSpec
 from tensorverse.store.compact import CompactRow
 
-__all__ = ["Reduced", "Decision", "reduce_rows", "decide", "REASONS", "WINDOW"]
+__all__ = ["Reduced", "OnDevice", "Decision", "reduce_on_device", "to_reduced", "reduce_rows", "decide", "REASONS",
+           "WINDOW"]
 
 #: why a row is sent in full (see the module docstring)
 REASONS = ("requested", "flip", "close", "ties", "nonfinite")
@@ -86,19 +88,40 @@ class Decision(NamedTuple):
     compact: CompactRow | None
 
 
-def reduce_rows(rows: torch.Tensor, k: int, *, window: int = WINDOW) -> Reduced:
-    """Reduce a (B, V) or (V,) batch of logits rows on their own device; one copy of the small
-    results to the host."""
+class OnDevice(NamedTuple):
+    """What :func:`reduce_on_device` computed, still on the rows' device (no copy, no sync):
+    the fields of :class:`Reduced` as tensors."""
+
+    vals: torch.Tensor
+    ids: torch.Tensor
+    lse: torch.Tensor
+    finite: torch.Tensor
+
+
+def reduce_on_device(rows: torch.Tensor, k: int, *, window: int = WINDOW) -> OnDevice:
+    """Reduce a (B, V) or (V,) batch of logits rows with torch ops on their own device, batched:
+    no copy to the host and no synchronisation (the caller copies the small results)."""
     if rows.dim() == 1:
         rows = rows.unsqueeze(0)
-    vocab = rows.shape[1]
-    w = min(vocab, int(k) + int(window))
+    w = min(rows.shape[1], int(k) + int(window))
     x = rows if rows.dtype == torch.float32 else rows.float()
     vals, ids = torch.topk(x, w, dim=-1, sorted=True)
     lse = torch.logsumexp(x.double(), dim=-1)
     finite = torch.isfinite(vals[:, 0]) & torch.isfinite(x.amin(dim=-1)) & torch.isfinite(lse)
-    return Reduced(vals.cpu().numpy(), ids.cpu().numpy().astype(np.int64), lse.cpu().numpy(),
-                   finite.cpu().numpy(), int(vocab))
+    return OnDevice(vals, ids, lse, finite)
+
+
+def to_reduced(d: OnDevice, vocab: int) -> Reduced:
+    """:class:`Reduced` from :func:`reduce_on_device`'s tensors (host tensors are only viewed;
+    device tensors are copied, a blocking copy)."""
+    return Reduced(d.vals.cpu().numpy(), d.ids.cpu().numpy().astype(np.int64, copy=False), d.lse.cpu().numpy(),
+                   d.finite.cpu().numpy(), int(vocab))
+
+
+def reduce_rows(rows: torch.Tensor, k: int, *, window: int = WINDOW) -> Reduced:
+    """Reduce a (B, V) or (V,) batch of logits rows on their own device; one copy of the small
+    results to the host."""
+    return to_reduced(reduce_on_device(rows, k, window=window), rows.shape[-1])
 
 
 def decide(r: Reduced, i: int, spec: EvidenceSpec, *, dtype: str, fingerprint: int) -> Decision:

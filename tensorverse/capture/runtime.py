@@ -30,6 +30,16 @@ the same environment):
     decoded), the encoder thread only queues them and encodes when they pause, i.e. between
     requests, or as soon as half the buffer pool is queued (default 50; 0 encodes at once).
     Trades a little latency until rows are stored for decode speed during capture.
+``TENSORVERSE_CAPTURE_REDUCE``
+    Where a row that a request asked to reduce (``tv_compact``) is reduced. ``host`` (the
+    default): the whole row is copied to a host buffer and reduced on the encoder thread.
+    ``device``: the row stays on the engine's device; each step's such rows are reduced there in
+    one batch (top-k, log-sum-exp) and only the small results cross to the host, the whole row
+    only when it is evidence. Not yet run on a GPU (``benchmarks/capture_cuda.py`` is the check;
+    docs/capture.md, "Where rows are reduced"), hence off by default. Other values: ``host``.
+``TENSORVERSE_CAPTURE_DEVICE_ROWS``
+    With ``device``: rows held on the device at once (default 64, ~600 KB each at a 151,936
+    vocabulary in float32); past it a row takes the host path (counted: ``device_overflow``).
 
 The tap and its encoder thread are created on the first captured row, in the process that runs
 the model (never in the API frontend, never at import).
@@ -46,7 +56,8 @@ from typing import Any, Mapping
 from tensorverse.capture.sink import ENV_SINK, sink_from_env
 from tensorverse.capture.tap import Tap, log_once
 
-__all__ = ["ENV_ENABLE", "ENV_ENGINE_STATE", "engine_state_enabled", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "enabled",
+__all__ = ["ENV_ENABLE", "ENV_ENGINE_STATE", "engine_state_enabled", "ENV_MAX_ROWS", "ENV_LEVEL", "ENV_NICE", "ENV_DEFER_MS", "ENV_REDUCE",
+           "ENV_DEVICE_ROWS", "reduce_on_device", "enabled",
            "sink_configured", "get_tap", "stats", "close", "is_capture_rank", "note_error",
            "parallel_layout"]
 
@@ -58,6 +69,8 @@ ENV_MAX_ROWS = "TENSORVERSE_CAPTURE_MAX_ROWS"
 ENV_LEVEL = "TENSORVERSE_CAPTURE_LEVEL"
 ENV_NICE = "TENSORVERSE_CAPTURE_NICE"
 ENV_DEFER_MS = "TENSORVERSE_CAPTURE_DEFER_MS"
+ENV_REDUCE = "TENSORVERSE_CAPTURE_REDUCE"
+ENV_DEVICE_ROWS = "TENSORVERSE_CAPTURE_DEVICE_ROWS"
 
 DEFAULT_NICE = 19
 DEFAULT_DEFER_MS = 50
@@ -93,6 +106,15 @@ def _int_env(name: str, default: int) -> int:
         return default
 
 
+def reduce_on_device(env: Mapping[str, str] | None = None) -> bool:
+    """Whether rows are reduced on the engine's device (``TENSORVERSE_CAPTURE_REDUCE=device``)."""
+    env = os.environ if env is None else env
+    value = (env.get(ENV_REDUCE) or "host").strip().lower()
+    if value not in ("host", "device"):
+        log_once("env:" + ENV_REDUCE, "%s=%r is neither host nor device; using host", ENV_REDUCE, value)
+    return value == "device"
+
+
 def get_tap() -> Tap:
     """The process's tap (created on first use, with the sink from the environment)."""
     global _tap
@@ -108,7 +130,8 @@ def get_tap() -> Tap:
                 sink = None
             _tap = Tap(sink, max_rows=_int_env(ENV_MAX_ROWS, 256), level=_int_env(ENV_LEVEL, 1),
                        nice=_int_env(ENV_NICE, DEFAULT_NICE),
-                       defer_s=_int_env(ENV_DEFER_MS, DEFAULT_DEFER_MS) / 1000)
+                       defer_s=_int_env(ENV_DEFER_MS, DEFAULT_DEFER_MS) / 1000,
+                       reduce_on_device=reduce_on_device(), max_device_rows=_int_env(ENV_DEVICE_ROWS, 64))
             log.info("tensorverse capture: tap started (sink: %s)", getattr(sink, "name", None))
         return _tap
 

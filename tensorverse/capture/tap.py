@@ -28,6 +28,14 @@ buffer to the pool, wraps the blob in a :class:`~tensorverse.capture.frames.Fram
 and gives it to the sink, which ships batches (when 200 ms old, 1024 rows or 8 MiB, or when the
 encoder has been idle for ``idle_s``, 50 ms: :mod:`~tensorverse.capture.sink`).
 
+Rows reduced where they live (``reduce_on_device``, off by default: docs/capture.md, "Where rows
+are reduced"): a row whose request asked for its compact form (an evidence spec that does not
+request it in full) is not copied to the host. ``copy_row`` keeps a device copy of the raw row (a
+:class:`DeviceSlot`, at most ``max_device_rows`` at once, else the host path, counted);
+``mark_copied`` reduces the step's kept rows in one batch on the device and copies the small
+results to the host (CUDA: non-blocking, into pinned memory, one event); the encoder thread
+decides each row and copies a row to the host whole only when it is evidence, on its own stream.
+
 Keeping the engine fast (vLLM-CPU): a CPU row is copied with numpy (one memcpy, no intra-op
 thread pool). The encoder thread can run at a lower OS priority (``nice``) and defer encoding
 while rows keep arriving (``defer_s``): it then encodes between requests, or once half the pool
@@ -40,7 +48,9 @@ flow. Counters (:meth:`Tap.stats`): ``rows_captured`` (handed to the encoder), `
 ``rows_shipped``, ``rows_dropped`` (= ``dropped_no_buffer`` + ``dropped_sink`` +
 ``dropped_encode``), ``rows_discarded`` (copied but never sampled: chunked-prefill steps),
 ``rows_forced``, ``rows_compact`` (sent as their compact form), ``rows_evidence`` (rows with an
-evidence spec sent in full, by reason), ``bytes_encoded``, ``bytes_shipped``, ``sink_errors`` (failed flushes),
+evidence spec sent in full, by reason), ``rows_on_device`` (reduced on the device),
+``device_rows`` (held there now), ``device_overflow`` (sent by the host path: the device's row
+budget was full), ``bytes_encoded``, ``bytes_shipped``, ``sink_errors`` (failed flushes),
 ``errors`` (internal exceptions), ``queue_depth``, ``buffers``.
 """
 
@@ -63,7 +73,7 @@ from tensorverse.capture.optin import EvidenceSpec
 from tensorverse.capture.sink import Sink, SinkError
 from tensorverse.store.engine_state import EngineState
 
-__all__ = ["Tap", "RowSlot", "force_tokens", "LogOnce"]
+__all__ = ["Tap", "RowSlot", "DeviceSlot", "StepReduction", "force_tokens", "LogOnce"]
 
 log = logging.getLogger("tensorverse.capture")
 
@@ -139,6 +149,47 @@ class RowSlot:
         return self.vocab == vocab and self.dtype == dtype and self.pinned == pinned
 
 
+#: the store's dtype name of a row kept on its device (rows of other dtypes travel as float32)
+_DEVICE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class StepReduction:
+    """One step's rows kept on the device, reduced together (:func:`~.reduce.reduce_on_device`):
+    the small results in host tensors (pinned on CUDA, filled by non-blocking copies that
+    ``event`` follows), read by the encoder thread once the event has completed."""
+
+    __slots__ = ("host", "vocab", "event", "_reduced")
+
+    def __init__(self, host: Any, vocab: int, event: Any) -> None:
+        self.host = host  # reduce.OnDevice of host tensors
+        self.vocab = vocab
+        self.event = event
+        self._reduced: Any = None
+
+    def reduced(self) -> Any:
+        """The step's :class:`~.reduce.Reduced` (after ``event``; the encoder thread only)."""
+        if self._reduced is None:
+            from tensorverse.capture.reduce import to_reduced
+
+            self._reduced = to_reduced(self.host, self.vocab)
+        return self._reduced
+
+
+class DeviceSlot:
+    """A row kept on the engine's device (``reduce_on_device``) until its step's reduction says
+    whether it travels compact or, as evidence, in full (then, and only then, it is copied to
+    the host whole). ``row`` is a device copy of the raw row, taken before any masking."""
+
+    __slots__ = ("row", "spec", "step", "i", "event")
+
+    def __init__(self, row: torch.Tensor, spec: EvidenceSpec) -> None:
+        self.row: torch.Tensor | None = row
+        self.spec = spec
+        self.step: StepReduction | None = None  # set by Tap.mark_copied
+        self.i = -1  # this row's index in its step's reduction
+        self.event: Any = None  # the step's event (CUDA)
+
+
 class _Stop:
     pass
 
@@ -157,22 +208,32 @@ class Tap:
     ``defer_s``: while rows keep arriving less than ``defer_s`` apart (a capture in progress)
     the encoder only queues them and encodes once they pause, so encoding (as much CPU per row
     as a tiny model's decode step, and GIL hand-offs with the engine thread) happens between
-    requests rather than during them; from ``high_water`` queued rows (half the pool) on it
-    encodes regardless, so a steady stream of captures is still drained. 0 (the default):
-    encode at once. ``poll_s``: how often the deferring encoder looks at the queue.
+    requests rather than during them; from ``high_water`` queued rows (half the pool), or
+    half of ``max_device_rows`` held on the device, on it encodes regardless, so a steady
+    stream of captures is still drained. 0 (the default): encode at once. ``poll_s``: how
+    often the deferring encoder looks at the queue. ``reduce_on_device``, ``max_device_rows``:
+    see the module docstring.
     """
 
     def __init__(self, sink: Sink | None, *, max_rows: int = 256, level: int = 1,
                  encoder: Encoder | None = None, origin: int | None = None,
                  idle_s: float = 0.05, name: str = "tensorverse-capture", nice: int = 0,
-                 defer_s: float = 0.0, poll_s: float = 0.01) -> None:
+                 defer_s: float = 0.0, poll_s: float = 0.01, reduce_on_device: bool = False,
+                 max_device_rows: int = 64) -> None:
         self.sink = sink
+        self.reduce_on_device = bool(reduce_on_device)
+        self.max_device_rows = max(1, int(max_device_rows))
+        self._device_rows = 0  # rows held on the device (engine and encoder threads: _device_lock)
+        self._device_lock = threading.Lock()
+        self._side_stream: Any = None  # CUDA: the encoder thread's stream for evidence copies
         self.nice = int(nice)
         self.defer_s = float(defer_s)
         self.poll_s = max(0.001, float(poll_s))
         self.max_rows = max(1, int(max_rows))
         #: queued rows from which the encoder stops deferring (half the pool)
         self.high_water = max(1, self.max_rows // 2)
+        #: rows held on the device from which the encoder stops deferring (half their budget)
+        self.device_high_water = max(1, self.max_device_rows // 2)
         self.level = level
         self._encoder = encoder
         self.origin = origin if origin is not None else secrets.randbits(64)
@@ -190,11 +251,13 @@ class Tap:
         self.dropped_no_buffer = 0
         self.rows_discarded = 0
         self.rows_forced = 0
+        self.device_overflow = 0  # rows that took the host path: the device's row budget was full
         self.errors_engine = 0
         # encoder-thread counters
         self.rows_processed = 0
         self.rows_encoded = 0
         self.rows_compact = 0
+        self.rows_on_device = 0  # rows reduced on the engine's device (reduce_on_device)
         self.rows_evidence: dict[str, int] = {}
         self.rows_shipped = 0
         self.dropped_sink = 0
@@ -230,42 +293,53 @@ class Tap:
             self._allocated -= 1
             raise
 
-    def copy_row(self, logits: torch.Tensor, row: int, slot: RowSlot | None = None) -> RowSlot | None:
+    def copy_row(self, logits: torch.Tensor, row: int, slot: RowSlot | DeviceSlot | None = None,
+                 evidence: EvidenceSpec | None = None) -> RowSlot | DeviceSlot | None:
         """Copy ``logits[row]`` into a host buffer (``slot`` if given and it fits, else a free
-        one). Returns the slot, or None when no buffer is free (counted) or the copy failed."""
+        one). Returns the slot, or None when no buffer is free (counted) or the copy failed.
+
+        With ``reduce_on_device`` and an ``evidence`` spec that does not ask for the row in full,
+        the row is kept on its device instead (a :class:`DeviceSlot`), to be reduced with its
+        step's other rows by :meth:`mark_copied`; when ``max_device_rows`` are already held it
+        takes the host path (counted in ``device_overflow``)."""
         try:
             if self._closed:
                 return None
+            if self.reduce_on_device and evidence is not None and not evidence.requested:
+                kept = self._keep_on_device(logits, row, evidence, slot)
+                if kept is not None:
+                    return kept
+                slot = None  # _keep_on_device gave the old slot back
             dev = logits.device.type
             pinned = dev == "cuda"
             vocab = logits.shape[-1]
-            if slot is None or not slot.fits(vocab, logits.dtype, pinned):
-                if slot is not None:
-                    self.release(slot)
-                slot = self._acquire(vocab, logits.dtype, pinned)
-                if slot is None:
+            host = slot if isinstance(slot, RowSlot) and slot.fits(vocab, logits.dtype, pinned) else None
+            if host is None:
+                self.release(slot)  # a buffer of another shape, or a row that was kept on the device
+                slot = host = self._acquire(vocab, logits.dtype, pinned)
+                if host is None:
                     self.dropped_no_buffer += 1
                     return None
-            slot.event = None
+            host.event = None
             if dev == "cpu":
                 src = logits[row]
-                if slot.direct and src.is_contiguous():
+                if host.direct and src.is_contiguous():
                     # numpy, not torch: one single-threaded memcpy that releases the GIL.
                     # torch's copy_ of a 600 KB row goes through the intra-op thread pool and
                     # costs milliseconds when the cores are busy (measured 5-17 ms vs 50 us
                     # with 2 OpenMP threads on a loaded 2-core machine).
-                    if slot.codec_dtype is None:
-                        np.copyto(slot.array, src.numpy())
+                    if host.codec_dtype is None:
+                        np.copyto(host.array, src.numpy())
                     else:
-                        np.copyto(slot.array, src.view(torch.int16).numpy().view(np.uint16))
+                        np.copyto(host.array, src.view(torch.int16).numpy().view(np.uint16))
                 else:
-                    slot.tensor.copy_(src)
+                    host.tensor.copy_(src)
             elif pinned:
-                slot.tensor.copy_(logits[row], non_blocking=True)
+                host.tensor.copy_(logits[row], non_blocking=True)
             else:  # other accelerators: a blocking copy is correct, if slower
                 log_once("sync-copy", "device %s: using a blocking copy", dev)
-                slot.tensor.copy_(logits[row])
-            return slot
+                host.tensor.copy_(logits[row])
+            return host
         except Exception as e:  # noqa: BLE001 - never raise into vLLM
             self.errors_engine += 1
             log_once("copy", "copying a logits row failed", exc=e)
@@ -273,11 +347,34 @@ class Tap:
                 self.release(slot)
             return None
 
-    def mark_copied(self, slots: Iterable[RowSlot | None]) -> None:
-        """After this step's copies: on CUDA, record one event the encoder will wait on."""
+    def _keep_on_device(self, logits: torch.Tensor, row: int, spec: EvidenceSpec,
+                        slot: RowSlot | DeviceSlot | None) -> DeviceSlot | None:
+        """A device copy of the raw row (queued on the engine's stream before any masking, no
+        sync), or None when the device's row budget is full. A passed ``slot`` (the same
+        position computed again) is given back first."""
+        self.release(slot)
+        with self._device_lock:
+            if self._device_rows >= self.max_device_rows:
+                self.device_overflow += 1
+                return None
+            self._device_rows += 1
+        try:
+            return DeviceSlot(logits[row].clone(), spec)
+        except Exception:
+            with self._device_lock:
+                self._device_rows -= 1
+            raise
+
+    def mark_copied(self, slots: Iterable[RowSlot | DeviceSlot | None]) -> None:
+        """After this step's copies: on CUDA, record one event the encoder will wait on; rows
+        kept on the device are reduced together (:meth:`_reduce_step`)."""
+        on_device: list[DeviceSlot] = []
         try:
             ev = None
             for s in slots:
+                if isinstance(s, DeviceSlot):
+                    on_device.append(s)
+                    continue
                 if s is None or not s.pinned:
                     continue
                 if ev is None:
@@ -287,8 +384,37 @@ class Tap:
         except Exception as e:  # noqa: BLE001
             self.errors_engine += 1
             log_once("event", "recording a CUDA event failed", exc=e)
+        if on_device:
+            try:
+                self._reduce_step(on_device)
+            except Exception as e:  # noqa: BLE001 - the encoder reduces them one by one instead
+                self.errors_engine += 1
+                log_once("reduce-step", "reducing a step's rows on the device failed", exc=e)
 
-    def submit(self, slot: RowSlot, capture_id: str, position: int,
+    def _reduce_step(self, slots: list[DeviceSlot]) -> None:
+        """Reduce the step's device rows in one batch on their device; copy the small results
+        to the host (CUDA: non-blocking into pinned memory, then one event); nothing waits."""
+        from tensorverse.capture.reduce import OnDevice, reduce_on_device
+
+        rows = [s.row for s in slots if s.row is not None]
+        if len(rows) != len(slots):
+            return  # a slot was given back meanwhile: the encoder reduces the others itself
+        batch = torch.stack(rows)
+        red = reduce_on_device(batch, max(s.spec.k for s in slots))
+        ev = None
+        if batch.device.type == "cuda":
+            host = OnDevice(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in red))
+            for h, t in zip(host, red):
+                h.copy_(t, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        else:  # the host itself, or another accelerator (a blocking copy: correct, if slower)
+            host = OnDevice(*(t.cpu() for t in red))
+        step = StepReduction(host, batch.shape[-1], ev)
+        for i, s in enumerate(slots):
+            s.step, s.i, s.event = step, i, ev
+
+    def submit(self, slot: RowSlot | DeviceSlot, capture_id: str, position: int,
                engine: tuple[int, ...] | None = None, evidence: EvidenceSpec | None = None) -> None:
         """Hand a copied row to the encoder thread. Never blocks. ``engine``: the step's engine
         state as the tuple of :class:`~tensorverse.store.engine_state.EngineState`'s fields
@@ -306,14 +432,22 @@ class Tap:
         except Exception as e:  # noqa: BLE001
             self.errors_engine += 1
             log_once("submit", "handing a row to the encoder failed", exc=e)
+            self.release(slot)  # the row is lost, its buffer is not
 
-    def release(self, slot: RowSlot | None, *, discarded: bool = False) -> None:
+    def release(self, slot: RowSlot | DeviceSlot | None, *, discarded: bool = False) -> None:
         """Give a buffer back without shipping it."""
         if slot is None:
             return
         if discarded:
             self.rows_discarded += 1
         slot.event = None
+        if isinstance(slot, DeviceSlot):
+            if slot.row is not None:  # given back once: its device memory goes to the allocator
+                slot.row = None
+                slot.step = None
+                with self._device_lock:
+                    self._device_rows -= 1
+            return
         self._free.append(slot)
 
     def capture(self, logits: torch.Tensor, items: Iterable[tuple]) -> int:
@@ -322,7 +456,7 @@ class Tap:
         taken."""
         taken = []
         for item in items:
-            slot = self.copy_row(logits, item[0])
+            slot = self.copy_row(logits, item[0], evidence=item[4] if len(item) > 4 else None)
             if slot is not None:
                 taken.append((slot, item))
         self.mark_copied(s for s, _ in taken)
@@ -410,7 +544,7 @@ class Tap:
                 except queue.Empty:
                     item = None
                 if item is None:
-                    if (len(pending) < self.high_water
+                    if (len(pending) < self.high_water and self._device_rows < self.device_high_water
                             and time.monotonic() - last_row_at < self.defer_s):
                         time.sleep(self.poll_s)  # rows still arriving: stay out of the way
                         continue
@@ -452,6 +586,47 @@ class Tap:
             return None
         return encode_compact(d.compact)
 
+    def _from_device(self, slot: DeviceSlot) -> tuple[bytes, bool]:
+        """A row kept on the device: its compact blob, or (evidence) the full row, copied to the
+        host now and encoded. Its compact form carries fingerprint 0: the full row's crc32 is
+        never computed at the source (the store reads the fingerprint nowhere)."""
+        from tensorverse.capture.reduce import decide, reduce_rows
+        from tensorverse.store.compact import encode_compact
+
+        row, spec = slot.row, slot.spec
+        assert row is not None  # a slot is processed once, then given back
+        if slot.step is not None:
+            r, i = slot.step.reduced(), slot.i
+        else:  # its step was never reduced (mark_copied failed or was not called)
+            if row.device.type == "cuda":
+                torch.cuda.synchronize(row.device)  # the copy was queued on the engine's stream
+            r, i = reduce_rows(row, spec.k), 0
+        d = decide(r, i, spec, dtype=_DEVICE_DTYPES.get(row.dtype, "float32"), fingerprint=0)
+        self.rows_on_device += 1
+        if d.compact is not None:
+            return encode_compact(d.compact), True
+        reason = str(d.reason)
+        self.rows_evidence[reason] = self.rows_evidence.get(reason, 0) + 1
+        arr, codec_dtype = self._to_host(row)
+        return self._encode(arr, codec_dtype), False
+
+    def _to_host(self, row: torch.Tensor) -> tuple[np.ndarray, str | None]:
+        """A device row (kept by ``reduce_on_device``) copied to the host whole, as the codec
+        takes it. CUDA: on the encoder thread's own stream, after the step's event (the row's
+        copy came before it), so the engine's stream never waits for it."""
+        if row.dtype not in _DEVICE_DTYPES:
+            row = row.float()
+        if row.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=row.device)
+            with torch.cuda.stream(self._side_stream):
+                host = row.to("cpu")
+        else:
+            host = row.cpu()
+        if host.dtype is torch.bfloat16:
+            return host.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        return host.numpy(), None
+
     def _process(self, item: tuple) -> None:
         """Encode one queued row, return its buffer, and hand the frame to the sink."""
         slot, cid, pos, seq, engine, evidence = item
@@ -460,7 +635,9 @@ class Tap:
         try:
             if slot.event is not None:
                 slot.event.synchronize()
-            if evidence is not None:
+            if isinstance(slot, DeviceSlot):
+                blob, compact = self._from_device(slot)
+            elif evidence is not None:
                 blob = self._reduce(slot, evidence)
                 compact = blob is not None
             if blob is None:
@@ -536,6 +713,9 @@ class Tap:
             "rows_discarded": self.rows_discarded,
             "rows_forced": self.rows_forced,
             "rows_compact": self.rows_compact,
+            "rows_on_device": self.rows_on_device,
+            "device_rows": self._device_rows,
+            "device_overflow": self.device_overflow,
             "rows_evidence": dict(self.rows_evidence),
             "bytes_encoded": self.bytes_encoded,
             "bytes_shipped": self.bytes_shipped,

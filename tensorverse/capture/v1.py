@@ -54,7 +54,7 @@ from vllm.v1.sample.logits_processor.interface import (
 )
 
 from tensorverse.capture import optin, runtime
-from tensorverse.capture.tap import RowSlot, force_tokens, log_once
+from tensorverse.capture.tap import DeviceSlot, RowSlot, force_tokens, log_once
 from tensorverse.store.engine_state import RUNNER_V1
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class _Req:
     def __init__(self, opt: optin.OptIn, out: list[int]) -> None:
         self.opt = opt
         self.out = out  # the runner's live output token list
-        self.slot: RowSlot | None = None  # pending copy of a row not yet known to be sampled
+        self.slot: RowSlot | DeviceSlot | None = None  # pending copy of a row not yet known to be sampled
         self.slot_pos = -1
         self.slot_engine: tuple[int, ...] | None = None  # the engine state of that copy
         self.slot_evidence: optin.EvidenceSpec | None = None  # tv_compact: what to decide of it
@@ -187,7 +187,7 @@ class V1CaptureProcessor(LogitsProcessor):
     def _apply(self, logits: torch.Tensor) -> None:
         n_rows, vocab = logits.shape[0], logits.shape[-1]
         tap = None
-        copied: list[RowSlot] = []
+        copied: list[RowSlot | DeviceSlot] = []
         f_rows: list[int] = []
         f_toks: list[int] = []
         finished: list[int] = []
@@ -201,10 +201,11 @@ class V1CaptureProcessor(LogitsProcessor):
                 continue
             if self.capturing and opt.captures(pos):
                 tap = tap or runtime.get_tap()
-                slot = tap.copy_row(logits, index, st.slot)
+                evidence = opt.evidence(pos)
+                slot = tap.copy_row(logits, index, st.slot, evidence=evidence)
                 st.slot = slot
                 st.slot_pos = pos
-                st.slot_evidence = opt.evidence(pos)
+                st.slot_evidence = evidence
                 if self.engine_state:
                     st.slot_engine = (RUNNER_V1, self._step, n_rows, index, self._joined, -1, -1,
                                       self._tp, self._pp)

@@ -238,3 +238,26 @@ def test_the_evidence_at_source_benchmark_finds_the_flips_of_full_capture():
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["identical"] is True and result["turns"] == 2
     assert 0 < result["wire_ratio"] < 0.05 and result["compact_positions"] > 0
+
+
+def test_the_gpu_scripts_device_path_check_runs_and_passes_on_the_host():
+    """`benchmarks/capture_cuda.py` runs only where a GPU is lent, for minutes: its check of rows
+    reduced on the device runs here on the host (the same code but the CUDA calls), so that a
+    mistake in the script never costs those minutes, and it finds the two paths' frames equal."""
+    from benchmarks.capture_cuda import _device_path
+
+    assert _device_path("cpu", vocab=4096) == (True, True)
+
+
+def test_the_gpu_scripts_device_path_check_fails_when_the_paths_differ(monkeypatch):
+    import tensorverse.capture.tap as tap_mod
+    from benchmarks.capture_cuda import _device_path
+
+    real = tap_mod.Tap._from_device
+
+    def flips_a_bit(self, slot):
+        blob, compact = real(self, slot)
+        return (blob[:-1] + bytes([blob[-1] ^ 1]), compact) if not compact else (blob, compact)
+
+    monkeypatch.setattr(tap_mod.Tap, "_from_device", flips_a_bit)
+    assert _device_path("cpu", vocab=4096) == (False, True)

