@@ -399,7 +399,7 @@ def _compacted_store_still_serves(store_dir, session_id, ut, model_dir, server, 
                 assert a["forced"]["lanes"][name]["flips"] == b["forced"]["lanes"][name]["flips"], (tid, name)
                 if name != "primary":  # the primary's lane is its recorded top-k: no rows
                     for p in b["forced"]["lanes"][name]["flips"]:
-                        assert "flip" in rec["reasons"][str(p)], (tid, name, p)
+                        assert "flip" in rec.reasons[str(p)], (tid, name, p)
             assert len(a["forced"]["panels"]) == len(b["forced"]["panels"])
         res = export_store(st, tmp_path / "export", fmt="jsonl", logits=True)
     forms = [json.loads(line)["form"] for line in Path(res["logits"]["path"]).read_text().splitlines()]
