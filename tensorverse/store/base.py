@@ -140,18 +140,23 @@ class StoreBase:
             txn.delete(key, db=self._dbs[db])
 
     def _paged(self, db: bytes, prefix: bytes,
-               expand: Callable[[lmdb.Transaction, bytes, bytes], Iterable[Any]] | None = None) -> Iterator[Any]:
+               expand: Callable[[lmdb.Transaction, bytes, bytes], Iterable[Any]] | None = None, *,
+               begin: bytes | None = None, stop: bytes | None = None) -> Iterator[Any]:
         """Scan a prefix in short read transactions, so no reader outlives a page. Yields each
         entry's ``(key, value)``, or with ``expand`` what ``expand(txn, key, value)`` gives for
-        it, read in the page's own transaction (a page is ``_PAGE`` entries of ``db``)."""
-        start: bytes | None = None
+        it, read in the page's own transaction (a page is ``_PAGE`` entries of ``db``). ``begin``,
+        ``stop``: only the keys in ``[begin, stop)``."""
+        start: bytes | None = None  # the last key read: the next page starts after it
         while True:
             entries = 0
             page: list[Any] = []
             with self._read() as txn:
-                for key, value in self._scan(txn, db, prefix, start):
+                for key, value in self._scan(txn, db, prefix, start or begin):
                     if start is not None and key == start:
                         continue
+                    if stop is not None and key >= stop:
+                        entries = 0  # the range is done: no next page
+                        break
                     start, entries = key, entries + 1
                     page.extend(expand(txn, key, value) if expand is not None else ((key, value),))
                     if entries >= _PAGE:

@@ -11,7 +11,7 @@ import lmdb
 import orjson
 
 from tensorverse.store import records, schema
-from tensorverse.store.base import _PAGE, RecordNotFound, StoreBase, _loads
+from tensorverse.store.base import RecordNotFound, StoreBase, _loads
 from tensorverse.store.engine_state import EngineState
 from tensorverse.store.records import BackendInfo, Compaction, Comparison, Run, Session, Turn
 from tensorverse.store.turns import read_turn
@@ -47,28 +47,14 @@ class StoreReads(StoreBase):
 
     def iter_sessions(self, *, since_ns: int = 0, until_ns: int | None = None) -> Iterator[Session]:
         """Sessions in creation order, created in [since_ns, until_ns)."""
-        start = schema.session_time_bound(since_ns)
         stop = None if until_ns is None else schema.session_time_bound(until_ns)
-        last: bytes | None = None
-        while True:
-            with self._read() as txn:
-                cur = txn.cursor(db=self._dbs[schema.SESSIONS_BY_TIME])
-                page: list[Session] = []
-                if cur.set_range(last or start):
-                    for key, _ in cur:
-                        if key == last:
-                            continue
-                        if stop is not None and key >= stop:
-                            break
-                        raw = txn.get(key[8:], db=self._dbs[schema.SESSIONS])
-                        last = key
-                        if raw is not None:
-                            page.append(records.session(orjson.loads(raw)))
-                        if len(page) >= _PAGE:
-                            break
-            yield from page
-            if len(page) < _PAGE:
-                return
+        return self._paged(schema.SESSIONS_BY_TIME, b"", self._session_at,
+                           begin=schema.session_time_bound(since_ns), stop=stop)
+
+    def _session_at(self, txn: lmdb.Transaction, time_key: bytes, _: bytes) -> list[Session]:
+        """The session a time-index key names (none once it is deleted)."""
+        raw = txn.get(time_key[8:], db=self._dbs[schema.SESSIONS])
+        return [] if raw is None else [records.session(orjson.loads(raw))]
 
     def iter_turns(self, session_id: str) -> Iterator[Turn]:
         """The turns of a session in index order."""

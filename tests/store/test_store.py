@@ -183,6 +183,13 @@ def test_paged_iteration_crosses_pages(tmp_path: Path) -> None:
         store.write_rows("r", [(p, b"%d" % p) for p in range(600)]).result()
         assert [s.id for s in store.iter_sessions()] == [f"s{i:04d}" for i in range(700)]
         assert [p for p, _ in store.read_rows("r")] == list(range(600))
+        # a time window across pages: [since, until), from the first page into the third
+        window = [s.id for s in store.iter_sessions(since_ns=10 + 3, until_ns=10 + 650)]
+        assert window == [f"s{i:04d}" for i in range(3, 650)]
+        assert [s.id for s in store.iter_sessions(since_ns=10 + 699)] == ["s0699"]
+        assert list(store.iter_sessions(since_ns=10 + 700)) == list(store.iter_sessions(until_ns=10)) == []
+        store.delete_session("s0004").result()  # a deleted session is left out, the window goes on past it
+        assert [s.id for s in store.iter_sessions(since_ns=10 + 3, until_ns=10 + 7)] == ["s0003", "s0005", "s0006"]
 
 
 def test_a_compact_row_and_a_full_row_of_one_position_replace_each_other(tmp_path: Path) -> None:
