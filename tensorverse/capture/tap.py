@@ -669,11 +669,16 @@ class Tap:
     # -- control ---------------------------------------------------------------------------
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every row submitted so far is encoded and its batch shipped (or dropped)."""
-        if self._thread is None:
+        t = self._thread
+        if t is None:
             return True
         ev = threading.Event()
         self._q.put(ev)
-        return ev.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while not ev.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if not t.is_alive() or time.monotonic() >= deadline:
+                return False  # an encoder that died never answers: no point waiting it out
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Ship what is queued (up to ``timeout``), stop the thread, close the sink."""

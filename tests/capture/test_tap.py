@@ -556,6 +556,7 @@ def test_rows_reduced_on_the_device_travel_as_the_host_path_sends_them(dtype):
     assert d["rows_evidence"] == h["rows_evidence"] == {"flip": 1, "close": 1, "ties": 1, "nonfinite": 1,
                                                         "requested": 1}
     assert (d["rows_compact"], d["rows_on_device"], d["device_rows"], d["rows_dropped"]) == (2, 6, 0, 0)
+    assert d["errors"] == 0  # the step was reduced on the device, not row by row after a failure
     assert h["rows_on_device"] == 0
     host_tap.close()
     dev_tap.close()
@@ -572,6 +573,7 @@ def test_a_full_device_budget_sends_rows_by_the_host_path_and_counts_them():
     assert [frames[p].compact for p in range(4)] == [True] * 4  # nothing lost, all compact
     s = tap.stats()
     assert (s["rows_on_device"], s["device_overflow"], s["device_rows"], s["rows_compact"]) == (2, 2, 0, 4)
+    assert s["errors"] == 0
     tap.close()
 
 
@@ -651,3 +653,33 @@ def test_a_deferring_encoder_drains_from_half_the_device_budget():
     assert s["rows_encoded"] >= 1 and s["device_overflow"] == 0  # encoded although rows "keep arriving"
     tap.close()
     assert len(sink.frames) == 2
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the test
+def test_a_flush_does_not_wait_out_its_timeout_on_a_dead_encoder():
+    tap = Tap(MemorySink())
+    assert tap.capture(_logits(), [(0, "r", 0)]) == 1 and tap.flush(10)
+    tap._q.put(("not", "a", "row"))  # a malformed item: the encoder thread dies on it
+    tap._thread.join(5)
+    assert not tap._thread.is_alive()
+    t0 = time.monotonic()
+    assert tap.flush(10) is False
+    assert time.monotonic() - t0 < 1.0
+    tap.close(timeout=0.1)
+
+
+def test_a_flush_that_times_out_says_so():
+    gate = threading.Event()
+
+    def stuck(arr, dtype):
+        gate.wait(10)
+        return arr.tobytes()
+
+    tap = Tap(MemorySink(), encoder=stuck)
+    assert tap.capture(_logits(), [(0, "r", 0)]) == 1
+    t0 = time.monotonic()
+    assert tap.flush(0.3) is False
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    gate.set()
+    assert tap.flush(10)
+    tap.close()
