@@ -306,16 +306,17 @@ class Tap:
             if self._closed:
                 return None
             if self.reduce_on_device and evidence is not None and not evidence.requested:
-                kept = self._keep_on_device(logits, row, evidence, slot)
+                old, slot = slot, None  # given back by _keep_on_device, once, whatever happens next
+                kept = self._keep_on_device(logits, row, evidence, old)
                 if kept is not None:
                     return kept
-                slot = None  # _keep_on_device gave the old slot back
             dev = logits.device.type
             pinned = dev == "cuda"
             vocab = logits.shape[-1]
             host = slot if isinstance(slot, RowSlot) and slot.fits(vocab, logits.dtype, pinned) else None
             if host is None:
-                self.release(slot)  # a buffer of another shape, or a row that was kept on the device
+                old, slot = slot, None
+                self.release(old)  # a buffer of another shape, or a row that was kept on the device
                 slot = host = self._acquire(vocab, logits.dtype, pinned)
                 if host is None:
                     self.dropped_no_buffer += 1

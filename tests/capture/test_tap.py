@@ -683,3 +683,17 @@ def test_a_flush_that_times_out_says_so():
     gate.set()
     assert tap.flush(10)
     tap.close()
+
+
+def test_a_failed_copy_gives_the_slot_it_replaced_back_once():
+    from tensorverse.capture.optin import EvidenceSpec
+
+    tap = Tap(MemorySink(), max_rows=1, reduce_on_device=True)
+    logits = _logits()
+    s = tap.copy_row(logits, 0)  # the pool's one host buffer
+    assert tap.copy_row(logits, 99, s, evidence=EvidenceSpec(20, 0.1, -1, False)) is None  # no row 99
+    assert tap.stats()["errors"] == 1 and tap.stats()["device_rows"] == 0
+    # the buffer came back once: one copy gets it, the next finds the pool empty
+    assert tap.copy_row(logits, 0) is not None
+    assert tap.copy_row(logits, 1) is None and tap.stats()["dropped_no_buffer"] == 1
+    tap.close()
