@@ -300,9 +300,19 @@ def test_positions_spec():
     assert o.finished_at(2) and not o.finished_at(1)
 
 
-def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
+def assert_compact_or_full(frames, rid, k):
+    """Each frame is its row's compact form (as the store's compaction makes it) or the row."""
     from tensorverse.store.compact import compact_row, decode_compact
 
+    for f in frames:
+        row = marker(rid, f.position, 1).numpy()
+        if f.compact:
+            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=k).ids.tolist()
+        else:
+            assert np.array_equal(decode_row(f.blob), row)
+
+
+def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
     e = Engine()
     force = [int(marker("ev", p, 1).argmax()) for p in range(4)]
     force[1] = (force[1] + 1) % V  # position 1 is forced to another token than its top-1: a flip
@@ -311,12 +321,7 @@ def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
     e.run(8)
     fs = frames_of(sink, "ev")
     assert [(f.position, f.compact) for f in fs] == [(0, True), (1, False), (2, False), (3, True)]
-    for f in fs:
-        row = marker("ev", f.position, 1).numpy()
-        if f.compact:
-            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=5).ids.tolist()
-        else:
-            assert np.array_equal(decode_row(f.blob), row)
+    assert_compact_or_full(fs, "ev", k=5)
     assert e.tokens["ev"] == force
 
 
@@ -478,8 +483,6 @@ def device_sink(monkeypatch):
 
 
 def test_rows_reduced_on_the_device_ship_as_the_host_path_through_chunked_prefill_and_aborts(device_sink):
-    from tensorverse.store.compact import compact_row, decode_compact
-
     e = Engine()
     force = [int(marker("ev", p, 1).argmax()) for p in range(4)]
     force[1] = (force[1] + 1) % V  # a flip at position 1
@@ -492,12 +495,7 @@ def test_rows_reduced_on_the_device_ship_as_the_host_path_through_chunked_prefil
     e.run(8)
     fs = frames_of(device_sink, "ev")
     assert [(f.position, f.compact) for f in fs] == [(0, True), (1, False), (2, False), (3, True)]
-    for f in fs:
-        row = marker("ev", f.position, 1).numpy()
-        if f.compact:
-            assert decode_compact(f.blob).ids.tolist() == compact_row(row, k=5).ids.tolist()
-        else:
-            assert np.array_equal(decode_row(f.blob), row)
+    assert_compact_or_full(fs, "ev", k=5)
     assert frames_of(device_sink, "gone") == []
     s = runtime.get_tap().stats()
     assert (s["rows_on_device"], s["device_rows"], s["rows_discarded"]) == (3, 0, 1)
