@@ -68,7 +68,9 @@ clean:
 ## numbers and sessions, in a scratch copy (build/mutants: the working tree is never touched), with
 ## a bounded test selection; prints the score per module last. MUTANTS_PATHS, MUTANTS_TESTS,
 ## MUTANTS_DESELECT (test ids left out) and MUTANTS_JOBS override the defaults; a survivor's diff:
-## `cd build/mutants && ../../.venv/bin/python -m mutmut show NAME`.
+## `cd build/mutants && ../../.venv/bin/python -m mutmut show NAME`. One OpenMP thread: mutmut
+## forks each mutant's test run from a process that has run torch, and GNU OpenMP's thread pool
+## does not survive a fork (the child hangs in its first parallel torch op: a false "timeout").
 MUTANTS_PATHS ?= tensorverse/analysis/attribution.py tensorverse/proxy/grouping.py
 MUTANTS_TESTS ?= tests/analysis/test_attribution.py tests/proxy/test_grouping.py tests/shadow/test_shadow_compare.py
 MUTANTS_DESELECT ?=
@@ -87,7 +89,8 @@ mutants: setup
 	  echo '    not vllm and not browser and not prometheus and not soak and not turnstone and not ray'; \
 	  for d in $(MUTANTS_DESELECT); do echo '    --deselect'; echo "    $$d"; done; \
 	} > $(MUTANTS_DIR)/setup.cfg
-	cd $(MUTANTS_DIR) && $(abspath $(PY)) -m mutmut run --max-children $(MUTANTS_JOBS) > mutmut-run.log 2>&1 \
+	cd $(MUTANTS_DIR) && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+	  $(abspath $(PY)) -m mutmut run --max-children $(MUTANTS_JOBS) > mutmut-run.log 2>&1 \
 	  || { tail -c 2000 mutmut-run.log; exit 1; }
 	cd $(MUTANTS_DIR) && $(abspath $(PY)) -m mutmut results --all true > results.txt && awk -F': ' \
 	  '{ m = $$1; sub(/^ +/, "", m); sub(/\.x[^.]*$$/, "", m); n[m]++; s[m, $$2]++ } \

@@ -492,9 +492,10 @@ def test_drops_of_every_kind_add_up_in_rows_dropped():
 
 def test_stats_name_the_pool_size_and_the_sink():
     tap = Tap(MemorySink(), max_rows=3)
+    tap.rows_forced = 5  # counted by the adapters
     t0 = time.time()
     s = tap.stats()
-    assert (s["max_rows"], s["sink"], s["buffers"]) == (3, "memory", 0)
+    assert (s["max_rows"], s["sink"], s["buffers"], s["rows_forced"]) == (3, "memory", 0, 5)
     assert t0 <= s["time"] <= time.time()
     assert Tap(None).stats()["sink"] is None
     tap.close()
@@ -513,7 +514,7 @@ def _ship(tap, logits, specs, forced=FORCED[0], tokens=FORCED[1]):
     return {f.position: f for f in sink.frames}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_rows_reduced_on_the_device_travel_as_the_host_path_sends_them(dtype):
     from tensorverse.store.compact import decode_compact
 
@@ -676,4 +677,37 @@ def test_a_failed_copy_gives_the_slot_it_replaced_back_once():
     # the buffer came back once: one copy gets it, the next finds the pool empty
     assert tap.copy_row(logits, 0) is not None
     assert tap.copy_row(logits, 1) is None and tap.stats()["dropped_no_buffer"] == 1
+    tap.close()
+
+
+def test_a_steps_rows_are_reduced_on_the_device_in_one_batch(monkeypatch):
+    import tensorverse.capture.reduce as reduce_mod
+    from tensorverse.capture.optin import EvidenceSpec
+
+    batches = []
+    real = reduce_mod.reduce_on_device
+
+    def counted(rows, k, **kw):
+        batches.append(tuple(rows.shape))
+        return real(rows, k, **kw)
+
+    monkeypatch.setattr(reduce_mod, "reduce_on_device", counted)
+    logits = torch.linspace(-5.0, -1.0, V).repeat(5, 1)
+    logits[:, 12] = 9.0  # forced 13, this runtime prefers 12: five flips
+    tap = Tap(MemorySink(), reduce_on_device=True)
+    spec = EvidenceSpec(20, 0.1, 13, False)
+    _ship(tap, logits, [spec] * 3, forced=(), tokens=())  # one step of three rows
+    _ship(tap, logits, [spec] * 2, forced=(), tokens=())  # the next, of two
+    assert batches == [(3, V), (2, V)]
+    s = tap.stats()
+    assert (s["rows_evidence"], s["rows_on_device"], s["errors"]) == ({"flip": 5}, 5, 0)
+    tap.close()
+
+
+def test_rows_discarded_are_counted_one_by_one():
+    tap = Tap(MemorySink(), max_rows=2)
+    logits = _logits()
+    for r in range(2):
+        tap.release(tap.copy_row(logits, r), discarded=True)
+    assert tap.stats()["rows_discarded"] == 2
     tap.close()
