@@ -711,3 +711,35 @@ def test_rows_discarded_are_counted_one_by_one():
         tap.release(tap.copy_row(logits, r), discarded=True)
     assert tap.stats()["rows_discarded"] == 2
     tap.close()
+
+
+def test_items_with_engine_state_carry_it_to_their_frames():
+    from tensorverse.store.engine_state import EngineState
+
+    sink = MemorySink()
+    tap = Tap(sink)
+    state = (1, 7, 4, 0, 1, 12, 0, 1, 1)
+    assert tap.capture(_logits(), [(0, "r", 0, state), (1, "r", 1, None)]) == 2  # 4-item tuples
+    assert tap.flush(10)
+    by_pos = {f.position: f for f in sink.frames}
+    assert by_pos[0].engine == EngineState(*state) and by_pos[1].engine is None
+    assert [by_pos[p].compact for p in (0, 1)] == [False, False]
+    tap.close()
+
+
+def test_a_buffer_of_another_vocabulary_is_replaced_not_added():
+    tap = Tap(MemorySink(), max_rows=1)
+    assert tap.capture(_logits(), [(0, "r", 0)]) == 1 and tap.flush(10)
+    wide = torch.randn(2, 2 * V)
+    assert tap.capture(wide, [(0, "w", 0)]) == 1 and tap.flush(10)  # the pool's one buffer, resized
+    assert tap.stats()["buffers"] == 1
+    assert tap.capture(wide, [(0, "w", 1)]) == 1 and tap.flush(10)
+    tap.close()
+
+
+def test_every_failed_copy_is_counted():
+    tap = Tap(MemorySink())
+    logits = _logits()
+    assert tap.copy_row(logits, 99) is None and tap.copy_row(logits, 98) is None
+    assert tap.stats()["errors"] == 2
+    tap.close()
