@@ -141,3 +141,62 @@ def test_k_above_the_vocabulary_keeps_the_whole_row_as_compaction_does():
     row = torch.linspace(-1.0, 1.0, 12)
     d = decide(reduce_rows(row, 50), 0, _spec(k=50, close=0.0), dtype="float32", fingerprint=0)
     assert d.compact.k == 12 and d.compact.ids.tolist() == compact_row(row.numpy(), k=12).ids.tolist()
+
+
+# -- the edges of the window (WINDOW = 8 entries read past k) ----------------------------------
+
+
+def test_a_forced_row_whose_top_is_tied_past_the_window_is_sent_in_full():
+    row = torch.full((V,), -5.0)
+    row[3:3 + 40] = 2.0  # 40 entries share the top: which is the top-1 is not known from 13
+    assert _decide(row, _spec(k=5, close=0.0, forced=7)).reason == "ties"
+    assert _decide(row, _spec(k=5, close=0.0, forced=3)).reason == "ties"  # even the lowest id
+
+
+def test_a_top_tied_over_the_window_but_its_last_entry_is_known():
+    row = torch.full((V,), -5.0)
+    row[20:29] = 2.0  # 9 of the k + 8 = 10 entries read share the top; the 10th is lower
+    d = _decide(row, _spec(k=2, close=0.0, forced=20))
+    assert d.reason is None and d.compact.ids.tolist() == [20, 21]
+
+
+def test_a_clear_top_with_the_rest_tied_travels_compact_at_k_1():
+    row = torch.full((V,), 0.0)
+    row[9] = 4.0  # the top-1 is known; everything after it is tied, past the window
+    d = _decide(row, _spec(k=1, close=0.0, forced=9))
+    assert d.reason is None and d.compact.ids.tolist() == [9]
+
+
+def test_ties_below_the_kth_entry_do_not_matter():
+    row = torch.full((V,), 0.0)
+    row[4], row[8] = 9.0, 8.0  # the top 2 distinct; the rest tied, past the window
+    assert _decide(row, _spec(k=2, close=0.0, forced=4)).compact.ids.tolist() == [4, 8]
+
+
+def test_ties_with_the_kth_entry_inside_the_window_are_ordered():
+    row = torch.full((V,), -5.0)
+    row[0] = 9.0
+    row[1:9] = 2.0  # tied with the k-th (k = 2): 8 entries, the window's last one is lower
+    assert _decide(row, _spec(k=2, close=0.0, forced=0)).compact.ids.tolist() == [0, 1]
+
+
+def test_a_row_no_wider_than_the_window_is_decided_whole_even_when_all_tied():
+    row = torch.zeros(8)  # k + 8 covers the whole row: nothing lies past the window
+    d = decide(reduce_rows(row, 20), 0, _spec(k=20, close=0.0, forced=0), dtype="float32", fingerprint=0)
+    assert d.reason is None and d.compact.ids.tolist() == list(range(8))
+    flip = decide(reduce_rows(row, 20), 0, _spec(k=20, close=0.0, forced=5), dtype="float32", fingerprint=0)
+    assert flip.reason == "flip"  # the tie goes to the lower id, 0
+
+
+def test_token_zero_can_be_forced_and_flip():
+    row = _distinct()
+    row[5] = 10.0
+    assert _decide(row, _spec(forced=0)).reason == "flip"
+    row[0] = 11.0
+    assert _decide(row, _spec(forced=0)).reason is None
+
+
+def test_a_two_entry_row_can_be_a_close_call():
+    row = torch.tensor([1.0, 1.05])
+    d = decide(reduce_rows(row, 1), 0, _spec(k=1, close=0.1), dtype="float32", fingerprint=0)
+    assert d.reason == "close"
