@@ -63,7 +63,7 @@ HIDDEN = 4096
 
 def _exactness() -> tuple[bool, bool]:
     sink = MemorySink()
-    tap = Tap(sink)
+    tap = Tap(sink, defer_s=60.0)  # the encoder waits for the flush, after the debug window (see _device_path)
     logits = torch.randn(4, VOCAB, device="cuda", dtype=torch.bfloat16).float()
     raw = logits.cpu()
     sync_free = True
@@ -168,7 +168,10 @@ def _device_path(device: str, vocab: int = VOCAB) -> tuple[bool, bool]:
         logits, specs = evidence_rows(vocab, torch.bfloat16, device)
         logits = logits.float()  # as vLLM hands rows to a logits processor
         sink = MemorySink()
-        tap = Tap(sink, max_rows=16, reduce_on_device=on_device)
+        # The sync debug mode is process-wide: the encoder thread's own waits (the event, the
+        # evidence rows' copies to the host) must not fall inside the window, so it defers until
+        # the flush below (a flush does not wait for the pause).
+        tap = Tap(sink, max_rows=16, reduce_on_device=on_device, defer_s=60.0)
         free = True
         cuda = device == "cuda"
         if cuda and on_device:
