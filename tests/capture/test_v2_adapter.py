@@ -177,9 +177,13 @@ def test_capture_force_slot_reuse_and_reordering(sink):
     assert s["rows_dropped"] == 0 and s["errors"] == 0 and s["rows_forced"] == 5
 
 
-def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_compact_requests_ship_compact_rows_except_their_evidence(sink, on_device):
+    """Both places a row is reduced (``TENSORVERSE_CAPTURE_REDUCE``; here the device is the
+    host) ship the same frames through Model Runner V2, the GPU default."""
     from tensorverse.store.compact import compact_row, decode_compact
 
+    runtime.get_tap().reduce_on_device = on_device
     r = Runner()
     force = [int(marker("ev", p, 0).argmax()) for p in range(4)]
     force[1] = (force[1] + 1) % V  # position 1 is forced to another token than its top-1: a flip
@@ -195,6 +199,9 @@ def test_compact_requests_ship_compact_rows_except_their_evidence(sink):
         else:
             assert np.array_equal(decode_row(f.blob), row)
     assert r.tokens["ev"] == force
+    st = runtime.get_tap().stats()
+    assert (st["rows_on_device"], st["device_rows"], st["errors"]) == ((3 if on_device else 0), 0, 0)
+    assert runtime.stats()["adapter_errors"] == 0
 
 
 def test_preemption_resume(sink):
