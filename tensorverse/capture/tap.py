@@ -701,7 +701,7 @@ class Tap:
         s = self.stats()
         keep = ("rows_captured", "rows_shipped", "rows_dropped", "dropped_no_buffer",
                 "dropped_sink", "dropped_encode", "rows_discarded", "rows_forced",
-                "rows_compact", "sink_errors", "errors", "queue_depth")
+                "rows_compact", "rows_on_device", "device_overflow", "sink_errors", "errors", "queue_depth")
         out = {k: s[k] for k in keep}
         out["origin"] = self.origin
         return out

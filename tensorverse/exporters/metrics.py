@@ -226,6 +226,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tensorverse_capture_plugin_rows_dropped", "counter",
                "rows the capture plugins dropped before sending (no free buffer, sink failure, "
                "encoding error), as last reported by each capturing process", ("reason",)),
+    MetricSpec("tensorverse_capture_plugin_rows_on_device", "counter",
+               "rows the capture plugins reduced on the engine's device (TENSORVERSE_CAPTURE_REDUCE=device), "
+               "as last reported by each capturing process"),
+    MetricSpec("tensorverse_capture_plugin_device_overflow", "counter",
+               "rows the capture plugins sent by the host path because their device row budget was full "
+               "(none lost), as last reported by each capturing process"),
     MetricSpec("tensorverse_capture_rows_missing", "counter",
                "rows a shadow run expected but that were not in the store when it was compared",
                (_B, _M)),
@@ -772,6 +778,8 @@ class MetricsCollector:
         for reason in PLUGIN_DROP_REASONS:
             pd.add_metric([reason], plugin.get(f"dropped_{reason}", 0))
         yield pd
+        yield counter("tensorverse_capture_plugin_rows_on_device", plugin.get("rows_on_device", 0))
+        yield counter("tensorverse_capture_plugin_device_overflow", plugin.get("device_overflow", 0))
 
         # sessions
         ses = s.get("sessions") or {}

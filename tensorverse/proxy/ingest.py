@@ -302,7 +302,8 @@ class Ingest:
         # the capturing processes' own counters (sink header), latest per origin, for /metrics
         self._plugins: OrderedDict[int, dict[str, int]] = OrderedDict()
 
-    _PLUGIN_KEYS = ("rows_captured", "dropped_no_buffer", "dropped_sink", "dropped_encode")
+    _PLUGIN_KEYS = ("rows_captured", "dropped_no_buffer", "dropped_sink", "dropped_encode", "rows_on_device",
+                    "device_overflow")
 
     def _note_plugin_stats(self, request: web.Request) -> None:
         from tensorverse.capture.sink import STATS_HEADER

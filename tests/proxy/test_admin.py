@@ -334,3 +334,28 @@ def test_a_hung_ingest_worker_is_replaced_and_its_body_stored_in_the_proxy(tmp_p
     except FileNotFoundError:
         state = "gone"
     assert state in ("gone", "Z", "X")
+
+
+def test_the_plugins_device_counters_reach_stats_and_metrics_summed_over_processes(fake, make_proxy, settle):
+    """Each capturing process reports its counters with every batch (the sink's stats header); the
+    proxy keeps the last report per process and exports their sum, the device path's included."""
+    import json
+
+    from tensorverse.capture.sink import STATS_HEADER
+
+    proxy = make_proxy(fake.url, admin={"token": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret", "Content-Type": CONTENT_TYPE}
+    reports = [(11, {"rows_captured": 10, "rows_on_device": 6, "device_overflow": 1}),
+               (12, {"rows_captured": 5, "rows_on_device": 2, "device_overflow": 0}),
+               (11, {"rows_captured": 20, "rows_on_device": 15, "device_overflow": 3})]  # 11's newer report
+    with httpx.Client(timeout=30) as c:
+        for i, (origin, counters) in enumerate(reports):
+            r = c.post(proxy.admin_url + "/ingest", content=_frames(f"dev{i}", 1, origin=origin),
+                       headers=auth | {STATS_HEADER: json.dumps({"origin": origin, **counters})})
+            assert r.status_code == 200
+        settle(proxy)
+        plugins = c.get(proxy.admin_url + "/stats").json()["ingest"]["plugins"]
+        text = c.get(proxy.admin_url + "/metrics").text
+    assert (plugins["rows_captured"], plugins["rows_on_device"], plugins["device_overflow"]) == (25, 17, 3)
+    assert "tensorverse_capture_plugin_rows_on_device_total 17.0" in text
+    assert "tensorverse_capture_plugin_device_overflow_total 3.0" in text
