@@ -582,10 +582,14 @@ class Tap:
         d = decide(reduce_rows(slot.tensor, spec.k), 0, spec, dtype=dtype,
                    fingerprint=row_checksum(slot.array, dtype=slot.codec_dtype))
         if d.compact is None:  # sent in full, for a reason (`reduce.Decision`)
-            reason = str(d.reason)
-            self.rows_evidence[reason] = self.rows_evidence.get(reason, 0) + 1
+            self._count_evidence(d.reason)
             return None
         return encode_compact(d.compact)
+
+    def _count_evidence(self, reason: str | None) -> None:
+        """One more row sent in full, under its reason."""
+        key = str(reason)
+        self.rows_evidence[key] = self.rows_evidence.get(key, 0) + 1
 
     def _from_device(self, slot: DeviceSlot) -> tuple[bytes, bool]:
         """A row kept on the device: its compact blob, or (evidence) the full row, copied to the
@@ -606,8 +610,7 @@ class Tap:
         self.rows_on_device += 1
         if d.compact is not None:
             return encode_compact(d.compact), True
-        reason = str(d.reason)
-        self.rows_evidence[reason] = self.rows_evidence.get(reason, 0) + 1
+        self._count_evidence(d.reason)
         arr, codec_dtype = self._to_host(row)
         return self._encode(arr, codec_dtype), False
 
