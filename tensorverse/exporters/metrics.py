@@ -163,6 +163,16 @@ METRICS: tuple[MetricSpec, ...] = (
                "differing tool calls on identical tokens (at most one per comparison); class = why "
                "it flipped (tie, near_tie, noise, parser, runtime; docs/attribution.md)",
                (_B, _R, _M, _RR, "region", "class")),
+    # the moments of a turn-clustered interval (analysis/intervals.ClusterMoments): with the
+    # comparisons (turns) and the sums above, what the recording rules need for the flip-rate
+    # alerts' intervals with the turn as the unit (docs/metrics.md, "The flip-rate intervals")
+    MetricSpec("tensorverse_compared_tokens_squared", "counter",
+               "sum over ok comparisons of (compared positions)^2", (_B, _R, _M, _RR)),
+    MetricSpec("tensorverse_flips_squared", "counter",
+               "sum over ok comparisons of (flips of the class)^2", (_B, _R, _M, _RR, "class")),
+    MetricSpec("tensorverse_flips_times_tokens", "counter",
+               "sum over ok comparisons of flips of the class times compared positions",
+               (_B, _R, _M, _RR, "class")),
     MetricSpec("tensorverse_parser_checks", "counter",
                "primary turns whose output ids were re-parsed for tool calls and compared with the "
                "tool calls the primary emitted, by outcome (match, mismatch)", (_B, "outcome")),
@@ -422,6 +432,9 @@ class Metrics:
         self.comparisons = c["tensorverse_comparisons"]
         self.compared_tokens = c["tensorverse_compared_tokens"]
         self.flips = c["tensorverse_flips"]
+        self.tokens_sq = c["tensorverse_compared_tokens_squared"]
+        self.flips_sq = c["tensorverse_flips_squared"]
+        self.flips_n = c["tensorverse_flips_times_tokens"]
         self.parser_checks = c["tensorverse_parser_checks"]
         self.parser_mismatch = c["tensorverse_parser_mismatch"]
         self.verdicts = c["tensorverse_tool_call_verdicts"]
@@ -474,8 +487,11 @@ class Metrics:
                     for outcome in COMPARISON_OUTCOMES:
                         self.comparisons.init((b, role, m, rr, outcome))
                     self.compared_tokens.init((b, role, m, rr))
-                    for reg in REGIONS:
-                        for cls in FLIP_CLASSES[:-1]:
+                    self.tokens_sq.init((b, role, m, rr))
+                    for cls in FLIP_CLASSES[:-1]:
+                        self.flips_sq.init((b, role, m, rr, cls))
+                        self.flips_n.init((b, role, m, rr, cls))
+                        for reg in REGIONS:
                             self.flips.init((b, role, m, rr, reg, cls))
                     self.first_flip.init((b, role, m, rr))
                     if m == "forced":
@@ -567,15 +583,18 @@ class Metrics:
         b, role, mode, rr = key
         summary = r.summary or {}
         n = int(r.n or summary.get("n") or 0)
-        self.compared_tokens.inc(key, n)
         n_flips = int(summary.get("flips", len(r.flips or ())))
         counted = 0
+        by_class: dict[str, int] = {}
         for reg, cls, k in _flip_cells(r, summary):
             if k:
                 self.flips.inc((*key, reg, cls), k)
                 counted += k
+                by_class[cls] = by_class.get(cls, 0) + k
         if n_flips > counted:
             self.flips.inc((*key, UNKNOWN, UNCLASSIFIED), n_flips - counted)
+            by_class[UNCLASSIFIED] = by_class.get(UNCLASSIFIED, 0) + n_flips - counted
+        self._count_turn(key, n, by_class)
         ff = r.first_flip
         if isinstance(ff, int):
             self.first_flip.observe(key, float(ff))
@@ -595,24 +614,36 @@ class Metrics:
         diverged = bool(r.diverged if r.diverged is not None else d.get("position") is not None)
         prefix = r.common_prefix if r.common_prefix is not None else d.get("common_prefix")
         prefix = int(prefix) if isinstance(prefix, int) else 0
-        self.compared_tokens.inc(key, prefix + (1 if diverged else 0))
         cls = r.flip_class
         cls = cls if cls in FLIP_CLASSES else UNCLASSIFIED
+        flipped = False
         if diverged:
             pos = r.first_flip if r.first_flip is not None else d.get("position")
             reg = r.region
             if reg not in REGIONS:
                 reg = region_at(pieces, pos if isinstance(pos, int) else None)
             self.flips.inc((*key, reg, cls))
+            flipped = True
             if isinstance(pos, int):
                 self.first_flip.observe(key, float(pos))
         elif cls == "parser":  # identical tokens, different tool calls
             self.flips.inc((*key, UNKNOWN, cls))
+            flipped = True
+        self._count_turn(key, prefix + (1 if diverged else 0), {cls: 1} if flipped else {})
         verdict = r.verdict
         if verdict is not None:
             if verdict == "match" and not r.ref_tool_calls and not r.cand_tool_calls:
                 verdict = "none"
             self.verdicts.inc((b, role, verdict if verdict in VERDICTS else "malformed"))
+
+    def _count_turn(self, key: tuple[str, str, str, str], n: int, by_class: Mapping[str, int]) -> None:
+        """One ok comparison (a turn) with ``n`` compared positions and its flips by class: the
+        positions, and the moments the turn-clustered intervals of the rules need."""
+        self.compared_tokens.inc(key, n)
+        self.tokens_sq.inc(key, float(n) * n)
+        for cls, k in by_class.items():
+            self.flips_sq.inc((*key, cls), float(k) * k)
+            self.flips_n.inc((*key, cls), float(k) * n)
 
     def observe_missing_rows(self, runs: Iterable[Run]) -> None:
         """Rows expected by full-capture runs that never reached the store."""
@@ -672,6 +703,7 @@ def _flip_cells(r: ForcedComparison, summary: Mapping[str, Any]) -> list[tuple[s
 #: Families held (and updated) by `Metrics`; the others are read at scrape time.
 _EVENT_FAMILIES = frozenset({
     "tensorverse_requests", "tensorverse_comparisons", "tensorverse_compared_tokens", "tensorverse_flips",
+    "tensorverse_compared_tokens_squared", "tensorverse_flips_squared", "tensorverse_flips_times_tokens",
     "tensorverse_tool_call_verdicts", "tensorverse_noise_verdicts", "tensorverse_template_mismatches",
     "tensorverse_shadow_runs", "tensorverse_capture_rows_missing", "tensorverse_parser_checks",
     "tensorverse_parser_mismatch",

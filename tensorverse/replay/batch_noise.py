@@ -13,7 +13,7 @@ rows align by position; each level is compared with the first (``--concurrency 1
 32 against 1) exactly as ``tensorverse analyze`` and the matrix compare rows
 (:func:`tensorverse.matrix.compare.forced_turn`, float64 over the whole vocabulary), and
 summarised as replay summarises a backend (:func:`tensorverse.replay.report.summarize_backend`:
-flip rate with its Wilson interval, KL percentiles, ...). A flip between levels is batch noise:
+flip rate with its interval over turns, KL percentiles, ...). A flip between levels is batch noise:
 nothing changed but the batch.
 
 The batch each row really saw is read back from the rows' engine states (store format 3; the

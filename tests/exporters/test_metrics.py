@@ -329,3 +329,39 @@ def test_flip_classes_of_a_comparison_are_read_from_its_top_and_from_the_summary
     assert value(text, "tensorverse_flips_total", backend="new", **lab, **{"class": "tie"}) == 2
     assert value(text, "tensorverse_flips_total", backend="new", **lab, **{"class": "runtime"}) == 1
     assert value(text, "tensorverse_flips_total", backend="old", **lab, **{"class": "noise"}) == 2
+
+
+def test_moment_counters_are_the_cluster_moments_of_the_compared_turns():
+    """Per backend, mode, reference and class: the sums of (positions)^2, (flips)^2 and
+    flips x positions over ok comparisons, so that the rules' turn-clustered interval equals
+    `intervals.cluster_robust` of the same turns (error comparisons count nowhere)."""
+    from tensorverse.analysis.intervals import ClusterMoments
+
+    m = Metrics.from_config(cfg())
+    turns = [(4, {"runtime": 2, "tie": 1}), (10, {"runtime": 3}), (7, {}), (2, {"runtime": 1, "noise": 1})]
+    comps = []
+    for n, by_class in turns:
+        c = forced(kl=(0.0,) * n, flips=tuple(range(sum(by_class.values()))))
+        c["flips_by_class"] = by_class
+        comps.append(c)
+    comps.append({"mode": "forced", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "error", "error": "x"})
+    base = {"mode": "free", "backend": "fi", "role": "shadow", "ref_role": "primary", "status": "ok"}
+    comps += [{**base, "diverged": True, "common_prefix": 5, "first_flip": 5, "flip_class": "runtime"},
+              {**base, "diverged": False, "common_prefix": 9, "first_flip": None}]
+    m.observe_comparisons(typed(comps))
+    text = generate_latest(m.registry()).decode()
+    lab = dict(backend="fi", role="shadow", mode="forced", ref_role="primary")
+    want = ClusterMoments.of([b.get("runtime", 0) for _, b in turns], [n for n, _ in turns])
+    assert value(text, "tensorverse_comparisons_total", **lab, outcome="ok") == want.clusters == 4
+    assert value(text, "tensorverse_compared_tokens_total", **lab) == want.positions == 23
+    assert value(text, "tensorverse_compared_tokens_squared_total", **lab) == want.positions_sq == 169
+    runtime = dict(lab, **{"class": "runtime"})
+    assert value(text, "tensorverse_flips_squared_total", **runtime) == want.numerator_sq == 14
+    assert value(text, "tensorverse_flips_times_tokens_total", **runtime) == want.cross == 40
+    assert value(text, "tensorverse_flips_squared_total", **lab, **{"class": "tie"}) == 1
+    assert value(text, "tensorverse_flips_times_tokens_total", **lab, **{"class": "noise"}) == 2
+    assert value(text, "tensorverse_flips_squared_total", **lab, **{"class": "near_tie"}) == 0  # at 0 from the start
+    free = dict(lab, mode="free")  # a free comparison: one flip at most, over its prefix and the divergence
+    assert value(text, "tensorverse_compared_tokens_squared_total", **free) == 6 * 6 + 9 * 9
+    assert value(text, "tensorverse_flips_squared_total", **free, **{"class": "runtime"}) == 1
+    assert value(text, "tensorverse_flips_times_tokens_total", **free, **{"class": "runtime"}) == 6

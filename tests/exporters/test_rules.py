@@ -74,62 +74,84 @@ def test_alerts_have_for_severity_and_a_runbook_in_the_docs():
         assert url.split("#", 1)[1] == a["alert"].lower()
 
 
-def _excess_rule_test(cases: list[tuple[str, int, int]], noise: tuple[int, int]) -> str:
-    """A promtool unit test whose expected excess intervals come from the analysis package
-    (scipy's Wilson intervals, Newcombe's hybrid score): the PromQL and the Python agree.
-    Counters grow by a constant per minute; the 1h window at 90m holds exactly 60 steps.
+Moments = tuple[float, float, float, float, float, float]  # per minute: turns, x, n, x^2, x*n, n^2
+
+
+def _interval_rule_test(cases: list[tuple[str, Moments]], noise: Moments) -> str:
+    """A promtool unit test whose expected intervals come from the analysis package
+    (`intervals.cluster_robust` of each candidate's runtime-class flip rate,
+    `cluster_robust_difference` of its excess over the noise floor): the PromQL and the Python
+    agree. Counters grow by a constant per minute; the 1h window at 90m holds exactly 60 steps.
     promtool compares values exactly, so both sides are rounded to 1e-9 the same way
     (Prometheus's ``round(v, 1e-9)`` is ``floor(v * (1 / 1e-9) + 0.5) / (1 / 1e-9)``)."""
     import math
 
-    from tensorverse.analysis.attribution import excess_flip_rate
+    from tensorverse.analysis.intervals import ClusterMoments, cluster_robust, cluster_robust_difference
 
     def r9(v: float) -> float:
         inv = 1 / 1e-9
         return math.floor(v * inv + 0.5) / inv
 
     lab = 'job="tensorverse",instance="p1",mode="forced",ref_role="primary"'
-    series = [f"""      - series: 'tensorverse_compared_tokens_total{{{lab},backend="secondary",role="secondary"}}'
-        values: '0+{noise[1]}x100'
-      - series: 'tensorverse_flips_total{{{lab},backend="secondary",role="secondary",region="content",class="noise"}}'
-        values: '0+{noise[0]}x100'"""]
-    low, high = [], []
-    for name, x, n in cases:
-        series.append(f"""      - series: 'tensorverse_compared_tokens_total{{{lab},backend="{name}",role="shadow"}}'
-        values: '0+{n}x100'
-      - series: 'tensorverse_flips_total{{{lab},backend="{name}",role="shadow",region="content",class="runtime"}}'
-        values: '0+{x}x100'""")
-        e = excess_flip_rate(60 * x, 60 * n, 60 * noise[0], 60 * noise[1])
+
+    def series(backend: str, role: str, cls: str, m: Moments) -> str:
+        b = f'{lab},backend="{backend}",role="{role}"'
+        t, x, n, xx, xn, nn = m
+        return f"""      - series: 'tensorverse_comparisons_total{{{b},outcome="ok"}}'
+        values: '0+{t!r}x100'
+      - series: 'tensorverse_compared_tokens_total{{{b}}}'
+        values: '0+{n!r}x100'
+      - series: 'tensorverse_compared_tokens_squared_total{{{b}}}'
+        values: '0+{nn!r}x100'
+      - series: 'tensorverse_flips_total{{{b},region="content",class="{cls}"}}'
+        values: '0+{x!r}x100'
+      - series: 'tensorverse_flips_squared_total{{{b},class="{cls}"}}'
+        values: '0+{xx!r}x100'
+      - series: 'tensorverse_flips_times_tokens_total{{{b},class="{cls}"}}'
+        values: '0+{xn!r}x100'"""
+
+    def hour(m: Moments) -> ClusterMoments:
+        return ClusterMoments(*(60 * v for v in m))
+
+    inputs = [series("secondary", "secondary", "noise", noise)]
+    expect: dict[str, list[str]] = {k: [] for k in ("runtime_flip_rate_low", "runtime_flip_rate_high",
+                                                   "excess_flip_rate_low", "excess_flip_rate_high")}
+    for name, m in cases:
+        inputs.append(series(name, "shadow", "runtime", m))
+        rate, excess = cluster_robust(hour(m)), cluster_robust_difference(hour(m), hour(noise))
         out = f'backend="{name}",role="shadow",mode="forced",ref_role="primary"'
-        low.append(f"""          - labels: '{{{out}}}'
-            value: {r9(e.low)!r}""")
-        high.append(f"""          - labels: '{{{out}}}'
-            value: {r9(e.high)!r}""")
+        for rule, v in (("runtime_flip_rate_low", rate.low), ("runtime_flip_rate_high", rate.high),
+                        ("excess_flip_rate_low", excess.low), ("excess_flip_rate_high", excess.high)):
+            expect[rule].append(f"""          - labels: '{{{out}}}'
+            value: {r9(v)!r}""")
     nl = "\n"
+    tests = "".join(f"""      - expr: round(tensorverse:{rule}:ratio_rate1h{{role="shadow"}}, 1e-9)
+        eval_time: 90m
+        exp_samples:
+{nl.join(samples)}
+""" for rule, samples in expect.items())
     return f"""rule_files:
   - {RULES}
 evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-{nl.join(series)}
+{nl.join(inputs)}
     promql_expr_test:
-      - expr: round(tensorverse:excess_flip_rate_low:ratio_rate1h, 1e-9)
-        eval_time: 90m
-        exp_samples:
-{nl.join(low)}
-      - expr: round(tensorverse:excess_flip_rate_high:ratio_rate1h, 1e-9)
-        eval_time: 90m
-        exp_samples:
-{nl.join(high)}
-"""
+{tests}"""
 
 
 @pytest.mark.prometheus
-def test_promql_excess_interval_equals_the_analysis_one(tmp_path):
-    cases = [("big", 300, 6000), ("even", 50, 5000), ("small", 1, 3), ("none", 0, 40), ("all", 7, 7)]
-    path = tmp_path / "excess_test.yml"
-    path.write_text(_excess_rule_test(cases, (60, 6000)))
+def test_promql_flip_rate_intervals_equal_the_analysis_ones(tmp_path):
+    """The recording rules' turn-clustered intervals (runtime rate, excess over the floor) are
+    `intervals.cluster_robust` of the same turns: many turns, few flips; one flip in one turn of
+    three; no flip; every position flipped in every turn (no spread)."""
+    cases = [("big", (100, 300, 6000, 4500, 36000, 450000)),  # 20 turns of 120 tokens with 15 flips, 80 of 45
+             ("even", (50, 50, 5000, 100, 5000, 500000)),  # 25 of 50 turns of 100 tokens flip twice
+             ("small", (3, 1, 30, 1, 12, 306)),  # turns of 12, 9 and 9 tokens, one flip in the first
+             ("none", (4, 0, 40, 0, 0, 400)), ("all", (2, 14, 14, 98, 98, 98))]  # all: two turns of 7, all flipped
+    path = tmp_path / "interval_test.yml"
+    path.write_text(_interval_rule_test(cases, (60, 60, 6000, 180, 6000, 600000)))
     r = _run(need_tool("promtool"), "test", "rules", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
@@ -147,5 +169,6 @@ def test_alerts_on_flips_fire_on_interval_bounds_never_on_raw_rates():
     alerts = {r["alert"]: r["expr"] for g in rule_groups(RULES) for r in g["rules"] if "alert" in r}
     for name in ("TensorverseExcessFlipRate", "TensorverseFlipRateHigh", "TensorverseNoiseFloorHigh"):
         expr = alerts[name]
-        assert re.search(r"_(low|wilson_low):", expr), (name, expr)
+        assert re.search(r"_low:ratio_rate1h", expr) and "wilson" not in expr, (name, expr)
         assert "tensorverse:flip_rate" not in expr and "flips_total" not in expr, (name, expr)
+        assert re.search(r"turns:sum_increase1h >= 20", expr), (name, expr)  # an hour of 20 turns at least
