@@ -6,8 +6,9 @@ that a caller (a sink resending a batch, a CLI wrapper, a test) branches on it w
 The refusals: `tensorverse.store.codec.CodecError` (rows and compact rows),
 `tensorverse.capture.frames.FrameError` (captured frames), `tensorverse.store.records.RecordError`
 (store records), `tensorverse.config.ConfigError` (the proxy's configuration),
-`tensorverse.matrix.spec.SpecError` (matrix specs) and `tensorverse.replay.corpus.CorpusError`
-(corpora and cases). Each pickles whole, reason included, so it crosses the proxy's worker
+`tensorverse.matrix.spec.SpecError` (matrix specs), `tensorverse.replay.corpus.CorpusError`
+(corpora and cases) and `tensorverse.analysis.metrics.AnalysisInputError` (the inputs of the analysis:
+logits, token ids, top-k logprobs, counts). Each pickles whole, reason included, so it crosses the proxy's worker
 processes unchanged.
 """
 

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from tensorverse.analysis.metrics import AnalysisInputError
 from tensorverse.capture.frames import FrameError
 from tensorverse.config import ConfigError
 from tensorverse.matrix.spec import SpecError
@@ -14,7 +15,7 @@ from tensorverse.replay.corpus import CorpusError
 from tensorverse.store.codec import CodecError
 from tensorverse.store.records import RecordError
 
-KINDS = [CodecError, FrameError, RecordError, ConfigError, SpecError, CorpusError]
+KINDS = [CodecError, FrameError, RecordError, ConfigError, SpecError, CorpusError, AnalysisInputError]
 
 
 @pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.__name__)

@@ -101,9 +101,9 @@ class TieRule:
 
     def __post_init__(self) -> None:
         if int(self.ulps) != self.ulps or self.ulps < 0:
-            raise AnalysisInputError(f"TieRule.ulps must be a non-negative integer, got {self.ulps!r}")
+            raise AnalysisInputError(f"TieRule.ulps must be a non-negative integer, got {self.ulps!r}", "value")
         if not (math.isfinite(self.nats) and self.nats >= 0):
-            raise AnalysisInputError(f"TieRule.nats must be a finite number >= 0, got {self.nats!r}")
+            raise AnalysisInputError(f"TieRule.nats must be a finite number >= 0, got {self.nats!r}", "value")
 
     def as_dict(self) -> dict[str, Any]:
         return {"ulps": int(self.ulps), "nats": float(self.nats)}
@@ -151,7 +151,7 @@ def row_dtype(row: np.ndarray) -> str:
             return "bfloat16"
         return "float32"
     if a.dtype.kind != "f":
-        raise AnalysisInputError(f"logits must be a float dtype or bf16 bit patterns, got {a.dtype}")
+        raise AnalysisInputError(f"logits must be a float dtype or bf16 bit patterns, got {a.dtype}", "dtype")
     return a.dtype.name
 
 
@@ -172,7 +172,7 @@ def grid_steps(a: Any, b: Any, dtype: str) -> int:
 
     ``a``/``b`` must be exactly representable in ``dtype`` (bfloat16 values as float32)."""
     if dtype not in _BITS:
-        raise AnalysisInputError(f"unknown dtype {dtype!r} ({', '.join(_BITS)})")
+        raise AnalysisInputError(f"unknown dtype {dtype!r} ({', '.join(_BITS)})", "value")
     return abs(_ordered(a, dtype) - _ordered(b, dtype))
 
 
@@ -208,7 +208,7 @@ def _as_positions(positions: Sequence[int] | None, n: int) -> list[int]:
     if positions is None:
         return list(range(n))
     if len(positions) != n:
-        raise AnalysisInputError(f"positions: {len(positions)} for {n} rows")
+        raise AnalysisInputError(f"positions: {len(positions)} for {n} rows", "shape")
     return [int(p) for p in positions]
 
 
@@ -217,7 +217,7 @@ def _noise_mask(noise: Any, n: int) -> np.ndarray | None:
         return None
     m = np.asarray(noise, dtype=bool)
     if m.shape != (n,):
-        raise AnalysisInputError(f"noise: expected {n} flags (one per position), got shape {m.shape}")
+        raise AnalysisInputError(f"noise: expected {n} flags (one per position), got shape {m.shape}", "shape")
     return m
 
 
@@ -237,7 +237,7 @@ def classify_forced(ref_rows: Any, ref_top1: Any, cand_top1: Any, *, noise: Any 
     c1 = np.asarray(cand_top1, dtype=np.int64).reshape(-1)
     n = rows.shape[0]
     if r1.shape != (n,) or c1.shape != (n,):
-        raise AnalysisInputError(f"top-1 arrays must have one entry per row ({n})")
+        raise AnalysisInputError(f"top-1 arrays must have one entry per row ({n})", "shape")
     pos = _as_positions(positions, n)
     nm = _noise_mask(noise, n)
     out: list[FlipAttribution] = []
@@ -285,7 +285,7 @@ def _classify_known(known: Sequence[tuple[Mapping[int, float], str | None]], ref
     c1 = np.asarray(cand_top1, dtype=np.int64).reshape(-1)
     n = r1.shape[0]
     if c1.shape != (n,) or len(known) != n:
-        raise AnalysisInputError(f"{what} and top-1 arrays must have one entry per position ({n})")
+        raise AnalysisInputError(f"{what} and top-1 arrays must have one entry per position ({n})", "shape")
     pos = _as_positions(positions, n)
     nm = _noise_mask(noise, n)
     out: list[FlipAttribution] = []
@@ -307,7 +307,7 @@ def noise_flips(ref_top1: Any, noise_top1: Any) -> np.ndarray:
     a = np.asarray(ref_top1, dtype=np.int64).reshape(-1)
     b = np.asarray(noise_top1, dtype=np.int64).reshape(-1)
     if a.shape != b.shape:
-        raise AnalysisInputError(f"noise run: {b.shape[0]} positions for {a.shape[0]}")
+        raise AnalysisInputError(f"noise run: {b.shape[0]} positions for {a.shape[0]}", "shape")
     return a != b
 
 
@@ -441,9 +441,9 @@ def excess_flip_rate(runtime_flips: int, n: int, noise_flips: int, noise_n: int,
     low = d - sqrt((p1 - l1)^2 + (u2 - p2)^2), high = d + sqrt((u1 - p1)^2 + (p2 - l2)^2)."""
     for name, k, m in (("runtime", runtime_flips, n), ("noise", noise_flips, noise_n)):
         if int(m) != m or int(k) != k or m <= 0 or not 0 <= k <= m:
-            raise AnalysisInputError(f"{name}: need 0 <= flips <= positions and positions > 0, got {k}/{m}")
+            raise AnalysisInputError(f"{name}: need 0 <= flips <= positions and positions > 0, got {k}/{m}", "value")
     if not 0.0 < confidence < 1.0:
-        raise AnalysisInputError(f"confidence must lie in (0, 1), got {confidence}")
+        raise AnalysisInputError(f"confidence must lie in (0, 1), got {confidence}", "value")
     x1, n1, x2, n2 = int(runtime_flips), int(n), int(noise_flips), int(noise_n)
     p1, p2 = x1 / n1, x2 / n2
     l1, u1 = wilson(x1, n1, confidence)  # type: ignore[misc]  # n > 0: an interval, never None

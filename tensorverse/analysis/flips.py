@@ -84,13 +84,13 @@ def _token_vector(tokens: Any, name: str) -> np.ndarray:
     try:
         a = np.asarray(tokens)
     except (TypeError, ValueError) as exc:
-        raise AnalysisInputError(f"{name}: not a list of token ids ({exc})") from None
+        raise AnalysisInputError(f"{name}: not a list of token ids ({exc})", "format") from None
     if a.ndim != 1:
-        raise AnalysisInputError(f"{name}: expected a flat list of token ids, got shape {a.shape}")
+        raise AnalysisInputError(f"{name}: expected a flat list of token ids, got shape {a.shape}", "shape")
     if a.size == 0:
         return a.astype(np.int64)
     if a.dtype.kind not in "iu":
-        raise AnalysisInputError(f"{name}: token ids must be integers, got {a.dtype}")
+        raise AnalysisInputError(f"{name}: token ids must be integers, got {a.dtype}", "dtype")
     return a.astype(np.int64, copy=False)
 
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+from tensorverse.refusal import Refusal
 
 __all__ = [
     "AnalysisInputError",
@@ -86,8 +87,21 @@ _CHUNK = 4096
 _NOSHIFT = 64.0
 
 
-class AnalysisInputError(ValueError):
-    """Inputs to an analysis function are unusable (shape, dtype, NaN/inf, token ids...)."""
+class AnalysisInputError(Refusal):
+    """Inputs to an analysis function are unusable; ``reason`` says how, in one word:
+
+    ``shape`` (arrays or lists that do not fit together: positions, rows, labels, dimensions),
+    ``dtype`` (not floating logits, not integer token ids), ``non_finite`` (NaN or infinity in
+    logits or in what is computed from them), ``token_id`` (a token id outside the vocabulary, or
+    negative), ``vocabulary`` (two sides of different vocabularies), ``empty`` (no positions, no
+    logits, too few to compare), ``missing`` (what a comparison needs was not captured or recorded),
+    ``value`` (a parameter or count outside its range), ``file`` (a file that is absent or not of
+    its kind), ``format`` (input that cannot be read as what it should be: top-k logprobs, token
+    lists, region labels), ``compacted`` (a turn whose rows were compacted,
+    `tensorverse.shadow.compare.TurnCompacted`)."""
+
+    REASONS = ("shape", "dtype", "non_finite", "token_id", "vocabulary", "empty", "missing", "value", "file",
+               "format", "compacted")
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,51 +188,51 @@ def widen_bf16(a: np.ndarray) -> np.ndarray:
 
 def _as_matrix(a: Any, name: str) -> np.ndarray:
     if a is None:
-        raise AnalysisInputError(f"{name}: no logits given")
+        raise AnalysisInputError(f"{name}: no logits given", "empty")
     if not isinstance(a, np.ndarray):
         try:
             a = np.asarray(a)
         except (ValueError, TypeError) as exc:
-            raise AnalysisInputError(f"{name}: not an array of logits ({exc})") from None
+            raise AnalysisInputError(f"{name}: not an array of logits ({exc})", "format") from None
     if a.dtype.kind != "f":
         raise AnalysisInputError(
-            f"{name}: logits must be a floating dtype (float16/float32/float64), got {a.dtype}"
+            f"{name}: logits must be a floating dtype (float16/float32/float64), got {a.dtype}", "dtype"
         )
     if a.ndim == 1:
         a = a.reshape(1, -1)
     if a.ndim != 2:
         raise AnalysisInputError(
-            f"{name}: logits must be 2-D (positions x vocabulary), got shape {a.shape}"
+            f"{name}: logits must be 2-D (positions x vocabulary), got shape {a.shape}", "shape"
         )
     if a.shape[0] == 0 or a.shape[1] == 0:
-        raise AnalysisInputError(f"{name}: empty logits matrix (shape {a.shape})")
+        raise AnalysisInputError(f"{name}: empty logits matrix (shape {a.shape})", "empty")
     return a
 
 
 def _as_tokens(tokens: Any, n: int, vocab: int) -> np.ndarray:
     if tokens is None:
-        raise AnalysisInputError("tokens: no reference token ids given")
+        raise AnalysisInputError("tokens: no reference token ids given", "empty")
     try:
         t = np.asarray(tokens)
     except (ValueError, TypeError) as exc:
-        raise AnalysisInputError(f"tokens: not a list of token ids ({exc})") from None
+        raise AnalysisInputError(f"tokens: not a list of token ids ({exc})", "format") from None
     if t.ndim != 1:
-        raise AnalysisInputError(f"tokens: expected a flat list of token ids, got shape {t.shape}")
+        raise AnalysisInputError(f"tokens: expected a flat list of token ids, got shape {t.shape}", "shape")
     if t.dtype.kind not in "iu":
         if t.shape[0] == 0:
             t = t.astype(np.int64)
         else:
-            raise AnalysisInputError(f"tokens: token ids must be integers, got {t.dtype}")
+            raise AnalysisInputError(f"tokens: token ids must be integers, got {t.dtype}", "dtype")
     if t.shape[0] != n:
         raise AnalysisInputError(
-            f"tokens: {t.shape[0]} token ids for {n} positions (one per logits row expected)"
+            f"tokens: {t.shape[0]} token ids for {n} positions (one per logits row expected)", "shape"
         )
     bad = np.flatnonzero((t < 0) | (t >= vocab))
     if bad.size:
         i = int(bad[0])
         raise AnalysisInputError(
             f"tokens: token id {int(t[i])} at position {i} is outside the vocabulary "
-            f"[0, {vocab}) ({bad.size} out of range)"
+            f"[0, {vocab}) ({bad.size} out of range)", "token_id"
         )
     return t.astype(np.int64, copy=False)
 
@@ -242,7 +256,7 @@ def validate_inputs(ref: Any, cand: Any, tokens: Any) -> tuple[np.ndarray, np.nd
     if ref.shape != cand.shape:
         raise AnalysisInputError(
             f"ref and cand shapes differ: {ref.shape} vs {cand.shape} "
-            "(both must be positions x vocabulary)"
+            "(both must be positions x vocabulary)", "shape"
         )
     t = _as_tokens(tokens, ref.shape[0], ref.shape[1])
     return ref, cand, t
@@ -368,7 +382,7 @@ def _block(x, y, tt, s, sc: _Scratch, kl, entropy, delta_p, margin, rank,
     if not (np.isfinite(a).all() and np.isfinite(c).all()):
         _check_finite(np.where(np.isfinite(a), 0.0, np.nan), x, "ref", s, scan=True)
         _check_finite(np.where(np.isfinite(c), 0.0, np.nan), y, "cand", s, scan=True)
-        raise AnalysisInputError(f"rows {s}..{e - 1}: non-finite intermediate results")
+        raise AnalysisInputError(f"rows {s}..{e - 1}: non-finite intermediate results", "non_finite")
     lsp = np.log(sp)
     lsq = np.log(sq)
     # lp = zx - log SP, lq = zy - log SQ  =>  KL = sum p (zx - zy) - log SP + log SQ
@@ -415,7 +429,7 @@ def _check_finite(v: np.ndarray, rows: np.ndarray, name: str, offset: int,
     for row in bad.tolist():
         if scan and np.isfinite(rows[row]).all():
             continue
-        raise AnalysisInputError(_nonfinite_message(name, rows, row, offset))
+        raise AnalysisInputError(_nonfinite_message(name, rows, row, offset), "non_finite")
 
 
 def reference_position_metrics(
@@ -433,9 +447,9 @@ def reference_position_metrics(
         x = np.asarray(ref[i], dtype=np.float64)
         y = np.asarray(cand[i], dtype=np.float64)
         if not (np.isfinite(x).all()):
-            raise AnalysisInputError(_nonfinite_message("ref", ref, i))
+            raise AnalysisInputError(_nonfinite_message("ref", ref, i), "non_finite")
         if not (np.isfinite(y).all()):
-            raise AnalysisInputError(_nonfinite_message("cand", cand, i))
+            raise AnalysisInputError(_nonfinite_message("cand", cand, i), "non_finite")
         lp = x - x.max()
         lp -= np.log(np.exp(lp).sum())
         lq = y - y.max()
@@ -510,7 +524,7 @@ def summarize(m: PositionMetrics, regions: Sequence[str] | None = None) -> dict[
     ``kl_bound: "lower"``, ``rank_lower_bounds`` and ``delta_p_unknown`` (counts)."""
     n = m.n
     if n == 0:
-        raise AnalysisInputError("summarize: no positions")
+        raise AnalysisInputError("summarize: no positions", "empty")
     flips = m.flip
     n_flips = int(np.count_nonzero(flips))
     first = int(np.argmax(flips)) if n_flips else None
@@ -553,12 +567,12 @@ def summarize(m: PositionMetrics, regions: Sequence[str] | None = None) -> dict[
     if regions is not None:
         regions = list(regions)
         if len(regions) != n:
-            raise AnalysisInputError(f"regions: {len(regions)} labels for {n} positions")
+            raise AnalysisInputError(f"regions: {len(regions)} labels for {n} positions", "shape")
         by_region: dict[str, int] = {}
         count: dict[str, int] = {}
         for reg, f in zip(regions, flips.tolist()):
             if not isinstance(reg, str):
-                raise AnalysisInputError(f"regions: labels must be strings, got {reg!r}")
+                raise AnalysisInputError(f"regions: labels must be strings, got {reg!r}", "format")
             count[reg] = count.get(reg, 0) + 1
             by_region[reg] = by_region.get(reg, 0) + int(f)
         order = [r for r in REGIONS if r in count] + sorted(set(count) - set(REGIONS))

@@ -101,11 +101,11 @@ def _check_counts(flips: int, n: int, name: str) -> tuple[int, int]:
     try:
         f, m = int(flips), int(n)
     except (TypeError, ValueError):
-        raise AnalysisInputError(f"{name}: flip count and positions must be integers") from None
+        raise AnalysisInputError(f"{name}: flip count and positions must be integers", "dtype") from None
     if m <= 0:
-        raise AnalysisInputError(f"{name}: no positions to compare (n={m})")
+        raise AnalysisInputError(f"{name}: no positions to compare (n={m})", "empty")
     if not 0 <= f <= m:
-        raise AnalysisInputError(f"{name}: flip count {f} outside [0, {m}]")
+        raise AnalysisInputError(f"{name}: flip count {f} outside [0, {m}]", "value")
     return f, m
 
 
@@ -124,9 +124,9 @@ def compare_flip_rates(
     x1, n1 = _check_counts(candidate_flips, candidate_n, "candidate")
     x2, n2 = _check_counts(secondary_flips, secondary_n, "secondary")
     if not 0.0 < alpha < 1.0:
-        raise AnalysisInputError(f"alpha must lie in (0, 1), got {alpha}")
+        raise AnalysisInputError(f"alpha must lie in (0, 1), got {alpha}", "value")
     if method not in ("auto", "z", "fisher", "bootstrap"):
-        raise AnalysisInputError(f"unknown method {method!r} (auto, z, fisher, bootstrap)")
+        raise AnalysisInputError(f"unknown method {method!r} (auto, z, fisher, bootstrap)", "value")
     p1, p2 = x1 / n1, x2 / n2
     diff = p1 - p2
     pooled = (x1 + x2) / (n1 + n2)
@@ -153,7 +153,7 @@ def compare_flip_rates(
         rng = np.random.default_rng(seed)
         b = int(n_boot)
         if b < 100:
-            raise AnalysisInputError("n_boot must be at least 100")
+            raise AnalysisInputError("n_boot must be at least 100", "value")
         null1 = rng.binomial(n1, pooled, b) / n1
         null2 = rng.binomial(n2, pooled, b) / n2
         p_value = (1 + int(np.count_nonzero(null1 - null2 >= diff - 1e-15))) / (b + 1)
@@ -231,9 +231,9 @@ def compare_kl_means(
     a = np.asarray(candidate_kl, dtype=np.float64)
     b = np.asarray(secondary_kl, dtype=np.float64)
     if a.size < 2 or b.size < 2:
-        raise AnalysisInputError("compare_kl_means: need at least 2 positions per run")
+        raise AnalysisInputError("compare_kl_means: need at least 2 positions per run", "empty")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise AnalysisInputError("compare_kl_means: non-finite KL values")
+        raise AnalysisInputError("compare_kl_means: non-finite KL values", "non_finite")
     ma, mb = float(a.mean()), float(b.mean())
     se = math.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
     if se == 0.0:

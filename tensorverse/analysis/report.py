@@ -97,9 +97,9 @@ def _as_noise(noise: Any, shape: tuple[int, ...]) -> np.ndarray:
     if a.ndim == 1:
         a = a.reshape(1, -1)
     if a.dtype.kind != "f":
-        raise AnalysisInputError(f"noise: logits must be a floating dtype, got {a.dtype}")
+        raise AnalysisInputError(f"noise: logits must be a floating dtype, got {a.dtype}", "dtype")
     if a.shape != tuple(shape):
-        raise AnalysisInputError(f"noise: shape {a.shape} differs from the reference's {tuple(shape)}")
+        raise AnalysisInputError(f"noise: shape {a.shape} differs from the reference's {tuple(shape)}", "shape")
     return a
 
 
@@ -211,19 +211,19 @@ def load_logits(path: str | os.PathLike[str], name: str = "logits") -> np.ndarra
     """A .npy logits matrix, memory-mapped (no pickles)."""
     p = os.fspath(path)
     if not os.path.exists(p):
-        raise AnalysisInputError(f"{name}: file not found: {p}")
+        raise AnalysisInputError(f"{name}: file not found: {p}", "file")
     if os.path.isdir(p):
-        raise AnalysisInputError(f"{name}: {p} is a directory, expected a .npy file")
+        raise AnalysisInputError(f"{name}: {p} is a directory, expected a .npy file", "file")
     try:
         a = np.load(p, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise AnalysisInputError(f"{name}: cannot read {p} as a .npy array ({exc})") from None
+        raise AnalysisInputError(f"{name}: cannot read {p} as a .npy array ({exc})", "file") from None
     if not isinstance(a, np.ndarray):
         try:
             a.close()
         except Exception:  # pragma: no cover - best effort  # noqa: BLE001
             pass
-        raise AnalysisInputError(f"{name}: {p} is an .npz archive, expected a single .npy array")
+        raise AnalysisInputError(f"{name}: {p} is an .npz archive, expected a single .npy array", "file")
     return a
 
 
@@ -232,26 +232,26 @@ def load_tokens(path: str | os.PathLike[str]) -> tuple[list[Any], list[str] | No
     "regions": [...]}`` (regions optional, one label per position)."""
     p = os.fspath(path)
     if not os.path.exists(p):
-        raise AnalysisInputError(f"tokens: file not found: {p}")
+        raise AnalysisInputError(f"tokens: file not found: {p}", "file")
     try:
         with open(p, "rb") as fh:
             data = json.loads(fh.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise AnalysisInputError(f"tokens: cannot read {p} as JSON ({exc})") from None
+        raise AnalysisInputError(f"tokens: cannot read {p} as JSON ({exc})", "file") from None
     regions = None
     if isinstance(data, dict):
         if "tokens" not in data:
-            raise AnalysisInputError(f"tokens: {p} is a JSON object without a 'tokens' list")
+            raise AnalysisInputError(f"tokens: {p} is a JSON object without a 'tokens' list", "format")
         regions = data.get("regions")
         data = data["tokens"]
         if regions is not None and not (isinstance(regions, list)
                                         and all(isinstance(r, str) for r in regions)):
-            raise AnalysisInputError("tokens: 'regions' must be a list of strings")
+            raise AnalysisInputError("tokens: 'regions' must be a list of strings", "format")
     if not isinstance(data, list):
-        raise AnalysisInputError(f"tokens: {p} must hold a JSON list of token ids")
+        raise AnalysisInputError(f"tokens: {p} must hold a JSON list of token ids", "format")
     for i, v in enumerate(data):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise AnalysisInputError(f"tokens: entry {i} is not an integer token id: {v!r}")
+            raise AnalysisInputError(f"tokens: entry {i} is not an integer token id: {v!r}", "dtype")
     return data, regions
 
 

@@ -47,7 +47,7 @@ _NEG_INF_SENTINEL = -9999.0
 
 def _token_id(key: Any) -> int:
     if isinstance(key, (bool, np.bool_)):
-        raise AnalysisInputError(f"top-k logprobs: bad token key {key!r}")
+        raise AnalysisInputError(f"top-k logprobs: bad token key {key!r}", "format")
     if isinstance(key, (int, np.integer)):
         return int(key)
     if isinstance(key, str):
@@ -58,7 +58,7 @@ def _token_id(key: Any) -> int:
             pass
     raise AnalysisInputError(
         f"top-k logprobs: key {key!r} is not a token id; request the logprobs with "
-        "return_tokens_as_token_ids so keys read 'token_id:N'"
+        "return_tokens_as_token_ids so keys read 'token_id:N'", "format"
     )
 
 
@@ -66,9 +66,9 @@ def _logprob(v: Any, key: Any) -> float:
     try:
         f = float(v)
     except (TypeError, ValueError):
-        raise AnalysisInputError(f"top-k logprobs: logprob of {key!r} is not a number: {v!r}") from None
+        raise AnalysisInputError(f"top-k logprobs: logprob of {key!r} is not a number: {v!r}", "format") from None
     if math.isnan(f) or f > 1e-6:
-        raise AnalysisInputError(f"top-k logprobs: logprob of {key!r} is invalid: {v!r}")
+        raise AnalysisInputError(f"top-k logprobs: logprob of {key!r} is invalid: {v!r}", "value")
     if f <= _NEG_INF_SENTINEL:
         return -math.inf
     return min(f, 0.0)
@@ -107,7 +107,7 @@ def parse_top_logprobs(entry: Any) -> dict[int, float]:
 def _general_top_logprobs(entry: Any) -> dict[int, float]:
     """:func:`parse_top_logprobs` for every form it accepts, each item checked."""
     if entry is None:
-        raise AnalysisInputError("top-k logprobs: missing entry (None) for a position")
+        raise AnalysisInputError("top-k logprobs: missing entry (None) for a position", "format")
     out: dict[int, float] = {}
     items: Iterable[tuple[Any, Any]]
     if isinstance(entry, Mapping):
@@ -122,15 +122,15 @@ def _general_top_logprobs(entry: Any) -> dict[int, float]:
         for it in entry:
             if isinstance(it, Mapping):
                 if "token" not in it or "logprob" not in it:
-                    raise AnalysisInputError(f"top-k logprobs: item without token/logprob: {it!r}")
+                    raise AnalysisInputError(f"top-k logprobs: item without token/logprob: {it!r}", "format")
                 pairs.append((it["token"], it["logprob"]))
             elif isinstance(it, (list, tuple)) and len(it) == 2:
                 pairs.append((it[0], it[1]))
             else:
-                raise AnalysisInputError(f"top-k logprobs: cannot read item {it!r}")
+                raise AnalysisInputError(f"top-k logprobs: cannot read item {it!r}", "format")
         items = pairs
     else:
-        raise AnalysisInputError(f"top-k logprobs: cannot read entry of type {type(entry).__name__}")
+        raise AnalysisInputError(f"top-k logprobs: cannot read entry of type {type(entry).__name__}", "format")
     for k, v in items:
         out[_token_id(k)] = _logprob(v, k)
     return out
@@ -186,20 +186,20 @@ def topk_position_metrics(
     only as the extra sampled entry (rank >= k) is also flagged as a lower bound."""
     n = len(tokens)
     if n == 0:
-        raise AnalysisInputError("top-k metrics: no positions")
+        raise AnalysisInputError("top-k metrics: no positions", "empty")
     if len(ref_topk) != n or len(cand_topk) != n:
         raise AnalysisInputError(
             f"top-k metrics: {len(ref_topk)} reference and {len(cand_topk)} candidate entries "
-            f"for {n} tokens (one entry per position expected)"
+            f"for {n} tokens (one entry per position expected)", "shape"
         )
     try:
         t = np.asarray(tokens)
     except (TypeError, ValueError) as exc:
-        raise AnalysisInputError(f"tokens: not a list of token ids ({exc})") from None
+        raise AnalysisInputError(f"tokens: not a list of token ids ({exc})", "format") from None
     if t.ndim != 1 or t.dtype.kind not in "iu":
-        raise AnalysisInputError(f"tokens: expected a flat list of integer token ids, got {t.dtype}")
+        raise AnalysisInputError(f"tokens: expected a flat list of integer token ids, got {t.dtype}", "dtype")
     if (t < 0).any():
-        raise AnalysisInputError("tokens: negative token id")
+        raise AnalysisInputError("tokens: negative token id", "token_id")
 
     kl = np.empty(n)
     delta_p = np.empty(n)
@@ -215,7 +215,7 @@ def topk_position_metrics(
         Q = parse_top_logprobs(cand_topk[i])
         if not P or not Q:
             side = "reference" if not P else "candidate"
-            raise AnalysisInputError(f"top-k metrics: empty {side} top-k at position {i}")
+            raise AnalysisInputError(f"top-k metrics: empty {side} top-k at position {i}", "empty")
         ti = int(t[i])
 
         # KL over {tokens known on both sides} + one tail bucket

@@ -135,7 +135,7 @@ def _refuse_compacted(store: Store, turn_id: str | None) -> None:
     if rec is not None:
         why = "pruned by [retention]" if rec.rows_pruned else "compacted"
         raise TurnCompacted(f"turn {turn_id}: its rows were {why}; its stored comparisons are the exact "
-                            "ones (computed from the full rows) and are not recomputed")
+                            "ones (computed from the full rows) and are not recomputed", "compacted")
 
 
 def load_rows(store: Store, run_id: str, positions: Sequence[int]) -> np.ndarray:
@@ -147,7 +147,7 @@ def load_rows(store: Store, run_id: str, positions: Sequence[int]) -> np.ndarray
         return np.zeros((0, 0), np.float32)
     widths = {r.shape[-1] for r in rows}
     if len(widths) != 1:
-        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}")
+        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}", "shape")
     return np.stack([r.reshape(-1) for r in rows]).astype(np.float32, copy=False)
 
 
@@ -240,7 +240,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
     _refuse_compacted(store, cand.turn_id)
     both = sorted(set(_row_positions(store, ref, n)) & set(_row_positions(store, cand, n)))
     if not both:
-        raise AnalysisInputError("no position has a captured row on both sides")
+        raise AnalysisInputError("no position has a captured row on both sides", "missing")
     src = StoredRows(store)
     parts = []
     classes: list[FlipAttribution] = []
@@ -264,7 +264,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
             if r.shape[1] != c.shape[1]:
                 raise AnalysisInputError(
                     f"rows of {ref.backend} have {r.shape[1]} logits, rows of {cand.backend} "
-                    f"{c.shape[1]}: different vocabularies cannot be compared")
+                    f"{c.shape[1]}: different vocabularies cannot be compared", "vocabulary")
             m = position_metrics(r, c, [tokens[p] for p in dense])
             parts.append(m)
             order.extend(dense)
@@ -278,7 +278,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
                 if rcp.vocab != ccp.vocab:
                     raise AnalysisInputError(
                         f"rows of {ref.backend} have {rcp.vocab} logits, rows of {cand.backend} "
-                        f"{ccp.vocab}: different vocabularies cannot be compared")
+                        f"{ccp.vocab}: different vocabularies cannot be compared", "vocabulary")
                 pairs.append((rcp, ccp))
             m = topk_position_metrics([a.logprobs() for a, _ in pairs], [b.logprobs() for _, b in pairs],
                                       [tokens[p] for p in mixed])
@@ -315,7 +315,7 @@ def _full_metrics(store: Store, ref: Run, cand: Run,
 def _stack(run_id: str, rows: list[np.ndarray]) -> np.ndarray:
     widths = {r.shape[-1] for r in rows}
     if len(widths) != 1:
-        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}")
+        raise AnalysisInputError(f"run {run_id}: rows of different widths {sorted(widths)}", "shape")
     return np.stack(rows)
 
 
@@ -382,7 +382,7 @@ def compare_forced(store: Store, cand: RunLike, ref: RunLike,
     else:
         raise AnalysisInputError(
             f"{cand.backend} ({cand.capture}) and {ref.backend} ({ref.capture}) "
-            "have neither full rows nor top-k logprobs for every position on both sides")
+            "have neither full rows nor top-k logprobs for every position on both sides", "missing")
     regions = None
     if pieces is not None and len(pieces) == n:
         all_regions = tag_regions(list(pieces))
@@ -543,7 +543,7 @@ def compare_runs(store: Store, runs: Iterable[RunLike], *,
     roles = dict(roles or {})
     primary = next((r for (b, m), r in latest.items() if m == "recorded"), None)
     if primary is None:
-        raise AnalysisInputError("the turn has no recorded primary run")
+        raise AnalysisInputError("the turn has no recorded primary run", "missing")
     _refuse_compacted(store, primary.turn_id)
     tokens = [int(t) for t in primary.token_ids]
     n = len(tokens)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.refusals import refused
+
 from tensorverse.analysis.flips import (
     first_difference,
     FreeDivergence,
@@ -137,15 +139,12 @@ def test_token_errors_name_the_argument_and_the_reason():
     from tensorverse.analysis.flips import free_divergence
     from tensorverse.analysis.metrics import AnalysisInputError
 
-    with pytest.raises(AnalysisInputError) as e:
+    with refused(AnalysisInputError, "shape", "ref_tokens"):
         free_divergence([[1, 2]], [1])
-    assert str(e.value) == "ref_tokens: expected a flat list of token ids, got shape (1, 2)"
-    with pytest.raises(AnalysisInputError) as e:
+    with refused(AnalysisInputError, "dtype", "cand_tokens"):
         free_divergence([1], [1.5])
-    assert str(e.value) == "cand_tokens: token ids must be integers, got float64"
-    with pytest.raises(AnalysisInputError) as e:
+    with refused(AnalysisInputError, "format", "ref_tokens"):
         free_divergence([1, [2, 3]], [1])
-    assert str(e.value).startswith("ref_tokens: not a list of token ids (")
 
 
 def test_token_vectors_are_int64_and_not_copied_when_they_already_are():

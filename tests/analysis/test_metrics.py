@@ -17,6 +17,7 @@ from tensorverse.analysis.metrics import (
     reference_position_metrics,
     summarize,
 )
+from tests.refusals import refused
 
 TOL = 1e-9
 
@@ -539,7 +540,7 @@ def test_metrics_do_not_depend_on_the_callers_floating_point_error_state():
     y[0, 1] = -np.inf
     with np.errstate(all="raise"):
         m = position_metrics(x, np.zeros((2, 40)), [5, 0])
-        with pytest.raises(AnalysisInputError, match="cand: row 0"):
+        with refused(AnalysisInputError, "non_finite"):
             position_metrics(x, y, [5, 0])
     assert_matches(x, np.zeros((2, 40)), [5, 0], m)
 
@@ -633,11 +634,11 @@ def test_summary_statistics_are_taken_in_float64():
 
 def test_summary_messages():
     m = _summary_metrics([0.0, 0.0], [0.0, 0.0])
-    with pytest.raises(AnalysisInputError, match=r"^summarize: no positions$"):
+    with refused(AnalysisInputError, "empty"):
         summarize(_summary_metrics(np.zeros(0), np.zeros(0)))
-    with pytest.raises(AnalysisInputError, match=r"^regions: 1 labels for 2 positions$"):
+    with refused(AnalysisInputError, "shape"):
         summarize(m, ["content"])
-    with pytest.raises(AnalysisInputError, match=r"^regions: labels must be strings, got 3$"):
+    with refused(AnalysisInputError, "format"):
         summarize(m, ["content", 3])
     s = summarize(m, ["zeta", "alpha"])  # labels outside REGIONS: sorted, after the known ones
     assert list(s["flips_by_region"]) == ["alpha", "zeta"]

@@ -20,6 +20,7 @@ from tensorverse.analysis.noise import (
     compare_kl_means,
     compare_to_noise,
 )
+from tests.refusals import refused
 
 
 def _fisher_exact_greater(x1, n1, x2, n2) -> float:
@@ -145,19 +146,17 @@ def test_norm_ppf_refuses_the_ends():
 
 
 def test_count_checks_name_the_run_and_the_bounds():
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "candidate: flip count and positions must be integers")):
+    with refused(AnalysisInputError, "dtype"):
         compare_flip_rates("x", 10, 1, 10)
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "secondary: flip count and positions must be integers")):
+    with refused(AnalysisInputError, "dtype"):
         compare_flip_rates(1, 10, 1, None)
-    with pytest.raises(AnalysisInputError, match=_msg("candidate: no positions to compare (n=0)")):
+    with refused(AnalysisInputError, "empty"):
         compare_flip_rates(0, 0, 1, 10)
-    with pytest.raises(AnalysisInputError, match=_msg("secondary: no positions to compare (n=-2)")):
+    with refused(AnalysisInputError, "empty"):
         compare_flip_rates(0, 10, 0, -2)
-    with pytest.raises(AnalysisInputError, match=_msg("candidate: flip count 11 outside [0, 10]")):
+    with refused(AnalysisInputError, "value"):
         compare_flip_rates(11, 10, 1, 10)
-    with pytest.raises(AnalysisInputError, match=_msg("secondary: flip count -1 outside [0, 10]")):
+    with refused(AnalysisInputError, "value"):
         compare_flip_rates(1, 10, -1, 10)
     # the bounds themselves are fine: one position, no flip, every position a flip
     r = compare_flip_rates(1, 1, 0, 1, method="fisher")
@@ -169,12 +168,11 @@ def test_count_checks_name_the_run_and_the_bounds():
 
 def test_alpha_method_and_n_boot_checks():
     for alpha in (0.0, 1.0, 1.5, -0.1):
-        with pytest.raises(AnalysisInputError, match=_msg(f"alpha must lie in (0, 1), got {alpha}")):
+        with refused(AnalysisInputError, "value"):
             compare_flip_rates(1, 10, 1, 10, alpha=alpha)
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "unknown method 'magic' (auto, z, fisher, bootstrap)")):
+    with refused(AnalysisInputError, "value"):
         compare_flip_rates(1, 10, 1, 10, method="magic")
-    with pytest.raises(AnalysisInputError, match=_msg("n_boot must be at least 100")):
+    with refused(AnalysisInputError, "value"):
         compare_flip_rates(1, 10, 1, 10, method="bootstrap", n_boot=99)
     assert compare_flip_rates(1, 10, 1, 10, method="bootstrap", n_boot=100).method == "bootstrap"
 
@@ -364,13 +362,11 @@ def test_kl_means_without_variance():
 
 
 def test_kl_means_refusals():
-    need = _msg("compare_kl_means: need at least 2 positions per run")
     for a, b in (([0.1], [0.1, 0.2]), ([0.1, 0.2], [0.1]), ([], [])):
-        with pytest.raises(AnalysisInputError, match=need):
+        with refused(AnalysisInputError, "empty"):
             compare_kl_means(a, b)
     r = compare_kl_means([0.1, 0.2], [0.1, 0.3])
     assert r.verdict == WITHIN_NOISE
-    bad = _msg("compare_kl_means: non-finite KL values")
     for a, b in (([0.1, math.inf], [0.1, 0.2]), ([0.1, 0.2], [math.nan, 0.2])):
-        with pytest.raises(AnalysisInputError, match=bad):
+        with refused(AnalysisInputError, "non_finite"):
             compare_kl_means(a, b)

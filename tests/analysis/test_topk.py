@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import warnings
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from tensorverse.analysis.metrics import AnalysisInputError, position_metrics, summarize
 from tensorverse.analysis.report import render_table, result_from_metrics
 from tensorverse.analysis.topk import parse_top_logprobs, topk_logprobs, topk_position_metrics
+from tests.refusals import refused
 
 
 def _peaked(n, vocab, seed, noise=0.05):
@@ -88,7 +88,7 @@ def test_parse_api_forms():
     item = {"token": "token_id:8", "logprob": -4.0, "top_logprobs": chat}
     assert parse_top_logprobs(item) == {3: -0.2, 4: -math.inf, 8: -4.0}
     assert parse_top_logprobs([(1, -0.3)]) == {1: -0.3}
-    with pytest.raises(AnalysisInputError, match="return_tokens_as_token_ids"):
+    with refused(AnalysisInputError, "format", "return_tokens_as_token_ids"):  # says how to ask for ids
         parse_top_logprobs({"hello": -0.1})
     with pytest.raises(AnalysisInputError):
         parse_top_logprobs(None)
@@ -132,48 +132,33 @@ def test_length_mismatch_and_empty():
 # --- exact checks of each rule: parse errors, KL and entropy tails, margins, ranks, dtypes --------
 
 
-def _msg(text: str) -> str:
-    return "^" + re.escape(text) + "$"
-
-
-def test_parse_error_messages_name_the_item_and_the_reason():
-    with pytest.raises(AnalysisInputError, match=_msg("top-k logprobs: bad token key True")):
+def test_parse_errors_are_refused_with_their_reason():
+    with refused(AnalysisInputError, "format", "True"):  # each refusal names the item it refuses
         parse_top_logprobs({True: -0.1})
-    with pytest.raises(AnalysisInputError, match=_msg(f"top-k logprobs: bad token key {np.bool_(False)!r}")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs([(np.bool_(False), -0.1)])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: key 'hello' is not a token id; request the logprobs with "
-            "return_tokens_as_token_ids so keys read 'token_id:N'")):
+    with refused(AnalysisInputError, "format", "'hello'"):
         parse_top_logprobs({"hello": -0.1})
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: logprob of 'token_id:3' is not a number: 'x'")):
+    with refused(AnalysisInputError, "format", "'token_id:3'", "'x'"):
         parse_top_logprobs({"token_id:3": "x"})
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: logprob of 'token_id:3' is invalid: 0.5")):
+    with refused(AnalysisInputError, "value"):
         parse_top_logprobs({"token_id:3": 0.5})
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: logprob of 'token_id:3' is invalid: nan")):
+    with refused(AnalysisInputError, "value"):
         parse_top_logprobs([("token_id:3", math.nan)])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: missing entry (None) for a position")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs(None)
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: item without token/logprob: {'token': 'token_id:1'}")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs([{"token": "token_id:1"}])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: item without token/logprob: {'logprob': -0.1}")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs([{"logprob": -0.1}])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: cannot read item (1, -0.1, 7)")):
+    with refused(AnalysisInputError, "format", "(1, -0.1, 7)"):
         parse_top_logprobs([(1, -0.1, 7)])
-    with pytest.raises(AnalysisInputError, match=_msg("top-k logprobs: cannot read item 3")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs([3])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: cannot read entry of type int")):
+    with refused(AnalysisInputError, "format"):
         parse_top_logprobs(5)
     # the sampled token of a chat content item: its own key is named
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k logprobs: logprob of 'token_id:8' is not a number: None")):
+    with refused(AnalysisInputError, "format", "'token_id:8'"):
         parse_top_logprobs({"token": "token_id:8", "logprob": None, "top_logprobs": []})
 
 
@@ -182,7 +167,7 @@ def test_logprob_bounds_and_keys_without_the_prefix():
     assert parse_top_logprobs({1: 1e-6, 2: 5e-7, 3: -0.0}) == {1: 0.0, 2: 0.0, 3: 0.0}
     assert parse_top_logprobs({1: 2e-6 - 1e-6})[1] == 0.0
     for bad in (1.1e-6, 0.5, 1.0, 2.0, math.inf):
-        with pytest.raises(AnalysisInputError, match="is invalid"):
+        with refused(AnalysisInputError, "value"):
             parse_top_logprobs({1: bad})
     # -9999 and below are vLLM's -inf; just above it stays finite
     assert parse_top_logprobs({1: -9999.0, 2: -1e5, 3: -9998.5}) == {1: -math.inf, 2: -math.inf, 3: -9998.5}
@@ -317,34 +302,25 @@ def test_metric_dtypes():
 
 def test_metrics_error_messages():
     one = [{1: -0.1}]
-    with pytest.raises(AnalysisInputError, match=_msg("top-k metrics: no positions")):
+    with refused(AnalysisInputError, "empty"):
         topk_position_metrics([], [], [])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k metrics: 1 reference and 2 candidate entries for 1 tokens "
-            "(one entry per position expected)")):
+    with refused(AnalysisInputError, "shape"):
         topk_position_metrics(one, one * 2, [1])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k metrics: 2 reference and 1 candidate entries for 1 tokens "
-            "(one entry per position expected)")):
+    with refused(AnalysisInputError, "shape"):
         topk_position_metrics(one * 2, one, [1])
-    with pytest.raises(AnalysisInputError, match=r"^tokens: not a list of token ids \(.+\)$"):
+    with refused(AnalysisInputError, "format"):
         topk_position_metrics(one * 2, one * 2, [[1, 2], [3]])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "tokens: expected a flat list of integer token ids, got float64")):
+    with refused(AnalysisInputError, "dtype"):
         topk_position_metrics(one, one, [1.0])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "tokens: expected a flat list of integer token ids, got int64")):
+    with refused(AnalysisInputError, "dtype"):
         topk_position_metrics(one, one, np.array([[1]], np.int64))
-    with pytest.raises(AnalysisInputError, match=_msg("tokens: negative token id")):
+    with refused(AnalysisInputError, "token_id"):
         topk_position_metrics(one * 2, one * 2, [1, -1])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k metrics: empty reference top-k at position 1")):
+    with refused(AnalysisInputError, "empty"):
         topk_position_metrics(one + [{}], one * 2, [1, 1])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k metrics: empty candidate top-k at position 0")):
+    with refused(AnalysisInputError, "empty"):
         topk_position_metrics(one, [[]], [1])
-    with pytest.raises(AnalysisInputError, match=_msg(
-            "top-k metrics: empty reference top-k at position 0")):
+    with refused(AnalysisInputError, "empty"):
         topk_position_metrics([{}], [{}], [1])
 
 

@@ -88,6 +88,61 @@ def test_grid_completes_and_reports(grid, capsys):
     assert "dtype=float32,block-size=32" in text and "start_failed" in text and "--dtype" in text
 
 
+def _cube_of_turns(clusters: dict[str, dict[tuple[str, int], tuple[int, int]]]):
+    """A one-rig hypercube whose settings are ``clusters``' keys, with those (case, turn) ->
+    (flips, positions) as its turn counts: what the site's statistics read."""
+    from tensorverse.hypercube.merge import Cell, CellSummary, Hypercube, SettingInfo, TurnCount
+
+    def summary(turns):
+        flips, pos = sum(f for f, _ in turns.values()), sum(n for _, n in turns.values())
+        return CellSummary(positions=pos, flips=flips, flip_rate=flips / pos, turns=len(turns),
+                           turns_with_flip=sum(f > 0 for f, _ in turns.values()), kl_mean=None, kl_max=None,
+                           flips_by_class={}, free_turns=0, free_diverged=0, tool_call_breaks=0, free_errors=0)
+
+    names = list(clusters)
+    return Hypercube(suite={}, corpus={}, reference=names[0], noise=None,
+                     settings=tuple(SettingInfo(n, "value", n) for n in names), rigs=(),
+                     cells=tuple(Cell(0, n, "ran", None, summary(clusters[n])) for n in names),
+                     turn_counts=tuple(TurnCount(0, n, case, turn, pos, flips)
+                                       for n in names for (case, turn), (flips, pos) in clusters[n].items()),
+                     turns=(), lanes=())
+
+
+def test_per_axis_intervals_are_the_hypercube_sites_for_the_same_turns(grid, record_property):
+    """On this grid's real rows: each axis value's ``flip_rate_ci`` in the matrix report equals the
+    interval the hypercube site's statistics (`tensorverse.hypercube.stats.marginals`) give the
+    same turns, the (case, turn) clusters of the value's points (summed per turn where a value
+    pools two points, as the matrix does). Printed side by side."""
+    from tensorverse.hypercube.stats import marginals
+
+    pts = _points(grid["report"])
+    clusters: dict[str, dict[tuple[str, int], tuple[int, int]]] = {}
+    rows = []
+    for axis, values in grid["report"]["marginals"].items():
+        for row in values:
+            if not row["points"]:
+                continue
+            key = f"{axis}={row['value']}"
+            turns: dict[tuple[str, int], tuple[int, int]] = {}
+            for name in row["points"]:
+                for c in pts[name]["summary"]["turn_counts"]:
+                    f, n = turns.get((c["case"], c["turn"]), (0, 0))
+                    turns[(c["case"], c["turn"])] = (f + c["flips"], n + c["positions"])
+            clusters[key] = turns
+            rows.append((key, row))
+    site = {m.setting: m for m in marginals(_cube_of_turns(clusters))}
+    lines = []
+    for key, row in rows:
+        iv = site[key].flip_rate
+        assert row["flip_rate"] == pytest.approx(iv.estimate, rel=1e-12), key
+        assert row["flip_rate_ci"] == iv.bounds(), (key, row["flip_rate_ci"], iv)
+        lines.append(f"{key:28} points {len(row['points'])}  turns {site[key].turns:3}  flips {row['flips']:3}  "
+                     f"matrix {row['flip_rate_ci']}  hypercube {iv.bounds()}")
+    assert sum(len(r["points"]) == 1 for _, r in rows) >= 2 and any(r["flips"] for _, r in rows)
+    print("\n".join(lines))
+    record_property("intervals", lines)
+
+
 def test_a_point_that_cannot_start_is_recorded_not_fatal(grid):
     p = _points(grid["report"])["broken"]
     assert p["status"] == "start_failed"
