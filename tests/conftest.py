@@ -4,7 +4,9 @@
 servers from ``tensorverse.rig.servers.standard_rig()``, all stopped after the last test that uses
 them (see ``last_users``), at session end and by an atexit guard.
 Tests that use it are marked ``@pytest.mark.vllm``. A failing test that used the rig gets each
-server's log tail attached to its report.
+server's log tail attached to its report. ``rig_extra`` and ``capture_rig`` are on-demand servers
+with the capture plugin (rows into a store of each, or over HTTP to an address the test serves),
+started when a test first asks for one and stopped after their last user too.
 """
 
 from __future__ import annotations
@@ -58,9 +60,25 @@ def pytest_xdist_make_scheduler(config, log):
     return ServersTogether(config, log)
 
 
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def server_order(items) -> list:
+    """``items`` with the server modules first (so the servers' unit starts at once), and among
+    them the modules that use ``capture_rig`` first and one after another: its servers are up for
+    those modules only, not for the whole run. Otherwise the collection order, module by module."""
+    capture = {_module(it) for it in items if "capture_rig" in getattr(it, "fixturenames", ())}
+
+    def group(it) -> int:
+        m = _module(it)
+        return 0 if m in capture else 1 if _server_module(m) else 2
+
+    return sorted(items, key=group)  # stable: a module's items stay together and in order
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the servers' unit first, so it starts at once
-        items.sort(key=lambda it: not _server_module(it.nodeid.split("::", 1)[0]))
+    items[:] = server_order(items)
 
 
 # Session servers stop after their last user: the standard rig holds ~8 GiB and the on-demand
@@ -68,7 +86,7 @@ def pytest_collection_modifyitems(config, items):
 # servers' modules run on one worker in the order of `session.items`, so the last item there that
 # uses a fixture (directly or through another fixture) is the last to run. A test deselected or
 # left out is not a user; a fixture nobody collected is never started.
-SESSION_SERVERS = ("rig", "rig_extra")
+SESSION_SERVERS = ("rig", "rig_extra", "capture_rig")
 _last_user: dict[str, str] = {}
 
 
@@ -100,6 +118,8 @@ def pytest_runtest_teardown(item, nextitem):
             stop_many(list(_active_rig))
         elif name == "rig_extra" and _active_extra is not None:
             _active_extra.close()
+        elif name == "capture_rig" and _active_capture is not None:
+            _active_capture.close()
 
 
 @pytest.fixture
@@ -193,6 +213,36 @@ def rig_extra(tmp_path_factory):
         pool.close()
 
 
+_active_capture = None
+
+
+@pytest.fixture(scope="session")
+def capture_rig(tmp_path_factory):
+    """On-demand servers that ship their rows over HTTP (``tensorverse.rig.servers.CAPTURE_SERVERS``:
+    ``bf16``, ``fp32``), started by ``capture_rig.get(name)`` only when a test asks, all with the
+    capture plugin's HTTP sink pointing at ``http://127.0.0.1:{capture_rig.sink_port}/ingest``
+    (token ``capture_rig.token``): a test serves that address with the receiver it checks (a small
+    ingest endpoint, the recorder's ingest, a proxy's admin listener) and closes it when done.
+    Shared by the plugin, shadow-runner and turnstone tests, which run one after another
+    (``server_order``)."""
+    global _active_capture
+    import secrets
+
+    from tensorverse.ports import free_port
+    from tensorverse.rig.servers import CAPTURE_MAX_MODEL_LEN, CAPTURE_SERVERS, OnDemandRig
+
+    port, token = free_port(), secrets.token_urlsafe(16)
+    pool = OnDemandRig(tmp_path_factory.mktemp("capture-rig"), max_live=2, specs=CAPTURE_SERVERS,
+                       sink=(f"http://127.0.0.1:{port}/ingest", token), max_model_len=CAPTURE_MAX_MODEL_LEN)
+    pool.sink_port, pool.token = port, token  # type: ignore[attr-defined]
+    _active_capture = pool
+    try:
+        yield pool
+    finally:
+        _active_capture = None
+        pool.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -202,6 +252,9 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
     if report.failed and _active_extra is not None and "rig_extra" in getattr(item, "fixturenames", ()):
         for s in _active_extra:
+            report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
+    if report.failed and _active_capture is not None and "capture_rig" in getattr(item, "fixturenames", ()):
+        for s in _active_capture:
             report.sections.append((f"vLLM server {s.name} ({s.log_path}) log tail", s.log_tail(40)))
 
 

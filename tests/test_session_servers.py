@@ -1,4 +1,4 @@
-"""The session's vLLM servers (``rig``, ``rig_extra``) stop after the last test that uses them,
+"""The session's vLLM servers (``rig``, ``rig_extra``, ``capture_rig``) stop after the last test that uses them,
 not at the end of the session (``tests/conftest.py``)."""
 
 from __future__ import annotations
@@ -46,3 +46,18 @@ def test_the_on_demand_servers_stop_after_their_last_user_and_not_before(monkeyp
     assert pool.closed == 1
     _teardown(_item("c::t1"))
     assert pool.closed == 1
+
+
+def test_the_capture_rigs_users_run_first_and_together_then_the_other_server_modules():
+    """``server_order``: the modules that use ``capture_rig`` first, one after another (its
+    servers are up for them only), then the other server modules, then the rest; each module's
+    items together and in their order."""
+    plugin, quant = "tests/capture/test_plugin_vllm.py", "tests/capture/test_quant_capture_vllm.py"
+    shadow, fast = "tests/shadow/test_shadow_capture_vllm.py", "tests/analysis/test_flips.py"
+    items = [_item(f"{fast}::a"), _item(f"{plugin}::a", "capture_rig"), _item(f"{plugin}::b", "server"),
+             _item(f"{quant}::a", "rig_extra"), _item(f"{fast}::b"), _item(f"{shadow}::a"),
+             _item(f"{shadow}::b", "pair", "capture_rig")]
+    order = [it.nodeid for it in suite.server_order(items)]
+    assert order == [f"{plugin}::a", f"{plugin}::b", f"{shadow}::a", f"{shadow}::b", f"{quant}::a",
+                     f"{fast}::a", f"{fast}::b"]
+    assert suite.last_users(suite.server_order(items))["capture_rig"] == f"{shadow}::b"

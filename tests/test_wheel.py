@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorverse.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = shutil.ignore_patterns(".git", ".venv", "out", "build", "dist", "*.egg-info", "__pycache__",
@@ -103,9 +103,7 @@ def test_cli_runs_from_the_wheel_outside_the_tree(installed, tmp_path):
 
 
 def test_viewer_serves_its_app_from_the_wheel(installed, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     made = run(installed, str(installed / "python"), "-c",
                "import sys; from tensorverse.store import Store; Store.open(sys.argv[1]).close()",
                str(tmp_path / "store"), cwd=tmp_path)

