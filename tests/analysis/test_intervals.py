@@ -324,3 +324,32 @@ def test_cluster_robust_lower_bound_is_a_sound_alert_on_clustered_turns_and_wils
         print(f"{turns} turns: lower bound above the truth in {robust_above / hours:.3f} of hours "
               f"(Wilson over positions {wilson_above / hours:.3f}); excess lower bound above 0 in "
               f"{excess_above / hours:.3f} (Newcombe over positions {newcombe_above / hours:.3f})")
+
+
+def test_cluster_moments_are_summed_in_float64_whatever_the_input_type():
+    # 5,000 turns of 4,097 positions: n^2 = 16,785,409 is past float32's integers, and its sum too
+    n = np.full(5000, 4097, dtype=np.float32)
+    x = np.full(5000, 3, dtype=np.float32)
+    m = ClusterMoments.of(x, n)
+    assert (m.positions, m.positions_sq, m.cross, m.numerator_sq) == (5000 * 4097.0, 5000 * 4097.0 ** 2,
+                                                                        5000 * 3 * 4097.0, 5000 * 9.0)
+
+
+def test_cluster_robust_counts_every_path_and_needs_only_one_position():
+    one_position = ClusterMoments.of([1, 0], [1, 0])  # two turns, one position between them
+    assert one_position.variance() == 0.0
+    iv = cluster_robust(one_position)
+    assert (iv.estimate, iv.low, iv.high, iv.clusters, iv.positions) == (1.0, 1.0, 1.0, 2, 1)
+    assert ClusterMoments.of([0, 0], [0, 0]).variance() is None  # no positions: no variance
+    empty = cluster_robust(ClusterMoments.of([0, 0], [0, 0]))
+    assert (empty.estimate, empty.clusters, empty.positions) == (None, 2, 0)
+    one = cluster_robust(ClusterMoments.of([3], [10]))
+    assert (one.clusters, one.positions) == (1, 10)
+    m = ClusterMoments.of([0, 3, 0, 1], [10, 20, 10, 10])
+    no_base = cluster_robust_difference(m, ClusterMoments.of([], []))
+    assert (no_base.estimate, no_base.clusters, no_base.positions) == (None, 4, 50)
+    one_base = cluster_robust_difference(m, ClusterMoments.of([1], [10]))
+    assert (one_base.estimate, one_base.low, one_base.clusters, one_base.positions) == (pytest.approx(0.08 - 0.1), None, 4, 50)
+    for confidence in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError):
+            cluster_robust(m, confidence=confidence)

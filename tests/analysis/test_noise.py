@@ -146,17 +146,18 @@ def test_norm_ppf_refuses_the_ends():
 
 
 def test_count_checks_name_the_run_and_the_bounds():
-    with refused(AnalysisInputError, "dtype"):
+    # each refusal names the run it refuses
+    with refused(AnalysisInputError, "dtype", "candidate:"):
         compare_flip_rates("x", 10, 1, 10)
-    with refused(AnalysisInputError, "dtype"):
+    with refused(AnalysisInputError, "dtype", "secondary:"):
         compare_flip_rates(1, 10, 1, None)
-    with refused(AnalysisInputError, "empty"):
+    with refused(AnalysisInputError, "empty", "candidate:"):
         compare_flip_rates(0, 0, 1, 10)
-    with refused(AnalysisInputError, "empty"):
+    with refused(AnalysisInputError, "empty", "secondary:"):
         compare_flip_rates(0, 10, 0, -2)
-    with refused(AnalysisInputError, "value"):
+    with refused(AnalysisInputError, "value", "candidate:"):
         compare_flip_rates(11, 10, 1, 10)
-    with refused(AnalysisInputError, "value"):
+    with refused(AnalysisInputError, "value", "secondary:"):
         compare_flip_rates(1, 10, -1, 10)
     # the bounds themselves are fine: one position, no flip, every position a flip
     r = compare_flip_rates(1, 1, 0, 1, method="fisher")

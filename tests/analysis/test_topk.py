@@ -316,11 +316,12 @@ def test_metrics_error_messages():
         topk_position_metrics(one, one, np.array([[1]], np.int64))
     with refused(AnalysisInputError, "token_id"):
         topk_position_metrics(one * 2, one * 2, [1, -1])
-    with refused(AnalysisInputError, "empty"):
+    # an empty top-k is refused naming its side and position
+    with refused(AnalysisInputError, "empty", "reference", "position 1"):
         topk_position_metrics(one + [{}], one * 2, [1, 1])
-    with refused(AnalysisInputError, "empty"):
+    with refused(AnalysisInputError, "empty", "candidate", "position 0"):
         topk_position_metrics(one, [[]], [1])
-    with refused(AnalysisInputError, "empty"):
+    with refused(AnalysisInputError, "empty", "reference", "position 0"):
         topk_position_metrics([{}], [{}], [1])
 
 
