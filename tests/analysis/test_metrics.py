@@ -540,7 +540,8 @@ def test_metrics_do_not_depend_on_the_callers_floating_point_error_state():
     y[0, 1] = -np.inf
     with np.errstate(all="raise"):
         m = position_metrics(x, np.zeros((2, 40)), [5, 0])
-        with refused(AnalysisInputError, "non_finite"):
+        # the refusal says where: the side, the row, what is non-finite and its first column
+        with refused(AnalysisInputError, "non_finite", "cand: row 0", "1 -inf", "first at column 1"):
             position_metrics(x, y, [5, 0])
     assert_matches(x, np.zeros((2, 40)), [5, 0], m)
 
