@@ -401,13 +401,16 @@ QUANT_SERVERS: dict[str, ServerSpec] = {
 # Servers that ship their rows over the capture plugin's HTTP sink, as a production recorder
 # receives them, to one address that the test of the moment serves (the ``capture_rig`` fixture):
 # the plugin's tests (a small ingest endpoint), the shadow runner's (the recorder's own ingest) and
-# the turnstone test (the proxy's admin listener). A context of 8,192 tokens: turnstone's prompts
-# need it, and a prompt longer than vLLM-CPU's default of 2,048 batched tokens is prefilled in chunks.
+# the turnstone test (the proxy's admin listener). A context of 8,192 tokens (turnstone's prompts
+# need it); the bf16 server prefills at most 1,024 tokens a step, so a longer prompt is prefilled in
+# chunks (vLLM-CPU otherwise raises its batch to the context and prefills any prompt in one step),
+# while every prompt of the shadow-runner tests fits in one.
 CAPTURE_MAX_MODEL_LEN = 8192
+CAPTURE_PREFILL_CHUNK = 1024
 CAPTURE_SERVERS: dict[str, ServerSpec] = {
     s.name: s
     for s in (
-        ServerSpec("bf16", "tiny-a", "bfloat16"),
+        ServerSpec("bf16", "tiny-a", "bfloat16", ("--max-num-batched-tokens", str(CAPTURE_PREFILL_CHUNK))),
         # the row reduction on the engine's device (the host here), as a GPU shadow would run it
         ServerSpec("fp32", "tiny-a", "float32", env={"TENSORVERSE_CAPTURE_REDUCE": "device"}),
     )

