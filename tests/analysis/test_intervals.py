@@ -353,3 +353,11 @@ def test_cluster_robust_counts_every_path_and_needs_only_one_position():
     for confidence in (0.0, 1.0, -0.5):
         with pytest.raises(ValueError):
             cluster_robust(m, confidence=confidence)
+
+
+def test_a_difference_needs_positions_on_both_sides_and_one_is_enough():
+    one, m = ClusterMoments.of([1, 0], [1, 0]), ClusterMoments.of([0, 3, 0, 1], [10, 20, 10, 10])
+    none_first = cluster_robust_difference(ClusterMoments.of([0, 0], [0, 0]), m)
+    assert (none_first.estimate, none_first.clusters, none_first.positions) == (None, 2, 0)
+    assert cluster_robust_difference(one, m).estimate == pytest.approx(1.0 - 0.08)
+    assert cluster_robust_difference(m, one).estimate == pytest.approx(0.08 - 1.0)
